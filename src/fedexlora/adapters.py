@@ -1,0 +1,258 @@
+"""The peft bridge: the only module that knows peft's internals.
+
+It reads LoRA factors from a :class:`peft.PeftModel`, writes global factors back, and folds
+``scale * residual`` into the frozen base weights. Orientation (``fan_in_fan_out``) and
+scale are always taken from the peft layer itself, never recomputed: ``nn.Linear`` stores
+its weight ``(out, in)``, GPT-2's ``Conv1D`` stores ``(in, out)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from peft.tuners.lora import LoraLayer
+from transformers.pytorch_utils import Conv1D
+
+from .aggregation import Residual
+from .state import AdapterState
+
+__all__ = [
+    "LayerInfo",
+    "check_compatible",
+    "fold_residuals",
+    "get_state",
+    "layer_info",
+    "lora_layers",
+    "set_state",
+    "set_trainable",
+]
+
+_LORA_PARAM_TAGS = (".lora_A.", ".lora_B.", ".lora_embedding_", ".lora_magnitude_vector")
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What the server needs to know of one LoRA layer.
+
+    Attributes:
+        scale: peft's ``scaling`` for the adapter (alpha/r, alpha/sqrt(r) with rsLoRA,
+            after rank_pattern and alpha_pattern).
+        fan_in_fan_out: Whether the base weight is stored ``(in, out)`` (GPT-2 Conv1D).
+        rank: The adapter's rank ``r``.
+        shape: ``(d, n)``: ``(out_features, in_features)`` of the update ``B @ A``.
+    """
+
+    scale: float
+    fan_in_fan_out: bool
+    rank: int
+    shape: tuple[int, int]
+
+
+def _adapter_name(model: torch.nn.Module, adapter: str | None) -> str:
+    if adapter is not None:
+        return adapter
+    return getattr(model, "active_adapter", None) or "default"
+
+
+def lora_layers(model: torch.nn.Module, adapter: str | None = None) -> dict[str, LoraLayer]:
+    """All LoRA-wrapped modules of ``model`` by name, checked to be supported.
+
+    Raises:
+        ValueError: If the model has no LoRA layer, or one uses DoRA, a LoRA bias, an
+            embedding or convolution base, or a quantized base layer.
+    """
+    adapter = _adapter_name(model, adapter)
+    layers: dict[str, LoraLayer] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
+            if isinstance(module, LoraLayer) and adapter in getattr(module, "lora_embedding_A", {}):
+                raise ValueError(
+                    f"module {name!r}: LoRA on embeddings is not supported; target Linear "
+                    "or Conv1D layers only"
+                )
+            continue
+        if module.use_dora.get(adapter, False):
+            raise ValueError(
+                f"module {name!r} uses DoRA, which is not supported: its magnitude vector "
+                "makes the update non-linear in B @ A, so exact aggregation does not apply"
+            )
+        if getattr(module, "lora_bias", {}).get(adapter, False):
+            raise ValueError(f"module {name!r} uses lora_bias, which is not supported")
+        base = module.get_base_layer()
+        weight = getattr(base, "weight", None)
+        quantized = (
+            type(base).__module__.split(".")[0] in {"bitsandbytes", "auto_gptq", "optimum"}
+            or weight is None
+            or not weight.dtype.is_floating_point
+            or hasattr(weight, "quant_state")
+        )
+        if quantized:
+            raise ValueError(
+                f"module {name!r} has a quantized base layer ({type(base).__name__}); the "
+                "residual cannot be folded into quantized weights without loss, so it is "
+                "not supported"
+            )
+        if not isinstance(base, (torch.nn.Linear, Conv1D)):
+            raise ValueError(
+                f"module {name!r}: base layer {type(base).__name__} is not supported; "
+                "only nn.Linear and GPT-2 Conv1D are"
+            )
+        layers[name] = module
+    if not layers:
+        raise ValueError(f"the model has no LoRA layers for adapter {adapter!r}")
+    return layers
+
+
+def layer_info(model: torch.nn.Module, adapter: str | None = None) -> dict[str, LayerInfo]:
+    """Scale, orientation, rank and shape of every LoRA layer, read from peft."""
+    adapter = _adapter_name(model, adapter)
+    info = {}
+    for name, layer in lora_layers(model, adapter).items():
+        A = layer.lora_A[adapter].weight
+        B = layer.lora_B[adapter].weight
+        info[name] = LayerInfo(
+            scale=float(layer.scaling[adapter]),
+            fan_in_fan_out=bool(getattr(layer, "fan_in_fan_out", False)),
+            rank=int(A.shape[0]),
+            shape=(int(B.shape[0]), int(A.shape[1])),
+        )
+    return info
+
+
+def _extra_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Trainable parameters that are not LoRA factors (``modules_to_save``)."""
+    return {
+        name: p
+        for name, p in model.named_parameters()
+        if p.requires_grad and not any(tag in name for tag in _LORA_PARAM_TAGS)
+    }
+
+
+def set_trainable(model: torch.nn.Module, *, train_A: bool, adapter: str | None = None) -> None:
+    """Freezes or unfreezes every ``lora_A`` (FFA-LoRA freezes it); B stays trainable."""
+    adapter = _adapter_name(model, adapter)
+    for layer in lora_layers(model, adapter).values():
+        layer.lora_A[adapter].weight.requires_grad_(train_A)
+        layer.lora_B[adapter].weight.requires_grad_(True)
+
+
+def get_state(
+    model: torch.nn.Module, *, include_A: bool = True, adapter: str | None = None
+) -> AdapterState:
+    """Copies the LoRA factors and trainable extras of ``model`` into an AdapterState.
+
+    Args:
+        model: A peft model.
+        include_A: Whether to include each layer's A (FFA-LoRA clients omit it).
+        adapter: The adapter name; defaults to the active one.
+    """
+    adapter = _adapter_name(model, adapter)
+    factors = {}
+    for name, layer in lora_layers(model, adapter).items():
+        A = layer.lora_A[adapter].weight.detach().clone() if include_A else None
+        factors[name] = (A, layer.lora_B[adapter].weight.detach().clone())
+    extra = {name: p.detach().clone() for name, p in _extra_params(model).items()}
+    return AdapterState(factors=factors, extra=extra)
+
+
+def check_compatible(model: torch.nn.Module, state: AdapterState, adapter: str | None = None):
+    """Raises ``ValueError`` unless ``state`` covers exactly the model's modules and shapes."""
+    adapter = _adapter_name(model, adapter)
+    layers = lora_layers(model, adapter)
+    missing = sorted(set(layers) - set(state.factors))
+    extra_mods = sorted(set(state.factors) - set(layers))
+    if missing or extra_mods:
+        raise ValueError(
+            f"adapter state does not match the model: missing modules {missing[:3]}"
+            f"{'...' if len(missing) > 3 else ''}, unknown modules {extra_mods[:3]}"
+            f"{'...' if len(extra_mods) > 3 else ''}"
+        )
+    for name, (A, B) in state.factors.items():
+        layer = layers[name]
+        wa, wb = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+        if A is not None and tuple(A.shape) != tuple(wa.shape):
+            raise ValueError(
+                f"module {name!r}: A has shape {tuple(A.shape)}, model expects {tuple(wa.shape)}"
+            )
+        if tuple(B.shape) != tuple(wb.shape):
+            raise ValueError(
+                f"module {name!r}: B has shape {tuple(B.shape)}, model expects {tuple(wb.shape)}"
+            )
+    params = _extra_params(model)
+    if set(params) != set(state.extra):
+        raise ValueError(
+            "adapter state does not match the model's trainable extras: missing "
+            f"{sorted(set(params) - set(state.extra))}, unknown "
+            f"{sorted(set(state.extra) - set(params))}"
+        )
+    for name, t in state.extra.items():
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise ValueError(
+                f"parameter {name!r} has shape {tuple(t.shape)}, model expects "
+                f"{tuple(params[name].shape)}"
+            )
+
+
+@torch.no_grad()
+def set_state(model: torch.nn.Module, state: AdapterState, adapter: str | None = None) -> None:
+    """Writes global factors and extras into ``model`` (A is kept where ``state`` has none).
+
+    Raises:
+        ValueError: If the state's modules or shapes differ from the model's.
+    """
+    adapter = _adapter_name(model, adapter)
+    check_compatible(model, state, adapter)
+    layers = lora_layers(model, adapter)
+    for name, (A, B) in state.factors.items():
+        layer = layers[name]
+        if A is not None:
+            wa = layer.lora_A[adapter].weight
+            wa.copy_(A.to(wa.dtype))
+        wb = layer.lora_B[adapter].weight
+        wb.copy_(B.to(wb.dtype))
+    params = _extra_params(model)
+    for name, t in state.extra.items():
+        params[name].copy_(t.to(params[name].dtype))
+
+
+@torch.no_grad()
+def fold_residuals(
+    model: torch.nn.Module, residuals: Mapping[str, Residual], adapter: str | None = None
+) -> None:
+    """Folds ``scale * residual`` into each layer's frozen base weight, in place.
+
+    The scale and the orientation come from the peft layer. A factored residual is
+    folded with one ``addmm_`` per layer; a base weight in bf16/fp16 is updated through
+    an fp32 copy.
+
+    Raises:
+        ValueError: If a residual names an unknown module or has the wrong shape.
+    """
+    adapter = _adapter_name(model, adapter)
+    layers = lora_layers(model, adapter)
+    for name, R in residuals.items():
+        if name not in layers:
+            raise ValueError(f"residual for unknown module {name!r}")
+        layer = layers[name]
+        d, n = layer.lora_B[adapter].weight.shape[0], layer.lora_A[adapter].weight.shape[1]
+        if tuple(R.shape) != (d, n):
+            raise ValueError(f"module {name!r}: residual is {R.shape}, expected {(d, n)}")
+        if R.is_zero:
+            continue
+        scale = float(layer.scaling[adapter])
+        weight = layer.get_base_layer().weight
+        target = weight.data if weight.dtype == torch.float32 else weight.data.float()
+        fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))
+        if R.is_factored:
+            U, V = R.U.to(target), R.V.to(target)
+            if fan_in_fan_out:  # weight (n, d): add (U V)^T = V^T U^T
+                target.addmm_(V.T, U.T, alpha=scale)
+            else:  # weight (d, n)
+                target.addmm_(U, V, alpha=scale)
+        else:
+            dense = R.dense.to(target)
+            target.add_(dense.T if fan_in_fan_out else dense, alpha=scale)
+        if target is not weight.data:
+            weight.data.copy_(target)

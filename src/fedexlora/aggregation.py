@@ -1,0 +1,362 @@
+"""Pure aggregation math for federated LoRA: FedEx-LoRA, FedIT, FFA-LoRA and FLoRA.
+
+Everything here is a pure function on tensors: inputs are never mutated, results are new
+tensors computed in at least fp32. There is no I/O, no peft and no configuration here.
+
+Shapes follow peft: ``A`` is ``(r, n)`` (``lora_A.weight``), ``B`` is ``(d, r)``
+(``lora_B.weight``) and the update ``B @ A`` is ``(d, n)``, before the LoRA scale.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "METHODS",
+    "AggregationResult",
+    "Residual",
+    "aggregate",
+    "deviation",
+    "factor_product",
+    "normalize_weights",
+]
+
+METHODS = ("fedex", "fedit", "ffa", "flora")
+
+
+@dataclass(frozen=True)
+class Residual:
+    """A ``(d, n)`` correction, stored factored as ``U @ V`` or dense, whichever is smaller.
+
+    Attributes:
+        shape: The ``(d, n)`` shape of the full matrix.
+        U: ``(d, q)`` left factor, or ``None`` when stored dense.
+        V: ``(q, n)`` right factor, or ``None`` when stored dense.
+        dense: ``(d, n)`` matrix, or ``None`` when stored factored.
+    """
+
+    shape: tuple[int, int]
+    U: torch.Tensor | None = None
+    V: torch.Tensor | None = None
+    dense: torch.Tensor | None = None
+    stored_rank: int | None = None
+
+    @property
+    def is_factored(self) -> bool:
+        """Whether the residual is stored as two factors."""
+        return self.dense is None
+
+    @property
+    def rank(self) -> int:
+        """The stored rank: ``q`` when factored, the numerical rank when dense."""
+        if self.stored_rank is not None:
+            return self.stored_rank
+        if self.dense is not None:
+            return int(torch.linalg.matrix_rank(self.dense.double()).item())
+        assert self.U is not None
+        return int(self.U.shape[1])
+
+    @property
+    def is_zero(self) -> bool:
+        """Whether the residual is exactly zero (rank 0, nothing to fold)."""
+        return self.dense is None and self.rank == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors that represent the residual."""
+        tensors = [self.dense] if self.dense is not None else [self.U, self.V]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def to_dense(self) -> torch.Tensor:
+        """Returns the full ``(d, n)`` matrix."""
+        if self.dense is not None:
+            return self.dense.clone()
+        assert self.U is not None and self.V is not None
+        return self.U @ self.V
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by role: ``{"U", "V"}`` or ``{"dense"}``."""
+        if self.dense is not None:
+            return {"dense": self.dense}
+        assert self.U is not None and self.V is not None
+        return {"U": self.U, "V": self.V}
+
+    @staticmethod
+    def zero(d: int, n: int, dtype: torch.dtype = torch.float32) -> Residual:
+        """A rank-0 residual of shape ``(d, n)``."""
+        return Residual((d, n), U=torch.zeros(d, 0, dtype=dtype), V=torch.zeros(0, n, dtype=dtype))
+
+    @staticmethod
+    def from_factors(U: torch.Tensor, V: torch.Tensor, *, rtol: float | None = None) -> Residual:
+        """Builds a residual from ``U @ V``, reduced to its numerical rank.
+
+        The reduction never forms the ``(d, n)`` product: it takes a QR of ``U`` and of
+        ``V.T``, then an SVD of the small ``(q, q)`` core. It falls back to dense storage
+        only where dense is smaller than the reduced factors.
+
+        Args:
+            U: ``(d, q)`` left factor.
+            V: ``(q, n)`` right factor.
+            rtol: Singular values below ``rtol * s_max`` are dropped. Defaults to
+                ``max(d, n) * eps`` of the compute dtype.
+        """
+        if U.ndim != 2 or V.ndim != 2 or U.shape[1] != V.shape[0]:
+            raise ValueError(
+                f"residual factors must be (d, q) and (q, n), got {tuple(U.shape)} and "
+                f"{tuple(V.shape)}"
+            )
+        d, q = U.shape
+        n = V.shape[1]
+        if q == 0:
+            return Residual.zero(d, n, dtype=U.dtype)
+        Qu, Ru = torch.linalg.qr(U)  # (d, q'), (q', q)
+        Qv, Rv = torch.linalg.qr(V.T)  # (n, q''), (q'', q)
+        core = Ru @ Rv.T  # (q', q'')
+        X, S, Yh = torch.linalg.svd(core, full_matrices=False)
+        if rtol is None:
+            rtol = max(d, n) * torch.finfo(S.dtype).eps
+        keep = int((S > rtol * S[0]).sum().item()) if S.numel() and S[0] > 0 else 0
+        U_red = (Qu @ X[:, :keep]) * S[:keep]  # (d, keep)
+        V_red = Yh[:keep] @ Qv.T  # (keep, n)
+        if keep * (d + n) >= d * n:
+            return Residual((d, n), dense=U_red @ V_red, stored_rank=keep)
+        return Residual((d, n), U=U_red.contiguous(), V=V_red.contiguous())
+
+    def truncate(self, rank: int) -> tuple[Residual, Residual]:
+        """Splits into the best rank-``rank`` part (by SVD) and the remainder.
+
+        Returns:
+            ``(kept, remainder)`` with ``kept + remainder == self``.
+        """
+        if rank < 0:
+            raise ValueError(f"`rank` must be >= 0, got {rank}")
+        d, n = self.shape
+        if self.dense is not None:
+            X, S, Yh = torch.linalg.svd(self.dense, full_matrices=False)
+            Uf, Vf = X * S, Yh
+        else:
+            assert self.U is not None and self.V is not None
+            Uf, Vf = self.U, self.V  # already SVD-ordered by from_factors
+        if rank >= Uf.shape[1]:
+            return self, Residual.zero(d, n, dtype=Uf.dtype)
+        kept = Residual((d, n), U=Uf[:, :rank].contiguous(), V=Vf[:rank].contiguous())
+        rest = Residual((d, n), U=Uf[:, rank:].contiguous(), V=Vf[rank:].contiguous())
+        return kept, rest
+
+    @staticmethod
+    def concat(parts: Sequence[Residual]) -> Residual:
+        """The sum of several residuals of one shape, re-factored to numerical rank."""
+        if not parts:
+            raise ValueError("`parts` must hold at least one residual")
+        shape = parts[0].shape
+        for p in parts:
+            if p.shape != shape:
+                raise ValueError(f"cannot add residuals of shapes {shape} and {p.shape}")
+        if any(p.dense is not None for p in parts):
+            total = sum((p.to_dense() for p in parts[1:]), parts[0].to_dense())
+            return Residual(shape, dense=total)
+        U = torch.cat([p.U for p in parts], dim=1)  # type: ignore[misc]
+        V = torch.cat([p.V for p in parts], dim=0)  # type: ignore[misc]
+        return Residual.from_factors(U, V)
+
+
+@dataclass(frozen=True)
+class AggregationResult:
+    """The new global adapter of one layer and the residual to fold into its base weight.
+
+    The global update satisfies ``B @ A + residual.to_dense() == target`` where the target
+    is ``sum_i p_i B_i A_i`` for the exact methods (``fedex``, ``ffa``, ``flora``, plus
+    the previous global ``B @ A`` for ``flora``'s fresh adapter, which is zero).
+
+    Attributes:
+        A: ``(r, n)`` new global A.
+        B: ``(d, r)`` new global B.
+        residual: The correction to fold into the base weight (times the LoRA scale).
+        weights: The normalised client weights used.
+        method: The aggregation method.
+    """
+
+    A: torch.Tensor
+    B: torch.Tensor
+    residual: Residual
+    weights: torch.Tensor
+    method: str
+
+
+def normalize_weights(weights: Sequence[float] | torch.Tensor | None, k: int) -> torch.Tensor:
+    """Returns fp64 weights that sum to 1, uniform when ``weights`` is ``None``.
+
+    Raises:
+        ValueError: On a wrong count, negative, non-finite or all-zero weights.
+    """
+    if k == 0:
+        raise ValueError("nothing to aggregate: got 0 clients")
+    if weights is None:
+        return torch.full((k,), 1.0 / k, dtype=torch.float64)
+    w = torch.as_tensor(weights, dtype=torch.float64).flatten()
+    if w.numel() != k:
+        raise ValueError(f"`weights` must have one entry per client ({k}), got {w.numel()}")
+    if not torch.isfinite(w).all():
+        raise ValueError(f"`weights` must be finite, got {w.tolist()}")
+    if (w < 0).any():
+        raise ValueError(f"`weights` must be non-negative, got {w.tolist()}")
+    total = w.sum()
+    if total <= 0:
+        raise ValueError(f"`weights` must not sum to 0, got {w.tolist()}")
+    return w / total
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _stack(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor]):
+    """Validates and stacks factors: returns ``(k, r, n)`` and ``(k, d, r)`` copies."""
+    if len(As) == 0 or len(Bs) == 0:
+        raise ValueError("nothing to aggregate: `As` and `Bs` must be non-empty")
+    if len(As) != len(Bs):
+        raise ValueError(f"got {len(As)} A factors but {len(Bs)} B factors")
+    A0, B0 = As[0], Bs[0]
+    if A0.ndim != 2 or B0.ndim != 2:
+        raise ValueError(
+            f"factors must be 2-D, got A {tuple(A0.shape)} and B {tuple(B0.shape)}"
+        )
+    if B0.shape[1] != A0.shape[0]:
+        raise ValueError(
+            f"rank mismatch: B is {tuple(B0.shape)} but A is {tuple(A0.shape)} (client 0)"
+        )
+    for i, (A, B) in enumerate(zip(As, Bs)):
+        if tuple(A.shape) != tuple(A0.shape):
+            raise ValueError(
+                f"client {i}: A has shape {tuple(A.shape)}, expected {tuple(A0.shape)}"
+            )
+        if tuple(B.shape) != tuple(B0.shape):
+            raise ValueError(
+                f"client {i}: B has shape {tuple(B.shape)}, expected {tuple(B0.shape)}"
+            )
+    dtype = _compute_dtype(A0)
+    A = torch.stack([a.detach().to(dtype) for a in As])  # (k, r, n)
+    B = torch.stack([b.detach().to(dtype) for b in Bs])  # (k, d, r)
+    return A, B
+
+
+def factor_product(
+    As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ideal update ``sum_i p_i B_i A_i`` as stacked factors ``(P, Q)``, ``P @ Q``.
+
+    Returns:
+        ``P`` of shape ``(d, k r)`` and ``Q`` of shape ``(k r, n)``.
+    """
+    A, B = _stack(As, Bs)
+    p = normalize_weights(weights, A.shape[0]).to(A.dtype)
+    k, r, n = A.shape
+    P = (B * p[:, None, None]).permute(1, 0, 2).reshape(B.shape[1], k * r)  # (d, k r)
+    Q = A.reshape(k * r, n)  # (k r, n)
+    return P, Q
+
+
+def _gram_fro2(U: torch.Tensor, V: torch.Tensor) -> float:
+    """``||U @ V||_F^2`` from the small Gram matrices, without the ``(d, n)`` product."""
+    U64, V64 = U.double(), V.double()
+    return float(torch.sum((U64.T @ U64) * (V64 @ V64.T)).clamp_min(0).item())
+
+
+def deviation(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights=None) -> float:
+    """Relative Frobenius deviation of the averaged-factor product from the ideal update.
+
+    ``||B̄ Ā - sum_i p_i B_i A_i||_F / ||sum_i p_i B_i A_i||_F``: what plain averaging of
+    the factors (FedIT) loses, and what FedEx-LoRA's residual corrects. Computed from
+    ``(k r, k r)`` Gram matrices, never from ``(d, n)`` products. Returns 0 when the ideal
+    update is zero.
+    """
+    A, B = _stack(As, Bs)
+    p = normalize_weights(weights, A.shape[0]).to(A.dtype)
+    U, V = _centred_factors(A, B, p)
+    num = _gram_fro2(U, V)
+    P, Q = factor_product(As, Bs, weights)
+    den = _gram_fro2(P, Q)
+    return math.sqrt(num / den) if den > 0 else 0.0
+
+
+def _centred_factors(A: torch.Tensor, B: torch.Tensor, p: torch.Tensor):
+    """``U = [sqrt(p_i)(B_i - B̄)]`` (d, k r) and ``V = [sqrt(p_i)(A_i - Ā)]`` (k r, n)."""
+    k, r, n = A.shape
+    d = B.shape[1]
+    A_bar = torch.einsum("k,krn->rn", p, A)  # (r, n)
+    B_bar = torch.einsum("k,kdr->dr", p, B)  # (d, r)
+    sq = p.sqrt()
+    U = ((B - B_bar) * sq[:, None, None]).permute(1, 0, 2).reshape(d, k * r)  # (d, k r)
+    V = ((A - A_bar) * sq[:, None, None]).reshape(k * r, n)  # (k r, n)
+    return U, V
+
+
+def aggregate(
+    As: Sequence[torch.Tensor],
+    Bs: Sequence[torch.Tensor],
+    weights: Sequence[float] | torch.Tensor | None = None,
+    method: str = "fedex",
+    *,
+    generator: torch.Generator | None = None,
+    atol: float = 1e-6,
+) -> AggregationResult:
+    """Aggregates the LoRA factors of one layer from ``k`` clients.
+
+    Args:
+        As: ``k`` tensors of shape ``(r, n)``.
+        Bs: ``k`` tensors of shape ``(d, r)``.
+        weights: Client weights (e.g. example counts), normalised inside; ``None`` is
+            uniform.
+        method: ``"fedex"`` (exact: averaged factors plus residual), ``"fedit"``
+            (averaged factors, inexact), ``"ffa"`` (frozen shared A, average B) or
+            ``"flora"`` (stacking: fold the exact merged update, fresh adapter).
+        generator: Seeded generator for ``flora``'s fresh A.
+        atol: Tolerance with which ``ffa`` checks that all clients share A.
+
+    Returns:
+        The new global ``A``, ``B`` and the residual to fold (before the LoRA scale).
+
+    Raises:
+        ValueError: On empty input, mismatched shapes or ranks, bad weights, an unknown
+            method, or ``ffa`` clients whose A differ.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown aggregation `method` {method!r}; choose from {METHODS}")
+    A, B = _stack(As, Bs)  # (k, r, n), (k, d, r)
+    k, r, n = A.shape
+    d = B.shape[1]
+    p = normalize_weights(weights, k).to(A.dtype)
+
+    if method == "fedex":
+        U, V = _centred_factors(A, B, p)
+        residual = Residual.from_factors(U, V)
+        A_new = torch.einsum("k,krn->rn", p, A)
+        B_new = torch.einsum("k,kdr->dr", p, B)
+    elif method == "fedit":
+        residual = Residual.zero(d, n, dtype=A.dtype)
+        A_new = torch.einsum("k,krn->rn", p, A)
+        B_new = torch.einsum("k,kdr->dr", p, B)
+    elif method == "ffa":
+        spread = (A - A[0]).abs().amax().item()
+        scale = A[0].abs().amax().item()
+        if spread > atol + 1e-5 * scale:
+            raise ValueError(
+                "ffa requires every client to share the frozen A, but the clients' A "
+                f"differ by up to {spread:.3g}; was A trained?"
+            )
+        residual = Residual.zero(d, n, dtype=A.dtype)
+        A_new = A[0].clone()
+        B_new = torch.einsum("k,kdr->dr", p, B)
+    else:  # flora
+        P = (B * p[:, None, None]).permute(1, 0, 2).reshape(d, k * r)  # (d, k r)
+        Q = A.reshape(k * r, n)  # (k r, n)
+        residual = Residual.from_factors(P, Q)
+        A_new = torch.empty(r, n, dtype=A.dtype)
+        bound = 1.0 / math.sqrt(n)  # kaiming_uniform_(a=sqrt(5)), peft's default for A
+        A_new.uniform_(-bound, bound, generator=generator)
+        B_new = torch.zeros(d, r, dtype=A.dtype)
+    return AggregationResult(A=A_new, B=B_new, residual=residual, weights=p, method=method)
