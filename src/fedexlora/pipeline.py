@@ -1,0 +1,244 @@
+"""A whole run: every method on identical partitions, the run directory, resume and export."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from .adapters import get_state, layer_info, lora_layers, set_state
+from .checkpoint import (
+    CheckpointError,
+    config_fingerprint,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from .config import RunConfig, load_config
+from .report import write_summary
+from .server import Server
+from .simulation import new_model, prepare, run_method
+
+__all__ = ["RunError", "export_model", "load_task_for", "restore_model", "run_experiment"]
+
+class RunError(ValueError):
+    """A run that cannot start or continue, for a reason the user can fix."""
+
+
+def _adapted_weights(model) -> dict[str, torch.Tensor]:
+    return {n: layer.get_base_layer().weight for n, layer in lora_layers(model).items()}
+
+
+def _base_deltas(model, w0: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``W - W0`` of each adapted layer in fp64, so that ``W0 + delta`` restores W exactly."""
+    return {n: (w.detach().double() - w0[n].double()) for n, w in _adapted_weights(model).items()}
+
+
+@torch.no_grad()
+def _apply_base_deltas(model, deltas: dict[str, torch.Tensor]) -> None:
+    weights = _adapted_weights(model)
+    if set(deltas) != set(weights):
+        raise CheckpointError("checkpoint base deltas cover other modules than the model")
+    for n, w in weights.items():
+        if tuple(deltas[n].shape) != tuple(w.shape):
+            raise CheckpointError(f"checkpoint base delta for {n!r} has the wrong shape")
+        w.copy_((w.double() + deltas[n]).to(w.dtype))
+
+
+def _append_row(path: Path, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _new_server(cfg: RunConfig, method: str, model, num_clients: int) -> Server:
+    centralized = method == "centralized"
+    return Server(
+        get_state(model),
+        layer_info(model),
+        method="fedex" if centralized else method,
+        num_clients=1 if centralized else num_clients,
+        fraction=1.0 if centralized else cfg.fraction,
+        weighting=cfg.weighting,
+        seed=cfg.seed,
+        residual_rank=None if centralized else cfg.residual_rank,
+        max_update_norm=None if centralized else cfg.max_update_norm,
+    )
+
+
+def _save_tensors_extra(ckpt: Path, deltas: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = ckpt / ".base_deltas.tmp"
+    save_file({k: v.contiguous() for k, v in deltas.items()}, str(tmp))
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, ckpt / "base_deltas.safetensors")
+
+
+def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: str | None):
+    """A fresh model and server brought to the state of checkpoint ``ckpt``."""
+    from safetensors import SafetensorsError
+    from safetensors.torch import load_file
+
+    model, tokenizer = new_model(cfg, task, method)
+    server = _new_server(cfg, method, model, cfg.num_clients)
+    info = load_checkpoint(ckpt, server, fingerprint=fingerprint)
+    try:
+        deltas = load_file(str(ckpt / "base_deltas.safetensors"))
+    except (OSError, SafetensorsError) as exc:
+        raise CheckpointError(f"checkpoint {str(ckpt)!r}: base deltas unreadable: {exc}") from None
+    w0 = {n: w.detach().clone() for n, w in _adapted_weights(model).items()}
+    _apply_base_deltas(model, deltas)
+    set_state(model, server.state)
+    return model, tokenizer, server, info, w0
+
+
+def run_experiment(
+    cfg: RunConfig,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    console=None,
+    tamper=None,
+) -> list[dict]:
+    """Runs every method of ``cfg`` and writes the run directory.
+
+    The directory gets ``config.toml``, ``metrics.jsonl`` (one row per method and round,
+    appended and fsynced as each round ends), ``summary.md``, PNG plots and, per method,
+    ``checkpoints/<method>/round-XXXX`` after every round.
+
+    Args:
+        cfg: A validated configuration.
+        out_dir: The run directory.
+        resume: Continue a run in ``out_dir`` from its last complete round.
+        progress: Show progress bars.
+        console: A ``rich`` console for messages (plain ``print`` when ``None``).
+        tamper: Test hook passed to :func:`fedexlora.simulation.run_method`.
+
+    Returns:
+        All metrics rows.
+
+    Raises:
+        RunError: If ``out_dir`` holds a run and ``resume`` is not set, or the reverse.
+        CheckpointError: If a checkpoint is corrupt or does not match the configuration.
+    """
+    say = console.print if console is not None else print
+    out = Path(out_dir)
+    metrics_path = out / "metrics.jsonl"
+    fingerprint = config_fingerprint(cfg.to_dict())
+    if resume:
+        if not (out / "config.toml").is_file():
+            raise RunError(f"--resume: {str(out)!r} holds no run (no config.toml)")
+    elif metrics_path.exists() and metrics_path.stat().st_size > 0:
+        raise RunError(
+            f"--out {str(out)!r} already holds a run; pass --resume to continue it or "
+            "choose another directory"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        (out / "config.toml").write_text(cfg.to_toml())
+
+    task = load_task_for(cfg)
+    first_model, tokenizer = new_model(cfg, task, cfg.methods[0])
+    prep = prepare(cfg, tokenizer, task)
+    say(f"[bold]task[/bold] {cfg.task}: {len(prep.task.train)} train / {len(prep.task.test)} test"
+        if console is not None else f"task {cfg.task}: {len(prep.task.train)} train / "
+        f"{len(prep.task.test)} test")
+    say(prep.partition_table)
+
+    # On resume, what each method's last checkpoint says; rows past it are dropped.
+    done_rows: dict[str, list[dict]] = {}
+    restored: dict[str, tuple] = {}
+    if resume:
+        for method in cfg.methods:
+            ckpt = latest_checkpoint(out / "checkpoints" / method)
+            if ckpt is None:
+                continue
+            model, _, server, info, w0 = restore_model(cfg, task, method, ckpt, fingerprint)
+            done_rows[method] = info["rows"]
+            restored[method] = (model, server, w0)
+            say(f"resuming {method} after round {server.round}")
+        with open(metrics_path, "w") as f:
+            for method in cfg.methods:
+                for row in done_rows.get(method, []):
+                    f.write(json.dumps(row) + "\n")
+    else:
+        metrics_path.write_text("")
+
+    all_rows: list[dict] = []
+    for i, method in enumerate(cfg.methods):
+        rows = list(done_rows.get(method, []))
+        if method in restored:
+            model, server, w0 = restored.pop(method)
+        else:
+            model = first_model if i == 0 and first_model is not None else new_model(
+                cfg, task, method)[0]
+            server = _new_server(cfg, method, model, cfg.num_clients)
+            w0 = {n: w.detach().clone() for n, w in _adapted_weights(model).items()}
+        first_model = None
+
+        def after_round(row, srv, mdl, _rows=rows, _method=method, _w0=w0):
+            _rows.append(row)
+            _append_row(metrics_path, row)
+            ckpt = save_checkpoint(
+                out / "checkpoints" / _method,
+                srv,
+                meta={"rows": _rows, "fingerprint": fingerprint, "parts": prep.parts,
+                      "config": cfg.to_dict()},
+                keep=cfg.keep_checkpoints,
+            )
+            _save_tensors_extra(ckpt, _base_deltas(mdl, _w0))
+
+        if server.round < cfg.rounds:
+            t0 = time.perf_counter()
+            run_method(cfg, method, prep, out_dir=out, progress=progress, tamper=tamper,
+                       model=model, server=server, after_round=after_round)
+            say(f"{method}: {cfg.rounds - (len(done_rows.get(method, [])))} rounds in "
+                f"{time.perf_counter() - t0:.1f}s")
+        all_rows.extend(rows)
+        del model
+    write_summary(out, all_rows, cfg.to_toml())
+    return all_rows
+
+
+def load_task_for(cfg: RunConfig):
+    """The configuration's task, split and sliced as the run uses it."""
+    from .data import load_task
+
+    return load_task(cfg.task, seed=cfg.seed, test_fraction=cfg.test_fraction,
+                     max_train=cfg.max_train, max_test=cfg.max_test)
+
+
+def export_model(run_dir: str | Path, dest: str | Path, method: str | None = None) -> Path:
+    """Writes the final global model of a run as a merged Hugging Face model directory.
+
+    The result loads with plain ``transformers`` (``AutoModelFor*.from_pretrained``).
+
+    Raises:
+        RunError: If the run directory has no config or no checkpoint for ``method``.
+    """
+    run = Path(run_dir)
+    if not (run / "config.toml").is_file():
+        raise RunError(f"{str(run)!r} is not a run directory (no config.toml)")
+    cfg = load_config(run / "config.toml")
+    method = method or cfg.methods[0]
+    if method not in cfg.methods:
+        raise RunError(f"method {method!r} is not in this run; it has {cfg.methods}")
+    ckpt = latest_checkpoint(run / "checkpoints" / method)
+    if ckpt is None:
+        raise RunError(f"run {str(run)!r} has no checkpoint for method {method!r}")
+    task = load_task_for(cfg)
+    model, tokenizer, _, _, _ = restore_model(cfg, task, method, ckpt,
+                                           config_fingerprint(cfg.to_dict()))
+    merged = model.merge_and_unload()
+    dest = Path(dest)
+    merged.save_pretrained(str(dest))
+    tokenizer.save_pretrained(str(dest))
+    return dest
+

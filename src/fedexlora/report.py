@@ -1,0 +1,196 @@
+"""Reports from ``metrics.jsonl``: markdown tables, a terminal table and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+__all__ = [
+    "final_rows",
+    "layer_group",
+    "plot_deviation",
+    "plot_metrics",
+    "read_metrics",
+    "summary_table",
+    "write_summary",
+]
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All rows of a ``metrics.jsonl`` file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def final_rows(rows: list[dict]) -> dict[str, dict]:
+    """The last round's row of each method, in first-seen method order."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r["method"] not in out or r["round"] >= out[r["method"]]["round"]:
+            out[r["method"]] = r
+    return out
+
+
+def _primary(rows: list[dict]) -> str:
+    return next(iter(rows[0]["metrics"])) if rows and rows[0]["metrics"] else "loss"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+def summary_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and cells of the final table: one line per method."""
+    metric = _primary(rows)
+    by_method: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_method[r["method"]].append(r)
+    header = [
+        "method",
+        f"final {metric}",
+        f"best {metric}",
+        "final train loss",
+        "bytes up",
+        "bytes down",
+        "deviation (mean)",
+        "effective deviation (max)",
+        "seconds",
+    ]
+    cells = []
+    higher_better = metric not in ("loss", "perplexity")
+    for method, rs in by_method.items():
+        vals = [r["metrics"].get(metric, float("nan")) for r in rs]
+        last = rs[-1]
+        best = max(vals) if higher_better else min(vals)
+        label = method + (" (approximate)" if last.get("approximate") else "")
+        cells.append(
+            [
+                label,
+                f"{vals[-1]:.4f}",
+                f"{best:.4f}",
+                f"{last['train_loss']:.4f}",
+                _fmt_bytes(sum(r["bytes_up"] for r in rs)),
+                _fmt_bytes(sum(r["bytes_down"] for r in rs)),
+                f"{sum(r['deviation']['mean'] for r in rs) / len(rs):.3g}",
+                f"{max(r['effective_deviation']['max'] for r in rs):.2g}",
+                f"{sum(r['seconds'] for r in rs):.1f}",
+            ]
+        )
+    return header, cells
+
+
+def _markdown(header: list[str], cells: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(c) + " |" for c in cells]
+    return "\n".join(lines)
+
+
+def write_summary(out_dir: str | Path, rows: list[dict], config_text: str = "") -> Path:
+    """Writes ``summary.md`` (final table, plots, notes) and the PNG plots it references."""
+    out = Path(out_dir)
+    header, cells = summary_table(rows)
+    plot_metrics(rows, out / "metrics.png")
+    has_dev = any(r["deviation"].get("per_layer") for r in rows)
+    if has_dev:
+        plot_deviation(rows, out / "deviation.png")
+    parts = [
+        "# fedex-lora run summary",
+        "",
+        _markdown(header, cells),
+        "",
+        "- *deviation*: relative Frobenius deviation of the averaged-factor product "
+        "`B̄Ā` from the ideal update `Σ p_i B_i A_i`, per layer, averaged over layers and "
+        "rounds: what plain factor averaging (FedIT) loses.",
+        "- *effective deviation*: the same measure for the update actually applied "
+        "(averaged factors plus residual). FedEx-LoRA, FFA-LoRA and FLoRA are exact "
+        "(float rounding only); FedIT's equals its deviation.",
+        "- Bytes are counted from the tensors sent; `centralized` sends nothing.",
+    ]
+    if any(r.get("approximate") for r in rows):
+        parts.append(
+            "- Methods marked *(approximate)* truncated the residual (`residual_rank`); "
+            "the remainder is kept on the server as error feedback."
+        )
+    rejected = [(r["method"], r["round"], r["rejected"]) for r in rows if r.get("rejected")]
+    for method, rnd, rej in rejected:
+        for cid, why in rej.items():
+            parts.append(f"- {method}, round {rnd}: rejected client {cid}: {why}")
+    parts += ["", "![metric per round](metrics.png)"]
+    if has_dev:
+        parts += ["", "![per-layer deviation](deviation.png)"]
+    if config_text:
+        parts += ["", "## Configuration", "", "```toml", config_text.strip(), "```"]
+    path = out / "summary.md"
+    path.write_text("\n".join(parts) + "\n")
+    return path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_metrics(rows: list[dict], path: str | Path) -> Path:
+    """PNG of the primary metric per round, one line per method."""
+    plt = _plt()
+    metric = _primary(rows)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    by_method: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_method[r["method"]].append(r)
+    for method, rs in by_method.items():
+        ax.plot([r["round"] for r in rs], [r["metrics"].get(metric) for r in rs], "o-",
+                label=method)
+    ax.set_xlabel("round")
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def layer_group(name: str) -> str:
+    """``...layer.3.attention.self.query`` -> ``query``: the module's own name."""
+    return name.rsplit(".", 1)[-1]
+
+
+def _layer_index(name: str) -> int | None:
+    m = re.search(r"\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def plot_deviation(rows: list[dict], path: str | Path) -> Path:
+    """PNG of the per-layer-group deviation over rounds, one panel per method."""
+    plt = _plt()
+    methods = [m for m in final_rows(rows) if any(
+        r["method"] == m and r["deviation"].get("per_layer") for r in rows)]
+    fig, axes = plt.subplots(1, len(methods), figsize=(5 * len(methods), 3.8), squeeze=False)
+    for ax, method in zip(axes[0], methods):
+        rs = [r for r in rows if r["method"] == method]
+        groups: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+        for r in rs:
+            for name, v in r["deviation"].get("per_layer", {}).items():
+                groups[layer_group(name)][r["round"]].append(v)
+        for g, by_round in sorted(groups.items()):
+            xs = sorted(by_round)
+            ax.plot(xs, [sum(by_round[x]) / len(by_round[x]) for x in xs], "o-", label=g)
+        ax.set_title(method)
+        ax.set_xlabel("round")
+        ax.set_ylabel("relative deviation of B̄Ā from ideal")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

@@ -1,0 +1,323 @@
+"""Server state and one round of server logic, shared by every engine.
+
+The server holds the global adapter state, the base-weight version, and the residual
+history that clients who skipped rounds need to catch up. It samples clients, builds each
+client's payload, validates uploads and aggregates them. It never touches a model: engines
+fold the returned residuals into whatever model they hold (see :mod:`fedexlora.adapters`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .adapters import LayerInfo
+from .aggregation import Residual
+from .state import AdapterState, aggregate_states
+
+__all__ = ["ClientUpload", "Payload", "RoundOutcome", "Server", "validate_upload"]
+
+
+@dataclass
+class Payload:
+    """What the server sends one client for one round.
+
+    The client folds ``scale * residual`` into each adapted base weight, then loads
+    ``state``; its effective weights then equal the server's global model exactly.
+
+    Attributes:
+        round: The round this payload starts.
+        version: The base-weight version the client holds after applying it.
+        state: Global factors and extras (A is ``None`` where the client has it already).
+        residuals: Module -> residual from the client's version to ``version``.
+    """
+
+    round: int
+    version: int
+    state: AdapterState
+    residuals: dict[str, Residual] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor sent."""
+        return self.state.nbytes + sum(r.nbytes for r in self.residuals.values())
+
+    def to_flat(self) -> dict[str, torch.Tensor]:
+        """One flat ``name -> tensor`` map for transport (Flower records, safetensors)."""
+        flat = {f"state.{k}": v for k, v in self.state.to_flat().items()}
+        for name, r in self.residuals.items():
+            for role, t in r.tensors().items():
+                flat[f"residual.{name}.{role}"] = t
+        return flat
+
+    @classmethod
+    def from_flat(cls, flat: Mapping[str, torch.Tensor], *, round: int, version: int) -> Payload:
+        """Inverse of :meth:`to_flat`; residual shapes are read from the tensors."""
+        state = AdapterState.from_flat(
+            {k[6:]: v for k, v in flat.items() if k.startswith("state.")}
+        )
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        for k, v in flat.items():
+            if k.startswith("residual."):
+                name, role = k[9:].rsplit(".", 1)
+                parts.setdefault(name, {})[role] = v
+        residuals = {}
+        for name, p in parts.items():
+            if "dense" in p:
+                residuals[name] = Residual(tuple(p["dense"].shape), dense=p["dense"])
+            else:
+                residuals[name] = Residual((p["U"].shape[0], p["V"].shape[1]), U=p["U"], V=p["V"])
+        return cls(round=round, version=version, state=state, residuals=residuals)
+
+
+@dataclass
+class ClientUpload:
+    """What a client sends back after local training."""
+
+    client_id: int
+    state: AdapterState
+    num_examples: int
+    train_loss: float = float("nan")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor uploaded."""
+        return self.state.nbytes
+
+
+@dataclass
+class RoundOutcome:
+    """The result of one round on the server.
+
+    Attributes:
+        residuals: Module -> residual to fold into the global base weights (times scale).
+        accepted: Client ids whose uploads were aggregated.
+        rejected: Client id -> reason, for uploads refused by validation.
+        deviation: Module -> relative deviation of the averaged-factor product.
+        effective_deviation: Module -> relative deviation of the applied update.
+        feedback_norm: Frobenius norm of the residual kept back (lossy mode), per module.
+    """
+
+    residuals: dict[str, Residual]
+    accepted: list[int]
+    rejected: dict[int, str]
+    deviation: dict[str, float]
+    effective_deviation: dict[str, float]
+    feedback_norm: dict[str, float] = field(default_factory=dict)
+    weights: dict[int, float] = field(default_factory=dict)
+
+
+def validate_upload(
+    upload: ClientUpload, template: AdapterState, *, max_update_norm: float | None = None,
+    reference: AdapterState | None = None,
+) -> str | None:
+    """Returns why an upload must be rejected, or ``None`` when it is acceptable.
+
+    Checks the example count, the key set against ``template``, shapes, dtypes, finiteness
+    and, when ``max_update_norm`` is set, the norm of the change from ``reference``.
+    """
+    if not isinstance(upload.num_examples, int) or upload.num_examples <= 0:
+        return f"num_examples must be a positive integer, got {upload.num_examples!r}"
+    got, want = upload.state.to_flat(), template.to_flat()
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing:
+        return f"missing keys {missing[:3]}{'...' if len(missing) > 3 else ''}"
+    if extra:
+        return f"unexpected keys {extra[:3]}{'...' if len(extra) > 3 else ''}"
+    sq = 0.0
+    ref = reference.to_flat() if reference is not None else {}
+    for key, t in got.items():
+        w = want[key]
+        if not isinstance(t, torch.Tensor):
+            return f"{key}: not a tensor"
+        if tuple(t.shape) != tuple(w.shape):
+            return f"{key}: shape {tuple(t.shape)}, expected {tuple(w.shape)}"
+        if not t.dtype.is_floating_point:
+            return f"{key}: dtype {t.dtype}, expected a floating-point dtype"
+        if not torch.isfinite(t).all():
+            return f"{key}: contains NaN or Inf"
+        if max_update_norm is not None and key in ref:
+            sq += float((t.double() - ref[key].double()).pow(2).sum())
+    if max_update_norm is not None and math.sqrt(sq) > max_update_norm:
+        return f"update norm {math.sqrt(sq):.4g} exceeds max_update_norm {max_update_norm:g}"
+    return None
+
+
+class Server:
+    """The federated server: global state, client sampling, payloads, aggregation.
+
+    Args:
+        state: The initial global adapter state (with A for every module).
+        layers: Scale, orientation and shape of each LoRA layer.
+        method: ``fedex``, ``fedit``, ``ffa`` or ``flora``.
+        num_clients: Clients in the federation.
+        fraction: Fraction of clients sampled per round (at least one).
+        weighting: ``examples`` or ``uniform``.
+        seed: Seed for sampling and FLoRA's re-initialisation.
+        residual_rank: Truncate residuals to this rank (lossy, with error feedback).
+        max_update_norm: Reject uploads whose change from the global state is larger.
+    """
+
+    def __init__(
+        self,
+        state: AdapterState,
+        layers: Mapping[str, LayerInfo],
+        *,
+        method: str = "fedex",
+        num_clients: int = 1,
+        fraction: float = 1.0,
+        weighting: str = "examples",
+        seed: int = 0,
+        residual_rank: int | None = None,
+        max_update_norm: float | None = None,
+    ):
+        self.state = state.clone()
+        self.layers = dict(layers)
+        self.method = method
+        self.num_clients = num_clients
+        self.fraction = fraction
+        self.weighting = weighting
+        self.seed = seed
+        self.residual_rank = residual_rank
+        self.max_update_norm = max_update_norm
+        self.round = 0
+        self.version = 0
+        self.history: dict[int, dict[str, Residual]] = {}  # v -> residuals from v to v+1
+        self.client_version: dict[int, int] = {}  # base version each client holds
+        self.feedback: dict[str, Residual] = {}  # lossy mode: residual kept back
+        self.base_delta: dict[str, Residual] = {}  # sum of residuals folded so far
+
+    # -- sampling and payloads -------------------------------------------------------
+    def sample(self, rnd: int) -> list[int]:
+        """The clients taking part in round ``rnd`` (sorted), seeded by (seed, round)."""
+        m = max(1, int(round(self.fraction * self.num_clients)))
+        if m >= self.num_clients:
+            return list(range(self.num_clients))
+        g = torch.Generator().manual_seed(self.seed * 100_003 + rnd)
+        return sorted(torch.randperm(self.num_clients, generator=g)[:m].tolist())
+
+    def upload_template(self) -> AdapterState:
+        """What a valid upload contains (FFA-LoRA clients send no A)."""
+        if self.method == "ffa":
+            return AdapterState(
+                factors={k: (None, B) for k, (_, B) in self.state.factors.items()},
+                extra=self.state.extra,
+            )
+        return self.state
+
+    def catch_up(self, since: int) -> dict[str, Residual]:
+        """Per module, the residual that moves a base from version ``since`` to now.
+
+        The residuals of the missed rounds are concatenated and re-factored to numerical
+        rank, or summed dense where that is smaller.
+        """
+        if since >= self.version:
+            return {}
+        out = {}
+        for name in self.layers:
+            parts = [self.history[v][name] for v in range(since, self.version)
+                     if name in self.history[v]]
+            if parts:
+                out[name] = parts[0] if len(parts) == 1 else Residual.concat(parts)
+        return out
+
+    def payload_for(self, client_id: int) -> Payload:
+        """Builds the payload for ``client_id`` and records its new base version."""
+        since = self.client_version.get(client_id)
+        if since is None:  # a new client starts from W0: it gets the accumulated base delta
+            residuals = {k: v for k, v in self.base_delta.items() if not v.is_zero}
+        else:
+            residuals = self.catch_up(since)
+        state = self.state
+        if self.method == "ffa" and since is not None:
+            state = self.upload_template()  # A is frozen and already held
+        self.client_version[client_id] = self.version
+        self._prune()
+        return Payload(round=self.round + 1, version=self.version, state=state,
+                       residuals=residuals)
+
+    def _prune(self) -> None:
+        if not self.history:
+            return
+        oldest = min(self.client_version.values(), default=self.version)
+        for v in [v for v in self.history if v < oldest]:
+            del self.history[v]
+
+    # -- aggregation -----------------------------------------------------------------
+    def aggregate(
+        self, uploads: Sequence[ClientUpload], *, generator: torch.Generator | None = None
+    ) -> RoundOutcome:
+        """Validates uploads, aggregates the accepted ones, and advances the round.
+
+        If every upload is rejected (or none arrived), the global state is unchanged and
+        the returned residuals are empty.
+        """
+        self.round += 1
+        template = self.upload_template()
+        accepted, rejected = [], {}
+        for up in uploads:
+            reason = validate_upload(
+                up, template, max_update_norm=self.max_update_norm, reference=template
+            )
+            if reason is None:
+                accepted.append(up)
+            else:
+                rejected[up.client_id] = reason
+        if not accepted:
+            return RoundOutcome({}, [], rejected, {}, {})
+        if self.weighting == "examples":
+            weights = [float(u.num_examples) for u in accepted]
+        else:
+            weights = None
+        if generator is None and self.method == "flora":
+            generator = torch.Generator().manual_seed(self.seed * 7919 + self.round)
+        agg = aggregate_states(
+            [u.state for u in accepted],
+            weights,
+            self.method,
+            global_state=self.state,
+            generator=generator,
+        )
+        residuals = agg.residuals
+        feedback_norm = {}
+        if self.residual_rank is not None:
+            residuals, feedback_norm = self._truncate(residuals)
+        new_state = agg.state
+        if self.method == "ffa":  # keep the frozen global A
+            new_state = AdapterState(
+                factors={k: (self.state.factors[k][0], B) for k, (_, B) in
+                         new_state.factors.items()},
+                extra=new_state.extra,
+            )
+        self.state = new_state
+        nonzero = {k: r for k, r in residuals.items() if not r.is_zero}
+        if nonzero:
+            self.history[self.version] = nonzero
+            for k, r in nonzero.items():
+                prev = self.base_delta.get(k)
+                self.base_delta[k] = r if prev is None else Residual.concat([prev, r])
+            self.version += 1
+        return RoundOutcome(
+            residuals=nonzero,
+            accepted=[u.client_id for u in accepted],
+            rejected=rejected,
+            deviation=agg.deviation,
+            effective_deviation=agg.effective_deviation,
+            feedback_norm=feedback_norm,
+            weights={u.client_id: float(w) for u, w in zip(accepted, agg.weights)},
+        )
+
+    def _truncate(self, residuals: dict[str, Residual]):
+        kept, norms = {}, {}
+        for name, r in residuals.items():
+            fb = self.feedback.get(name)
+            total = r if fb is None or fb.is_zero else Residual.concat([r, fb])
+            k, rest = total.truncate(self.residual_rank)
+            kept[name] = k
+            self.feedback[name] = rest
+            norms[name] = float(torch.linalg.norm(rest.to_dense()).item()) if not rest.is_zero \
+                else 0.0
+        return kept, norms

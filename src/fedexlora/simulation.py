@@ -1,0 +1,253 @@
+"""The in-process engine: one base model in memory, clients trained in turn.
+
+The server logic (:class:`fedexlora.server.Server`) and the aggregation are the same as in
+every other engine; this module only moves tensors between the server and one shared
+model, and records what happened.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .adapters import fold_residuals, get_state, layer_info, set_state
+from .config import RunConfig
+from .server import ClientUpload, RoundOutcome, Server
+from .training import Encoded, encode, evaluate, train_local
+
+__all__ = ["Prepared", "client_seed", "prepare", "round_row", "run_method"]
+
+
+def client_seed(seed: int, rnd: int, client: int) -> int:
+    """The seed of one client's local training in one round (same for every method)."""
+    return (seed * 1_000_003 + rnd * 10_007 + client * 101) % (2**31)
+
+
+@dataclass
+class Prepared:
+    """What every method of a run shares: the task, partitions and tokenized data."""
+
+    task: object
+    parts: list[list[int]]
+    train: Encoded
+    test: Encoded
+    tokenizer: object
+    partition_table: str
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``fp32`` / ``bf16`` / ``fp16`` -> torch dtype."""
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def new_model(cfg: RunConfig, task, method: str):
+    """A freshly loaded LoRA model; the same seed gives the same head and adapters."""
+    from .models import load_model
+
+    return load_model(
+        cfg.model,
+        causal=task.kind == "causal_lm",
+        num_labels=max(task.num_labels, 1),
+        r=cfg.lora_r,
+        alpha=cfg.lora_alpha,
+        dropout=cfg.lora_dropout,
+        target_modules=cfg.target_modules,
+        rslora=cfg.rslora,
+        seed=cfg.seed,
+        freeze_A=method == "ffa",
+    )
+
+
+def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
+    """Partitions a loaded task and tokenizes both splits."""
+    from .partition import describe_partitions, partition
+
+    scheme = cfg.partition if task.kind == "classification" else "iid"
+    parts = partition(
+        task.train,
+        cfg.num_clients,
+        scheme=scheme,
+        alpha=cfg.alpha,
+        seed=cfg.seed,
+        min_partition_size=cfg.min_partition_size,
+    )
+    table = describe_partitions(task.train, parts, task.label_names or None)
+    train = encode(task.train, tokenizer, kind=task.kind, max_length=cfg.max_length)
+    test = encode(task.test, tokenizer, kind=task.kind, max_length=cfg.max_length)
+    return Prepared(task, parts, train, test, tokenizer, table)
+
+
+def _summ(values: dict[str, float]) -> dict:
+    if not values:
+        return {"mean": 0.0, "max": 0.0, "per_layer": {}}
+    short = {k.removeprefix("base_model.model."): float(v) for k, v in values.items()}
+    return {
+        "mean": sum(short.values()) / len(short),
+        "max": max(short.values()),
+        "per_layer": short,
+    }
+
+
+def round_row(
+    method: str,
+    rnd: int,
+    metrics: dict,
+    outcome: RoundOutcome,
+    uploads: list[ClientUpload],
+    *,
+    seconds: float,
+    bytes_up: int,
+    bytes_down: int,
+    approximate: bool,
+    sampled: list[int],
+    dropped: list[int] | None = None,
+) -> dict:
+    """One ``metrics.jsonl`` row (one method, one round)."""
+    losses = [u.train_loss for u in uploads if u.client_id in outcome.accepted]
+    return {
+        "method": method,
+        "round": rnd,
+        "metrics": metrics,
+        "train_loss": sum(losses) / len(losses) if losses else float("nan"),
+        "seconds": seconds,
+        "bytes_up": bytes_up,
+        "bytes_down": bytes_down,
+        "deviation": _summ(outcome.deviation),
+        "effective_deviation": {
+            k: v for k, v in _summ(outcome.effective_deviation).items() if k != "per_layer"
+        },
+        "residual_rank": {
+            k.removeprefix("base_model.model."): r.rank for k, r in outcome.residuals.items()
+        },
+        "sampled": sampled,
+        "accepted": outcome.accepted,
+        "rejected": {str(k): v for k, v in outcome.rejected.items()},
+        "dropped": dropped or [],
+        "num_examples": sum(u.num_examples for u in uploads if u.client_id in outcome.accepted),
+        "approximate": approximate,
+    }
+
+
+def run_method(
+    cfg: RunConfig,
+    method: str,
+    prep: Prepared,
+    *,
+    out_dir: Path | None = None,
+    on_row: Callable[[dict], None] | None = None,
+    progress: bool = True,
+    tamper: Callable[[int, int, ClientUpload], ClientUpload] | None = None,
+    model=None,
+    server: Server | None = None,
+    after_round: Callable[[dict, Server, torch.nn.Module], None] | None = None,
+):
+    """Runs one method for ``cfg.rounds`` rounds and returns ``(rows, model, server)``.
+
+    Args:
+        cfg: The run configuration.
+        method: ``fedex``, ``fedit``, ``ffa``, ``flora`` or ``centralized``.
+        prep: The shared task, partitions and tokenized data.
+        out_dir: Where client adapters go when ``cfg.save_client_adapters`` is set.
+        on_row: Called with each round's metrics row as soon as it exists.
+        progress: Whether to show progress bars.
+        tamper: Test hook ``(round, client, upload) -> upload``: lets a test play a
+            faulty or hostile client.
+        model: A model to use instead of loading one (with ``server``: already restored).
+        server: A server restored from a checkpoint; training resumes after its round.
+        after_round: Called with ``(row, server, model)`` after each round (checkpoints).
+    """
+    centralized = method == "centralized"
+    if model is None:
+        model, _ = new_model(cfg, prep.task, method)
+    parts = [sorted(i for p in prep.parts for i in p)] if centralized else prep.parts
+    server = server or Server(
+        get_state(model),
+        layer_info(model),
+        method="fedex" if centralized else method,
+        num_clients=len(parts),
+        fraction=1.0 if centralized else cfg.fraction,
+        weighting=cfg.weighting,
+        seed=cfg.seed,
+        residual_rank=None if centralized else cfg.residual_rank,
+        max_update_norm=None if centralized else cfg.max_update_norm,
+    )
+    client_data = [prep.train.subset(p) for p in parts]
+    rows = []
+    for rnd in range(server.round + 1, cfg.rounds + 1):
+        t0 = time.perf_counter()
+        sampled = server.sample(rnd)
+        uploads, bytes_up, bytes_down = [], 0, 0
+        for c in sampled:
+            payload = server.payload_for(c)
+            bytes_down += payload.nbytes
+            set_state(model, server.state)  # the shared base already holds the residuals
+            res = train_local(
+                model,
+                client_data[c],
+                epochs=cfg.local_epochs,
+                steps=cfg.local_steps,
+                batch_size=cfg.batch_size,
+                lr=cfg.lr,
+                weight_decay=cfg.weight_decay,
+                warmup_ratio=cfg.warmup_ratio,
+                max_grad_norm=cfg.max_grad_norm,
+                seed=client_seed(cfg.seed, rnd, c),
+                desc=f"{method} r{rnd} client {c}",
+                progress=progress,
+            )
+            up = ClientUpload(c, get_state(model, include_A=method != "ffa"), res.num_examples,
+                              res.loss)
+            if tamper is not None:
+                up = tamper(rnd, c, up)
+            bytes_up += up.nbytes
+            uploads.append(up)
+            if cfg.save_client_adapters and out_dir is not None:
+                save_client_adapter(model, out_dir, rnd, c, res.num_examples)
+        outcome = server.aggregate(uploads)
+        if cfg.save_client_adapters and out_dir is not None:
+            for c, w in outcome.weights.items():
+                meta = Path(out_dir) / "clients" / f"round-{rnd}" / f"client-{c}" / "meta.json"
+                meta.write_text(json.dumps({**json.loads(meta.read_text()), "weight": w}))
+        fold_residuals(model, outcome.residuals)
+        set_state(model, server.state)
+        for cid, why in outcome.rejected.items():
+            warnings.warn(f"{method} round {rnd}: rejected client {cid}: {why}", stacklevel=1)
+        metrics = evaluate(
+            model,
+            prep.test,
+            prep.task,
+            batch_size=cfg.eval_batch_size,
+            max_new_tokens=cfg.max_new_tokens,
+            tokenizer=prep.tokenizer,
+        )
+        if centralized:
+            bytes_up = bytes_down = 0
+        row = round_row(
+            method, rnd, metrics, outcome, uploads,
+            seconds=time.perf_counter() - t0, bytes_up=bytes_up, bytes_down=bytes_down,
+            approximate=cfg.residual_rank is not None and not centralized, sampled=sampled,
+        )
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+        if after_round is not None:
+            after_round(row, server, model)
+    return rows, model, server
+
+
+def save_client_adapter(model, out_dir: Path, rnd: int, client: int, num_examples: int,
+                        weight: float | None = None) -> Path:
+    """Writes the model's current adapter as a PEFT adapter directory with ``meta.json``."""
+    dest = Path(out_dir) / "clients" / f"round-{rnd}" / f"client-{client}"
+    model.save_pretrained(str(dest))
+    meta = {"round": rnd, "client": client, "num_examples": num_examples}
+    if weight is not None:
+        meta["weight"] = weight
+    (dest / "meta.json").write_text(json.dumps(meta, indent=2))
+    return dest

@@ -1,0 +1,266 @@
+"""Local training and evaluation. Knows nothing of federation: it also serves centralized LoRA."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+__all__ = [
+    "Encoded",
+    "TrainResult",
+    "encode",
+    "evaluate",
+    "train_local",
+]
+
+
+@dataclass
+class Encoded:
+    """A tokenized split: token ids per example, and labels.
+
+    Attributes:
+        input_ids: One list of token ids per example.
+        labels: Class ids (classification), floats (regression), or per-token labels
+            with ``-100`` on the prompt (causal LM).
+        kind: ``classification``, ``regression`` or ``causal_lm``.
+        prompts: For causal LM, the prompt ids alone (for generation).
+        answers: For causal LM, the reference final answers.
+        pad_id: The tokenizer's pad id.
+    """
+
+    input_ids: list[list[int]]
+    labels: list
+    kind: str
+    pad_id: int
+    prompts: list[list[int]] | None = None
+    answers: list[str | None] | None = None
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def subset(self, idx: Sequence[int]) -> Encoded:
+        """The examples at ``idx``."""
+        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
+        return Encoded(
+            input_ids=pick(self.input_ids),
+            labels=pick(self.labels),
+            kind=self.kind,
+            pad_id=self.pad_id,
+            prompts=pick(self.prompts),
+            answers=pick(self.answers),
+        )
+
+
+def format_prompt(prompt: str) -> str:
+    """The instruction template used for causal-LM tasks."""
+    return f"Question: {prompt.strip()}\nAnswer:"
+
+
+def encode(dataset, tokenizer, *, kind: str, max_length: int) -> Encoded:
+    """Tokenizes a task split (columns as produced by :func:`fedexlora.data.load_task`)."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if kind == "causal_lm":
+        ids, labels, prompts = [], [], []
+        eos = tokenizer.eos_token or ""
+        for row in dataset:
+            p = tokenizer(format_prompt(row["prompt"]), add_special_tokens=True)["input_ids"]
+            r = tokenizer(" " + row["response"].strip() + eos, add_special_tokens=False)[
+                "input_ids"
+            ]
+            full = (p + r)[:max_length]
+            ids.append(full)
+            labels.append(([-100] * len(p) + r)[:max_length])
+            prompts.append(p[:max_length])
+        answers = list(dataset["answer"]) if "answer" in dataset.column_names else None
+        return Encoded(ids, labels, kind, pad_id, prompts=prompts, answers=answers)
+    pair = dataset["text_pair"] if "text_pair" in dataset.column_names else None
+    enc = tokenizer(list(dataset["text"]), pair, truncation=True, max_length=max_length)
+    return Encoded(list(enc["input_ids"]), list(dataset["label"]), kind, pad_id)
+
+
+def _collate(batch: Encoded, device) -> dict[str, torch.Tensor]:
+    n = max(len(x) for x in batch.input_ids)
+    ids = torch.full((len(batch), n), batch.pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), n), dtype=torch.long)
+    for i, x in enumerate(batch.input_ids):
+        ids[i, : len(x)] = torch.tensor(x)
+        mask[i, : len(x)] = 1
+    out = {"input_ids": ids, "attention_mask": mask}
+    if batch.kind == "causal_lm":
+        lab = torch.full((len(batch), n), -100, dtype=torch.long)
+        for i, y in enumerate(batch.labels):
+            lab[i, : len(y)] = torch.tensor(y)
+        out["labels"] = lab
+    elif batch.kind == "regression":
+        out["labels"] = torch.tensor(batch.labels, dtype=torch.float32)
+    else:
+        out["labels"] = torch.tensor(batch.labels, dtype=torch.long)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+@dataclass
+class TrainResult:
+    """What local training reports.
+
+    Attributes:
+        loss: Mean training loss over the steps taken.
+        steps: Optimizer steps taken.
+        num_examples: Examples in the local dataset.
+    """
+
+    loss: float
+    steps: int
+    num_examples: int
+
+
+def train_local(
+    model: torch.nn.Module,
+    data: Encoded,
+    *,
+    epochs: float = 1.0,
+    steps: int | None = None,
+    batch_size: int = 16,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    warmup_ratio: float = 0.0,
+    max_grad_norm: float = 1.0,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    desc: str = "train",
+    progress: bool = True,
+) -> TrainResult:
+    """Trains the model's trainable parameters on ``data`` with AdamW.
+
+    The data order and dropout come from ``seed`` alone. The learning rate warms up
+    linearly over ``warmup_ratio`` of the steps, then decays linearly to zero.
+
+    Args:
+        model: The model; only parameters with ``requires_grad`` are trained.
+        data: The local examples.
+        epochs: Passes over the data (fractions allowed); ignored when ``steps`` is set.
+        steps: Exact number of optimizer steps, cycling through the data.
+        batch_size: Examples per step.
+        lr: Peak learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_ratio: Fraction of steps used for linear warm-up.
+        max_grad_norm: Gradient clipping norm.
+        seed: Seed for the data order and dropout.
+        device: Where the model lives.
+        desc: Progress bar label.
+        progress: Whether to show a progress bar.
+    """
+    n = len(data)
+    if n == 0:
+        raise ValueError("cannot train on an empty dataset")
+    per_epoch = math.ceil(n / batch_size)
+    total = steps if steps is not None else max(1, math.ceil(epochs * per_epoch))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    warm = int(warmup_ratio * total)
+
+    def schedule(step: int) -> float:
+        if step < warm:
+            return (step + 1) / (warm + 1)
+        return max(0.0, (total - step) / max(1, total - warm))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # dropout
+    model.train()
+    order: list[int] = []
+    losses = []
+    bar = tqdm(range(total), desc=desc, leave=False, disable=not progress, dynamic_ncols=True)
+    for _ in bar:
+        if len(order) < batch_size:
+            order += torch.randperm(n, generator=gen).tolist()
+        idx, order = order[:batch_size], order[batch_size:]
+        batch = _collate(data.subset(idx), device)
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    return TrainResult(loss=sum(losses) / len(losses), steps=total, num_examples=n)
+
+
+@torch.no_grad()
+def predict(model, data: Encoded, *, batch_size: int = 64, device="cpu") -> torch.Tensor:
+    """Logits (classification) or scores (regression) for every example, in order."""
+    model.eval()
+    outs = []
+    for start in range(0, len(data), batch_size):
+        batch = _collate(data.subset(range(start, min(start + batch_size, len(data)))), device)
+        batch.pop("labels")
+        outs.append(model(**batch).logits.float().cpu())
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    data: Encoded,
+    task,
+    *,
+    batch_size: int = 64,
+    device="cpu",
+    max_new_tokens: int = 64,
+    tokenizer=None,
+) -> dict[str, float]:
+    """Task metrics of the model on ``data`` (see :func:`fedexlora.data.compute_metrics`)."""
+    from .data import compute_metrics, exact_match
+
+    model.eval()
+    if data.kind != "causal_lm":
+        logits = predict(model, data, batch_size=batch_size, device=device)
+        preds = logits.squeeze(-1) if data.kind == "regression" else logits.argmax(-1)
+        return compute_metrics(task, preds.numpy(), torch.tensor(data.labels).numpy())
+    # causal LM: loss and perplexity over response tokens, then greedy exact match
+    tot_loss, tot_tok = 0.0, 0
+    for start in range(0, len(data), batch_size):
+        batch = _collate(data.subset(range(start, min(start + batch_size, len(data)))), device)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        shift = batch["labels"][:, 1:]
+        lp = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+            shift.reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
+        tot_loss += float(lp)
+        tot_tok += int((shift != -100).sum())
+    loss = tot_loss / max(1, tot_tok)
+    out = {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+    if data.answers is not None and tokenizer is not None:
+        texts = _generate(model, data, tokenizer, max_new_tokens, batch_size, device)
+        out["exact_match"] = exact_match(texts, data.answers)
+    return out
+
+
+def _generate(model, data: Encoded, tokenizer, max_new_tokens, batch_size, device) -> list[str]:
+    texts = []
+    pad = data.pad_id
+    for start in range(0, len(data), batch_size):
+        prompts = data.prompts[start : start + batch_size]
+        n = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), n), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding for generation
+            ids[i, n - len(p) :] = torch.tensor(p)
+            mask[i, n - len(p) :] = 1
+        gen = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+        texts += tokenizer.batch_decode(gen[:, n:], skip_special_tokens=True)
+    return texts
