@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorsError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .aggregation import Residual
@@ -138,7 +138,7 @@ def load_checkpoint(path: str | Path, server: Server, *, fingerprint: str | None
     try:
         info = json.loads((p / "meta.json").read_text())
         flat = load_file(str(p / "tensors.safetensors"))
-    except (OSError, json.JSONDecodeError, SafetensorsError, UnicodeDecodeError) as exc:
+    except (OSError, json.JSONDecodeError, SafetensorError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"checkpoint {str(p)!r} is unreadable or corrupt: {exc}") from None
     if info.get("format") != _FORMAT:
         raise CheckpointError(f"checkpoint {str(p)!r} has unknown format {info.get('format')!r}")

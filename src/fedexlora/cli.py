@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 app = typer.Typer(
+    pretty_exceptions_show_locals=False,
     add_completion=False,
     no_args_is_help=True,
     help="Federated LoRA fine-tuning with exact aggregation (FedEx-LoRA) and its baselines.",

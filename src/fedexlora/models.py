@@ -152,7 +152,7 @@ def load_model(
         task_type, save = "CAUSAL_LM", None
     else:
         model = AutoModelForSequenceClassification.from_pretrained(
-            spec.path, num_labels=num_labels, dtype=dtype, **kwargs
+            spec.path, num_labels=num_labels, dtype=dtype, ignore_mismatched_sizes=True, **kwargs
         )
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id

@@ -82,7 +82,7 @@ def _save_tensors_extra(ckpt: Path, deltas: dict[str, torch.Tensor]) -> None:
 
 def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: str | None):
     """A fresh model and server brought to the state of checkpoint ``ckpt``."""
-    from safetensors import SafetensorsError
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     model, tokenizer = new_model(cfg, task, method)
@@ -90,7 +90,7 @@ def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: st
     info = load_checkpoint(ckpt, server, fingerprint=fingerprint)
     try:
         deltas = load_file(str(ckpt / "base_deltas.safetensors"))
-    except (OSError, SafetensorsError) as exc:
+    except (OSError, SafetensorError) as exc:
         raise CheckpointError(f"checkpoint {str(ckpt)!r}: base deltas unreadable: {exc}") from None
     w0 = {n: w.detach().clone() for n, w in _adapted_weights(model).items()}
     _apply_base_deltas(model, deltas)

@@ -1,0 +1,82 @@
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+WORDS = {
+    0: ["goal", "match", "league", "coach", "striker", "season"],
+    1: ["shares", "market", "profit", "bank", "investor", "economy"],
+    2: ["vote", "minister", "election", "party", "policy", "senate"],
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory):
+    """A tiny randomly initialised BERT classifier with MiniLM's real tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from fedexlora.models import resolve_model
+
+    d = tmp_path_factory.mktemp("tiny-bert")
+    src = resolve_model("minilm").path
+    tok = AutoTokenizer.from_pretrained(src)
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=48,
+        max_position_embeddings=128,
+    )
+    BertForSequenceClassification(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def tiny_csv(tmp_path_factory):
+    """A small 3-class text classification CSV whose classes are separable by words."""
+    import csv
+    import random
+
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("data") / "topics.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        for i in range(150):
+            label = i % 3
+            words = rng.sample(WORDS[label], 3) + rng.sample(sum(WORDS.values(), []), 2)
+            w.writerow([" ".join(words), ["sport", "business", "politics"][label]])
+    return str(path)
+
+
+@pytest.fixture()
+def tiny_cfg(tiny_bert_dir, tiny_csv):
+    from fedexlora.config import RunConfig
+
+    return RunConfig(
+        model=tiny_bert_dir,
+        task=tiny_csv,
+        methods=["fedex", "fedit"],
+        num_clients=3,
+        partition="dirichlet",
+        alpha=1.0,
+        min_partition_size=5,
+        rounds=2,
+        local_steps=3,
+        batch_size=8,
+        lr=5e-3,
+        max_length=16,
+        lora_r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        target_modules=["query", "value", "intermediate.dense"],
+    )
