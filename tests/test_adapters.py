@@ -133,7 +133,7 @@ def test_fedex_global_model_equals_ideal_merge(case):
     rel, agg = _round(case, "fedex")
     assert rel < 1e-5, rel
     assert max(agg.effective_deviation.values()) < 1e-5
-    for name, R in agg.residuals.items():
+    for R in agg.residuals.values():
         assert R.rank <= 2 * 4
 
 

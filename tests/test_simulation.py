@@ -3,12 +3,21 @@ import json
 import pytest
 import torch
 
-from fedexlora.pipeline import RunError, export_model, load_task_for, restore_model, run_experiment
 from fedexlora.checkpoint import latest_checkpoint
+from fedexlora.pipeline import RunError, export_model, load_task_for, restore_model, run_experiment
 from fedexlora.report import read_metrics
 
-FIELDS = {"method", "round", "metrics", "train_loss", "seconds", "bytes_up", "bytes_down",
-          "deviation", "effective_deviation"}
+FIELDS = {
+    "method",
+    "round",
+    "metrics",
+    "train_loss",
+    "seconds",
+    "bytes_up",
+    "bytes_down",
+    "deviation",
+    "effective_deviation",
+}
 
 
 def _strip(rows):
@@ -18,7 +27,11 @@ def _strip(rows):
 def test_run_writes_run_directory_and_fedex_is_exact(tiny_cfg, tmp_path):
     rows = run_experiment(tiny_cfg, tmp_path, progress=False)
     assert [(r["method"], r["round"]) for r in rows] == [
-        ("fedex", 1), ("fedex", 2), ("fedit", 1), ("fedit", 2)]
+        ("fedex", 1),
+        ("fedex", 2),
+        ("fedit", 1),
+        ("fedit", 2),
+    ]
     on_disk = read_metrics(tmp_path / "metrics.jsonl")
     assert _strip(on_disk) == _strip(rows)
     for r in rows:
@@ -65,7 +78,8 @@ def test_all_methods_and_centralized(tiny_cfg, tmp_path):
     by = {(r["method"], r["round"]): r for r in rows}
     assert by[("centralized", 2)]["bytes_up"] == 0 and by[("centralized", 1)]["sampled"] == [0]
     assert by[("centralized", 1)]["num_examples"] == sum(
-        by[("ffa", 1)]["num_examples"] for _ in [0])
+        by[("ffa", 1)]["num_examples"] for _ in [0]
+    )
     for m in ("ffa", "flora"):
         assert by[(m, 2)]["effective_deviation"]["max"] < 1e-5
     # FFA-LoRA uploads no A: fewer bytes up than FLoRA, which uploads both factors
@@ -83,7 +97,8 @@ def test_export_reproduces_global_model_logits(tiny_cfg, tmp_path):
     dest = export_model(tmp_path / "run", tmp_path / "export")
     task = load_task_for(cfg)
     model, tok, server, _, _ = restore_model(
-        cfg, task, "fedex", latest_checkpoint(tmp_path / "run" / "checkpoints" / "fedex"), None)
+        cfg, task, "fedex", latest_checkpoint(tmp_path / "run" / "checkpoints" / "fedex"), None
+    )
     assert server.round == 2
     prep = prepare(cfg, tok, task)
     plain = AutoModelForSequenceClassification.from_pretrained(dest).eval()

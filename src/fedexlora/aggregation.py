@@ -78,6 +78,17 @@ class Residual:
         assert self.U is not None and self.V is not None
         return self.U @ self.V
 
+    def to(self, dtype: torch.dtype) -> Residual:
+        """The same residual with its tensors cast to ``dtype``."""
+        cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+        return Residual(
+            self.shape,
+            U=cast(self.U),
+            V=cast(self.V),
+            dense=cast(self.dense),
+            stored_rank=self.stored_rank,
+        )
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stored tensors by role: ``{"U", "V"}`` or ``{"dense"}``."""
         if self.dense is not None:
@@ -214,7 +225,7 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _stack(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor]):
+def _stack(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], dtype=None):
     """Validates and stacks factors: returns ``(k, r, n)`` and ``(k, d, r)`` copies."""
     if len(As) == 0 or len(Bs) == 0:
         raise ValueError("nothing to aggregate: `As` and `Bs` must be non-empty")
@@ -222,9 +233,7 @@ def _stack(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor]):
         raise ValueError(f"got {len(As)} A factors but {len(Bs)} B factors")
     A0, B0 = As[0], Bs[0]
     if A0.ndim != 2 or B0.ndim != 2:
-        raise ValueError(
-            f"factors must be 2-D, got A {tuple(A0.shape)} and B {tuple(B0.shape)}"
-        )
+        raise ValueError(f"factors must be 2-D, got A {tuple(A0.shape)} and B {tuple(B0.shape)}")
     if B0.shape[1] != A0.shape[0]:
         raise ValueError(
             f"rank mismatch: B is {tuple(B0.shape)} but A is {tuple(A0.shape)} (client 0)"
@@ -238,7 +247,7 @@ def _stack(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor]):
             raise ValueError(
                 f"client {i}: B has shape {tuple(B.shape)}, expected {tuple(B0.shape)}"
             )
-    dtype = _compute_dtype(A0)
+    dtype = dtype or _compute_dtype(A0)
     A = torch.stack([a.detach().to(dtype) for a in As])  # (k, r, n)
     B = torch.stack([b.detach().to(dtype) for b in Bs])  # (k, d, r)
     return A, B
@@ -326,7 +335,11 @@ def aggregate(
     """
     if method not in METHODS:
         raise ValueError(f"unknown aggregation `method` {method!r}; choose from {METHODS}")
-    A, B = _stack(As, Bs)  # (k, r, n), (k, d, r)
+    # The factors are small (k r (d + n) numbers): aggregate them in fp64, so that the
+    # residual's numerical rank is decided far below fp32 rounding, then return fp32
+    # (or fp64 for fp64 inputs).
+    out_dtype = _compute_dtype(As[0]) if len(As) else torch.float32
+    A, B = _stack(As, Bs, dtype=torch.float64)  # (k, r, n), (k, d, r)
     k, r, n = A.shape
     d = B.shape[1]
     p = normalize_weights(weights, k).to(A.dtype)
@@ -359,4 +372,10 @@ def aggregate(
         bound = 1.0 / math.sqrt(n)  # kaiming_uniform_(a=sqrt(5)), peft's default for A
         A_new.uniform_(-bound, bound, generator=generator)
         B_new = torch.zeros(d, r, dtype=A.dtype)
-    return AggregationResult(A=A_new, B=B_new, residual=residual, weights=p, method=method)
+    return AggregationResult(
+        A=A_new.to(out_dtype),
+        B=B_new.to(out_dtype),
+        residual=residual.to(out_dtype),
+        weights=p,
+        method=method,
+    )

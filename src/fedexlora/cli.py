@@ -6,7 +6,6 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -23,16 +22,34 @@ err_console = Console(stderr=True)
 
 _RUN_FLAGS = {
     # flag name -> config key, for the flags that map one to one
-    "model": "model", "task": "task", "method": "methods", "num_clients": "num_clients",
-    "partition": "partition", "alpha": "alpha", "min_partition_size": "min_partition_size",
-    "rounds": "rounds", "local_epochs": "local_epochs", "local_steps": "local_steps",
-    "batch_size": "batch_size", "lr": "lr", "max_length": "max_length", "rank": "lora_r",
-    "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-    "target_modules": "target_modules", "rslora": "rslora", "fraction": "fraction",
-    "weighting": "weighting", "seed": "seed", "max_train": "max_train",
-    "max_test": "max_test", "residual_rank": "residual_rank",
-    "max_update_norm": "max_update_norm", "engine": "engine",
-    "save_client_adapters": "save_client_adapters", "keep_checkpoints": "keep_checkpoints",
+    "model": "model",
+    "task": "task",
+    "method": "methods",
+    "num_clients": "num_clients",
+    "partition": "partition",
+    "alpha": "alpha",
+    "min_partition_size": "min_partition_size",
+    "rounds": "rounds",
+    "local_epochs": "local_epochs",
+    "local_steps": "local_steps",
+    "batch_size": "batch_size",
+    "lr": "lr",
+    "max_length": "max_length",
+    "rank": "lora_r",
+    "lora_alpha": "lora_alpha",
+    "lora_dropout": "lora_dropout",
+    "target_modules": "target_modules",
+    "rslora": "rslora",
+    "fraction": "fraction",
+    "weighting": "weighting",
+    "seed": "seed",
+    "max_train": "max_train",
+    "max_test": "max_test",
+    "residual_rank": "residual_rank",
+    "max_update_norm": "max_update_norm",
+    "engine": "engine",
+    "save_client_adapters": "save_client_adapters",
+    "keep_checkpoints": "keep_checkpoints",
     "export": "export",
 }
 
@@ -69,39 +86,62 @@ def _print_final_table(rows: list[dict]) -> None:
 
 @app.command()
 def run(
-    config: Optional[Path] = typer.Option(None, "--config", help="TOML file of settings."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Run directory [default: runs/<time>]."),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="Continue the run in this directory."),
-    model: Optional[str] = typer.Option(None, help="minilm, smollm2-135m, a hub name or a path [minilm]."),
-    task: Optional[str] = typer.Option(None, help="bbc-news, gsm8k, sst2..., or a .csv/.jsonl [bbc-news]."),
-    method: Optional[str] = typer.Option(None, help="Comma list of fedex,fedit,ffa,flora,centralized [fedex]."),
-    num_clients: Optional[int] = typer.Option(None, "--num-clients", "--clients", help="Clients [3]."),
-    partition: Optional[str] = typer.Option(None, help="iid or dirichlet [dirichlet]."),
-    alpha: Optional[float] = typer.Option(None, help="Dirichlet concentration [0.5]."),
-    min_partition_size: Optional[int] = typer.Option(None, help="Minimum examples per client [10]."),
-    rounds: Optional[int] = typer.Option(None, help="Federated rounds [3]."),
-    local_epochs: Optional[float] = typer.Option(None, help="Local epochs per round [1]."),
-    local_steps: Optional[int] = typer.Option(None, help="Local steps per round (overrides epochs)."),
-    batch_size: Optional[int] = typer.Option(None, help="Batch size [16]."),
-    lr: Optional[float] = typer.Option(None, help="Learning rate [1e-3]."),
-    max_length: Optional[int] = typer.Option(None, help="Max tokens per example [64]."),
-    rank: Optional[int] = typer.Option(None, "--rank", "-r", help="LoRA rank [8]."),
-    lora_alpha: Optional[float] = typer.Option(None, help="LoRA alpha [16]."),
-    lora_dropout: Optional[float] = typer.Option(None, help="LoRA dropout [0.05]."),
-    target_modules: Optional[str] = typer.Option(None, help="Comma list of LoRA targets [per architecture]."),
-    rslora: Optional[bool] = typer.Option(None, "--rslora/--no-rslora", help="Rank-stabilised scale."),
-    fraction: Optional[float] = typer.Option(None, help="Fraction of clients per round [1.0]."),
-    weighting: Optional[str] = typer.Option(None, help="examples or uniform [examples]."),
-    seed: Optional[int] = typer.Option(None, help="Seed for everything random [0]."),
-    max_train: Optional[int] = typer.Option(None, help="Use only this many training examples."),
-    max_test: Optional[int] = typer.Option(None, help="Use only this many test examples."),
-    residual_rank: Optional[int] = typer.Option(None, help="Truncate residuals to this rank (lossy)."),
-    max_update_norm: Optional[float] = typer.Option(None, help="Reject client updates above this norm."),
-    engine: Optional[str] = typer.Option(None, help="local or flower [local]."),
-    save_client_adapters: Optional[bool] = typer.Option(
-        None, "--save-client-adapters/--no-save-client-adapters", help="Write client adapters."),
-    keep_checkpoints: Optional[int] = typer.Option(None, help="Checkpoints kept per method [2]."),
-    export: Optional[Path] = typer.Option(None, help="Also export the final model here."),
+    config: Path | None = typer.Option(None, "--config", help="TOML file of settings."),
+    out: Path | None = typer.Option(None, "--out", help="Run directory [default: runs/<time>]."),
+    resume: Path | None = typer.Option(
+        None, "--resume", help="Continue the run in this directory."
+    ),
+    model: str | None = typer.Option(
+        None, help="minilm, smollm2-135m, a hub name or a path [minilm]."
+    ),
+    task: str | None = typer.Option(
+        None, help="bbc-news, gsm8k, sst2..., or a .csv/.jsonl [bbc-news]."
+    ),
+    method: str | None = typer.Option(
+        None, help="Comma list of fedex,fedit,ffa,flora,centralized [fedex]."
+    ),
+    num_clients: int | None = typer.Option(
+        None, "--num-clients", "--clients", help="Clients [3]."
+    ),
+    partition: str | None = typer.Option(None, help="iid or dirichlet [dirichlet]."),
+    alpha: float | None = typer.Option(None, help="Dirichlet concentration [0.5]."),
+    min_partition_size: int | None = typer.Option(
+        None, help="Minimum examples per client [10]."
+    ),
+    rounds: int | None = typer.Option(None, help="Federated rounds [3]."),
+    local_epochs: float | None = typer.Option(None, help="Local epochs per round [1]."),
+    local_steps: int | None = typer.Option(
+        None, help="Local steps per round (overrides epochs)."
+    ),
+    batch_size: int | None = typer.Option(None, help="Batch size [16]."),
+    lr: float | None = typer.Option(None, help="Learning rate [1e-3]."),
+    max_length: int | None = typer.Option(None, help="Max tokens per example [64]."),
+    rank: int | None = typer.Option(None, "--rank", "-r", help="LoRA rank [8]."),
+    lora_alpha: float | None = typer.Option(None, help="LoRA alpha [16]."),
+    lora_dropout: float | None = typer.Option(None, help="LoRA dropout [0.05]."),
+    target_modules: str | None = typer.Option(
+        None, help="Comma list of LoRA targets [per architecture]."
+    ),
+    rslora: bool | None = typer.Option(
+        None, "--rslora/--no-rslora", help="Rank-stabilised scale."
+    ),
+    fraction: float | None = typer.Option(None, help="Fraction of clients per round [1.0]."),
+    weighting: str | None = typer.Option(None, help="examples or uniform [examples]."),
+    seed: int | None = typer.Option(None, help="Seed for everything random [0]."),
+    max_train: int | None = typer.Option(None, help="Use only this many training examples."),
+    max_test: int | None = typer.Option(None, help="Use only this many test examples."),
+    residual_rank: int | None = typer.Option(
+        None, help="Truncate residuals to this rank (lossy)."
+    ),
+    max_update_norm: float | None = typer.Option(
+        None, help="Reject client updates above this norm."
+    ),
+    engine: str | None = typer.Option(None, help="local or flower [local]."),
+    save_client_adapters: bool | None = typer.Option(
+        None, "--save-client-adapters/--no-save-client-adapters", help="Write client adapters."
+    ),
+    keep_checkpoints: int | None = typer.Option(None, help="Checkpoints kept per method [2]."),
+    export: Path | None = typer.Option(None, help="Also export the final model here."),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
 ) -> None:
     """Federated LoRA fine-tuning: every method on identical partitions, reported side by side."""
@@ -123,8 +163,10 @@ def run(
         if resume is not None:
             if not (resume / "config.toml").is_file():
                 _fail(f"--resume {str(resume)!r}: no run there (no config.toml)")
-            cfg = load_config(resume / "config.toml", {k: v for k, v in overrides.items()
-                                                       if k in ("rounds", "export")})
+            cfg = load_config(
+                resume / "config.toml",
+                {k: v for k, v in overrides.items() if k in ("rounds", "export")},
+            )
             out = resume
         elif config is not None:
             cfg = load_config(config, overrides)
@@ -169,7 +211,7 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool) -> None:
 def export_cmd(
     run_dir: Path = typer.Argument(..., help="A run directory written by `fedexlora run`."),
     dest: Path = typer.Argument(..., help="Where to write the merged Hugging Face model."),
-    method: Optional[str] = typer.Option(None, help="Which method's model [the run's first]."),
+    method: str | None = typer.Option(None, help="Which method's model [the run's first]."),
 ) -> None:
     """Export a run's final global model as a merged Hugging Face model directory."""
     _quiet_libraries()

@@ -95,54 +95,82 @@ class RunConfig:
         need(not unknown, f"`methods`: unknown {unknown}; choose from {list(ALL_METHODS)}")
         need(len(self.methods) > 0, "`methods` must name at least one method")
         need(self.num_clients >= 1, f"`num_clients` must be >= 1, got {self.num_clients}")
-        need(self.partition in _PARTITIONS, f"`partition` must be one of {_PARTITIONS}, got "
-             f"{self.partition!r}")
+        need(
+            self.partition in _PARTITIONS,
+            f"`partition` must be one of {_PARTITIONS}, got {self.partition!r}",
+        )
         need(self.alpha > 0, f"`alpha` must be > 0, got {self.alpha}")
-        need(self.min_partition_size >= 1,
-             f"`min_partition_size` must be >= 1, got {self.min_partition_size}")
+        need(
+            self.min_partition_size >= 1,
+            f"`min_partition_size` must be >= 1, got {self.min_partition_size}",
+        )
         need(self.rounds >= 1, f"`rounds` must be >= 1, got {self.rounds}")
         need(self.local_epochs > 0, f"`local_epochs` must be > 0, got {self.local_epochs}")
-        need(self.local_steps is None or self.local_steps >= 1,
-             f"`local_steps` must be >= 1, got {self.local_steps}")
+        need(
+            self.local_steps is None or self.local_steps >= 1,
+            f"`local_steps` must be >= 1, got {self.local_steps}",
+        )
         need(self.batch_size >= 1, f"`batch_size` must be >= 1, got {self.batch_size}")
-        need(self.eval_batch_size >= 1,
-             f"`eval_batch_size` must be >= 1, got {self.eval_batch_size}")
+        need(
+            self.eval_batch_size >= 1, f"`eval_batch_size` must be >= 1, got {self.eval_batch_size}"
+        )
         need(self.lr > 0, f"`lr` must be > 0, got {self.lr}")
         need(self.weight_decay >= 0, f"`weight_decay` must be >= 0, got {self.weight_decay}")
-        need(0 <= self.warmup_ratio < 1, f"`warmup_ratio` must be in [0, 1), got "
-             f"{self.warmup_ratio}")
+        need(
+            0 <= self.warmup_ratio < 1, f"`warmup_ratio` must be in [0, 1), got {self.warmup_ratio}"
+        )
         need(self.max_grad_norm > 0, f"`max_grad_norm` must be > 0, got {self.max_grad_norm}")
         need(self.max_length >= 8, f"`max_length` must be >= 8, got {self.max_length}")
         need(self.lora_r >= 1, f"`lora_r` must be >= 1, got {self.lora_r}")
         need(self.lora_alpha > 0, f"`lora_alpha` must be > 0, got {self.lora_alpha}")
-        need(0 <= self.lora_dropout < 1, f"`lora_dropout` must be in [0, 1), got "
-             f"{self.lora_dropout}")
+        need(
+            0 <= self.lora_dropout < 1, f"`lora_dropout` must be in [0, 1), got {self.lora_dropout}"
+        )
         need(0 < self.fraction <= 1, f"`fraction` must be in (0, 1], got {self.fraction}")
-        need(self.weighting in _WEIGHTINGS, f"`weighting` must be one of {_WEIGHTINGS}, got "
-             f"{self.weighting!r}")
-        need(0 < self.test_fraction < 1, f"`test_fraction` must be in (0, 1), got "
-             f"{self.test_fraction}")
-        need(self.max_train is None or self.max_train >= 1,
-             f"`max_train` must be >= 1, got {self.max_train}")
-        need(self.max_test is None or self.max_test >= 1,
-             f"`max_test` must be >= 1, got {self.max_test}")
-        need(self.residual_rank is None or self.residual_rank >= 1,
-             f"`residual_rank` must be >= 1, got {self.residual_rank}")
-        need(self.max_update_norm is None or self.max_update_norm > 0,
-             f"`max_update_norm` must be > 0, got {self.max_update_norm}")
+        need(
+            self.weighting in _WEIGHTINGS,
+            f"`weighting` must be one of {_WEIGHTINGS}, got {self.weighting!r}",
+        )
+        need(
+            0 < self.test_fraction < 1,
+            f"`test_fraction` must be in (0, 1), got {self.test_fraction}",
+        )
+        need(
+            self.max_train is None or self.max_train >= 1,
+            f"`max_train` must be >= 1, got {self.max_train}",
+        )
+        need(
+            self.max_test is None or self.max_test >= 1,
+            f"`max_test` must be >= 1, got {self.max_test}",
+        )
+        need(
+            self.residual_rank is None or self.residual_rank >= 1,
+            f"`residual_rank` must be >= 1, got {self.residual_rank}",
+        )
+        need(
+            self.max_update_norm is None or self.max_update_norm > 0,
+            f"`max_update_norm` must be > 0, got {self.max_update_norm}",
+        )
         need(self.engine in _ENGINES, f"`engine` must be one of {_ENGINES}, got {self.engine!r}")
         need(self.device in _DEVICES, f"`device` must be one of {_DEVICES}, got {self.device!r}")
         need(self.dtype in _DTYPES, f"`dtype` must be one of {_DTYPES}, got {self.dtype!r}")
-        need(self.keep_checkpoints >= 1,
-             f"`keep_checkpoints` must be >= 1, got {self.keep_checkpoints}")
+        need(
+            self.keep_checkpoints >= 1,
+            f"`keep_checkpoints` must be >= 1, got {self.keep_checkpoints}",
+        )
         if self.residual_rank is not None:
             lossless = [m for m in self.methods if m in ("ffa", "fedit", "centralized", "flora")]
-            need(not lossless, f"`residual_rank` applies to fedex only; it cannot be combined "
-                 f"with methods {lossless}")
+            need(
+                not lossless,
+                f"`residual_rank` applies to fedex only; it cannot be combined "
+                f"with methods {lossless}",
+            )
         if self.num_clients >= 1 and self.max_train is not None:
-            need(self.max_train >= self.num_clients * self.min_partition_size,
-                 f"`max_train` {self.max_train} is too small for {self.num_clients} clients "
-                 f"of at least `min_partition_size` {self.min_partition_size} examples")
+            need(
+                self.max_train >= self.num_clients * self.min_partition_size,
+                f"`max_train` {self.max_train} is too small for {self.num_clients} clients "
+                f"of at least `min_partition_size` {self.min_partition_size} examples",
+            )
         return errs
 
     def validate(self) -> RunConfig:
@@ -175,8 +203,9 @@ def _type_errors(f: dataclasses.Field, value: Any) -> list[str]:
             return [f"`{f.name}` must be a list of strings, got {value!r}"]
         return []
     if t.startswith("bool"):
-        return [] if isinstance(value, bool) else [f"`{f.name}` must be true or false, got "
-                                                   f"{value!r}"]
+        return (
+            [] if isinstance(value, bool) else [f"`{f.name}` must be true or false, got {value!r}"]
+        )
     if t.startswith("int"):
         ok = isinstance(value, int) and not isinstance(value, bool)
         return [] if ok else [f"`{f.name}` must be an integer, got {value!r}"]

@@ -24,6 +24,7 @@ from .simulation import new_model, prepare, run_method
 
 __all__ = ["RunError", "export_model", "load_task_for", "restore_model", "run_experiment"]
 
+
 class RunError(ValueError):
     """A run that cannot start or continue, for a reason the user can fix."""
 
@@ -147,9 +148,11 @@ def run_experiment(
     task = load_task_for(cfg)
     first_model, tokenizer = new_model(cfg, task, cfg.methods[0])
     prep = prepare(cfg, tokenizer, task)
-    say(f"[bold]task[/bold] {cfg.task}: {len(prep.task.train)} train / {len(prep.task.test)} test"
-        if console is not None else f"task {cfg.task}: {len(prep.task.train)} train / "
-        f"{len(prep.task.test)} test")
+    say(
+        f"[bold]task[/bold] {cfg.task}: {len(prep.task.train)} train / {len(prep.task.test)} test"
+        if console is not None
+        else f"task {cfg.task}: {len(prep.task.train)} train / {len(prep.task.test)} test"
+    )
     say(prep.partition_table)
 
     # On resume, what each method's last checkpoint says; rows past it are dropped.
@@ -177,8 +180,11 @@ def run_experiment(
         if method in restored:
             model, server, w0 = restored.pop(method)
         else:
-            model = first_model if i == 0 and first_model is not None else new_model(
-                cfg, task, method)[0]
+            model = (
+                first_model
+                if i == 0 and first_model is not None
+                else new_model(cfg, task, method)[0]
+            )
             server = _new_server(cfg, method, model, cfg.num_clients)
             w0 = {n: w.detach().clone() for n, w in _adapted_weights(model).items()}
         first_model = None
@@ -189,18 +195,33 @@ def run_experiment(
             ckpt = save_checkpoint(
                 out / "checkpoints" / _method,
                 srv,
-                meta={"rows": _rows, "fingerprint": fingerprint, "parts": prep.parts,
-                      "config": cfg.to_dict()},
+                meta={
+                    "rows": _rows,
+                    "fingerprint": fingerprint,
+                    "parts": prep.parts,
+                    "config": cfg.to_dict(),
+                },
                 keep=cfg.keep_checkpoints,
             )
             _save_tensors_extra(ckpt, _base_deltas(mdl, _w0))
 
         if server.round < cfg.rounds:
             t0 = time.perf_counter()
-            run_method(cfg, method, prep, out_dir=out, progress=progress, tamper=tamper,
-                       model=model, server=server, after_round=after_round)
-            say(f"{method}: {cfg.rounds - (len(done_rows.get(method, [])))} rounds in "
-                f"{time.perf_counter() - t0:.1f}s")
+            run_method(
+                cfg,
+                method,
+                prep,
+                out_dir=out,
+                progress=progress,
+                tamper=tamper,
+                model=model,
+                server=server,
+                after_round=after_round,
+            )
+            say(
+                f"{method}: {cfg.rounds - (len(done_rows.get(method, [])))} rounds in "
+                f"{time.perf_counter() - t0:.1f}s"
+            )
         all_rows.extend(rows)
         del model
     write_summary(out, all_rows, cfg.to_toml())
@@ -211,8 +232,13 @@ def load_task_for(cfg: RunConfig):
     """The configuration's task, split and sliced as the run uses it."""
     from .data import load_task
 
-    return load_task(cfg.task, seed=cfg.seed, test_fraction=cfg.test_fraction,
-                     max_train=cfg.max_train, max_test=cfg.max_test)
+    return load_task(
+        cfg.task,
+        seed=cfg.seed,
+        test_fraction=cfg.test_fraction,
+        max_train=cfg.max_train,
+        max_test=cfg.max_test,
+    )
 
 
 def export_model(run_dir: str | Path, dest: str | Path, method: str | None = None) -> Path:
@@ -234,11 +260,11 @@ def export_model(run_dir: str | Path, dest: str | Path, method: str | None = Non
     if ckpt is None:
         raise RunError(f"run {str(run)!r} has no checkpoint for method {method!r}")
     task = load_task_for(cfg)
-    model, tokenizer, _, _, _ = restore_model(cfg, task, method, ckpt,
-                                           config_fingerprint(cfg.to_dict()))
+    model, tokenizer, _, _, _ = restore_model(
+        cfg, task, method, ckpt, config_fingerprint(cfg.to_dict())
+    )
     merged = model.merge_and_unload()
     dest = Path(dest)
     merged.save_pretrained(str(dest))
     tokenizer.save_pretrained(str(dest))
     return dest
-

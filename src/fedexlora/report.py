@@ -148,8 +148,9 @@ def plot_metrics(rows: list[dict], path: str | Path) -> Path:
     for r in rows:
         by_method[r["method"]].append(r)
     for method, rs in by_method.items():
-        ax.plot([r["round"] for r in rs], [r["metrics"].get(metric) for r in rs], "o-",
-                label=method)
+        ax.plot(
+            [r["round"] for r in rs], [r["metrics"].get(metric) for r in rs], "o-", label=method
+        )
     ax.set_xlabel("round")
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
@@ -173,8 +174,11 @@ def _layer_index(name: str) -> int | None:
 def plot_deviation(rows: list[dict], path: str | Path) -> Path:
     """PNG of the per-layer-group deviation over rounds, one panel per method."""
     plt = _plt()
-    methods = [m for m in final_rows(rows) if any(
-        r["method"] == m and r["deviation"].get("per_layer") for r in rows)]
+    methods = [
+        m
+        for m in final_rows(rows)
+        if any(r["method"] == m and r["deviation"].get("per_layer") for r in rows)
+    ]
     fig, axes = plt.subplots(1, len(methods), figsize=(5 * len(methods), 3.8), squeeze=False)
     for ax, method in zip(axes[0], methods):
         rs = [r for r in rows if r["method"] == method]

@@ -111,7 +111,10 @@ class RoundOutcome:
 
 
 def validate_upload(
-    upload: ClientUpload, template: AdapterState, *, max_update_norm: float | None = None,
+    upload: ClientUpload,
+    template: AdapterState,
+    *,
+    max_update_norm: float | None = None,
     reference: AdapterState | None = None,
 ) -> str | None:
     """Returns why an upload must be rejected, or ``None`` when it is acceptable.
@@ -218,8 +221,9 @@ class Server:
             return {}
         out = {}
         for name in self.layers:
-            parts = [self.history[v][name] for v in range(since, self.version)
-                     if name in self.history[v]]
+            parts = [
+                self.history[v][name] for v in range(since, self.version) if name in self.history[v]
+            ]
             if parts:
                 out[name] = parts[0] if len(parts) == 1 else Residual.concat(parts)
         return out
@@ -236,8 +240,7 @@ class Server:
             state = self.upload_template()  # A is frozen and already held
         self.client_version[client_id] = self.version
         self._prune()
-        return Payload(round=self.round + 1, version=self.version, state=state,
-                       residuals=residuals)
+        return Payload(round=self.round + 1, version=self.version, state=state, residuals=residuals)
 
     def _prune(self) -> None:
         if not self.history:
@@ -288,8 +291,9 @@ class Server:
         new_state = agg.state
         if self.method == "ffa":  # keep the frozen global A
             new_state = AdapterState(
-                factors={k: (self.state.factors[k][0], B) for k, (_, B) in
-                         new_state.factors.items()},
+                factors={
+                    k: (self.state.factors[k][0], B) for k, (_, B) in new_state.factors.items()
+                },
                 extra=new_state.extra,
             )
         self.state = new_state
@@ -318,6 +322,7 @@ class Server:
             k, rest = total.truncate(self.residual_rank)
             kept[name] = k
             self.feedback[name] = rest
-            norms[name] = float(torch.linalg.norm(rest.to_dense()).item()) if not rest.is_zero \
-                else 0.0
+            norms[name] = (
+                float(torch.linalg.norm(rest.to_dense()).item()) if not rest.is_zero else 0.0
+            )
         return kept, norms

@@ -201,8 +201,9 @@ def run_method(
                 desc=f"{method} r{rnd} client {c}",
                 progress=progress,
             )
-            up = ClientUpload(c, get_state(model, include_A=method != "ffa"), res.num_examples,
-                              res.loss)
+            up = ClientUpload(
+                c, get_state(model, include_A=method != "ffa"), res.num_examples, res.loss
+            )
             if tamper is not None:
                 up = tamper(rnd, c, up)
             bytes_up += up.nbytes
@@ -229,9 +230,16 @@ def run_method(
         if centralized:
             bytes_up = bytes_down = 0
         row = round_row(
-            method, rnd, metrics, outcome, uploads,
-            seconds=time.perf_counter() - t0, bytes_up=bytes_up, bytes_down=bytes_down,
-            approximate=cfg.residual_rank is not None and not centralized, sampled=sampled,
+            method,
+            rnd,
+            metrics,
+            outcome,
+            uploads,
+            seconds=time.perf_counter() - t0,
+            bytes_up=bytes_up,
+            bytes_down=bytes_down,
+            approximate=cfg.residual_rank is not None and not centralized,
+            sampled=sampled,
         )
         rows.append(row)
         if on_row is not None:
@@ -241,8 +249,9 @@ def run_method(
     return rows, model, server
 
 
-def save_client_adapter(model, out_dir: Path, rnd: int, client: int, num_examples: int,
-                        weight: float | None = None) -> Path:
+def save_client_adapter(
+    model, out_dir: Path, rnd: int, client: int, num_examples: int, weight: float | None = None
+) -> Path:
     """Writes the model's current adapter as a PEFT adapter directory with ``meta.json``."""
     dest = Path(out_dir) / "clients" / f"round-{rnd}" / f"client-{client}"
     model.save_pretrained(str(dest))

@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .aggregation import Residual, _gram_fro2, aggregate, deviation, factor_product, normalize_weights
+from .aggregation import (
+    Residual,
+    _gram_fro2,
+    aggregate,
+    deviation,
+    factor_product,
+    normalize_weights,
+)
 
 __all__ = ["AdapterState", "RoundAggregate", "aggregate_states"]
 

@@ -1,0 +1,98 @@
+import pytest
+from typer.testing import CliRunner
+
+from fedexlora.cli import app
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, list(args))
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--model", "/no/such/model"], "cannot load model '/no/such/model'"),
+        (["--task", "imagenet"], "unknown task 'imagenet'"),
+        (["--method", "fedex,fedavg"], "`methods`: unknown ['fedavg']"),
+        (["--alpha", "0"], "`alpha` must be > 0, got 0.0"),
+        (["--fraction", "1.5"], "`fraction` must be in (0, 1], got 1.5"),
+        (["--method", "ffa", "--residual-rank", "2"], "`residual_rank` applies to fedex only"),
+    ],
+)
+def test_user_mistakes_get_one_line_errors(args, match, tmp_path):
+    res = _run("run", "--out", str(tmp_path / "o"), "--no-progress", *args)
+    assert res.exit_code == 2, res.output
+    assert match in res.output
+    assert "Traceback" not in res.output
+
+
+def test_too_few_examples_per_client(tiny_bert_dir, tiny_csv, tmp_path):
+    res = _run(
+        "run",
+        "--model",
+        tiny_bert_dir,
+        "--task",
+        tiny_csv,
+        "--num-clients",
+        "40",
+        "--min-partition-size",
+        "5",
+        "--out",
+        str(tmp_path / "o"),
+        "--no-progress",
+    )
+    assert res.exit_code == 2
+    assert "min_partition_size" in res.output or "num_clients" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_validate_lists_every_error(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        'rounds = 0\nmodl = "minilm"\nlr = "fast"\nmethods = ["ffa"]\nresidual_rank = 2\n'
+    )
+    res = _run("validate", str(cfg))
+    assert res.exit_code == 1
+    assert "unknown key `modl`; did you mean `model`?" in res.output
+    assert "`lr` must be a number, got 'fast'" in res.output
+    good = tmp_path / "g.toml"
+    good.write_text('rounds = 2\nmethods = ["ffa"]\n')
+    assert _run("validate", str(good)).exit_code == 0
+    cfg.write_text('rounds = 0\nmethods = ["ffa"]\nresidual_rank = 2\n')
+    res = _run("validate", str(cfg))
+    assert "`rounds` must be >= 1, got 0" in res.output
+    assert "`residual_rank` applies to fedex only" in res.output
+
+
+def test_config_file_and_flags_override(tiny_bert_dir, tiny_csv, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'model = "{tiny_bert_dir}"\ntask = "{tiny_csv}"\nrounds = 5\nlocal_steps = 2\n'
+        "num_clients = 2\nmin_partition_size = 5\nmax_length = 16\nlora_r = 2\n"
+        'target_modules = ["query", "value"]\n'
+    )
+    out = tmp_path / "run"
+    res = _run(
+        "run",
+        "--config",
+        str(cfg),
+        "--rounds",
+        "1",
+        "--method",
+        "fedex,fedit",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
+    assert res.exit_code == 0, res.output
+    assert "final results" in res.output
+    resolved = (out / "config.toml").read_text()
+    assert "rounds = 1" in resolved and "lora_r = 2" in resolved
+    assert 'methods = [\n    "fedex",\n    "fedit",\n]' in resolved or '"fedit"' in resolved
+    res = _run("export", str(out), str(tmp_path / "exp"), "--method", "fedit")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "exp" / "config.json").is_file()
+    res = _run("export", str(out), str(tmp_path / "exp2"), "--method", "flora")
+    assert res.exit_code == 2 and "method 'flora' is not in this run" in res.output
