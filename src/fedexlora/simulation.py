@@ -110,7 +110,7 @@ def round_row(
 ) -> dict:
     """One ``metrics.jsonl`` row (one method, one round)."""
     losses = [u.train_loss for u in uploads if u.client_id in outcome.accepted]
-    return {
+    row = {
         "method": method,
         "round": rnd,
         "metrics": metrics,
@@ -132,6 +132,9 @@ def round_row(
         "num_examples": sum(u.num_examples for u in uploads if u.client_id in outcome.accepted),
         "approximate": approximate,
     }
+    if not outcome.accepted:
+        row["note"] = "every upload was rejected; the global model is unchanged"
+    return row
 
 
 def run_method(
@@ -219,6 +222,9 @@ def run_method(
         set_state(model, server.state)
         for cid, why in outcome.rejected.items():
             warnings.warn(f"{method} round {rnd}: rejected client {cid}: {why}", stacklevel=1)
+        if uploads and not outcome.accepted:
+            warnings.warn(f"{method} round {rnd}: every upload was rejected; the global model "
+                          "is unchanged", stacklevel=1)
         metrics = evaluate(
             model,
             prep.test,

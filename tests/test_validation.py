@@ -1,0 +1,127 @@
+"""Upload validation: bad or hostile uploads are rejected and never reach the global model."""
+
+import math
+import re
+import warnings
+
+import pytest
+import torch
+
+from fedexlora import aggregate_states
+from fedexlora.server import ClientUpload, Server
+from fedexlora.state import AdapterState
+
+
+def _state(seed, d=6, n=5, r=2):
+    g = torch.Generator().manual_seed(seed)
+    return AdapterState(
+        factors={"l0": (torch.randn(r, n, generator=g), torch.randn(d, r, generator=g)),
+                 "l1": (torch.randn(r, d, generator=g), torch.randn(n, r, generator=g))},
+        extra={"head.weight": torch.randn(3, d, generator=g)},
+    )
+
+
+def _server(**kw):
+    from fedexlora.adapters import LayerInfo
+
+    layers = {"l0": LayerInfo(1.0, False, 2, (6, 5)), "l1": LayerInfo(1.0, False, 2, (5, 6))}
+    return Server(_state(0), layers, num_clients=3, **kw)
+
+
+def _bad(kind):
+    s = _state(9)
+    if kind == "missing key":
+        del s.factors["l1"]
+    elif kind == "extra key":
+        s.extra["evil.weight"] = torch.zeros(2)
+    elif kind == "wrong shape":
+        s.factors["l0"] = (torch.zeros(2, 7), s.factors["l0"][1])
+    elif kind == "wrong rank":
+        s.factors["l0"] = (torch.zeros(3, 5), torch.zeros(6, 3))
+    elif kind == "int dtype":
+        s.extra["head.weight"] = torch.zeros(3, 6, dtype=torch.int64)
+    elif kind == "nan":
+        s.factors["l0"][1][0, 0] = float("nan")
+    elif kind == "inf":
+        s.extra["head.weight"][1, 1] = float("inf")
+    elif kind == "huge norm":
+        s.factors["l1"] = (s.factors["l1"][0] * 1e4, s.factors["l1"][1])
+    return s
+
+
+CASES = [
+    ("missing key", 10, "missing keys \\['lora.l1.A'"),
+    ("extra key", 10, "unexpected keys \\['extra.evil.weight'\\]"),
+    ("wrong shape", 10, "lora.l0.A: shape \\(2, 7\\), expected \\(2, 5\\)"),
+    ("wrong rank", 10, "lora.l0.A: shape \\(3, 5\\)"),
+    ("int dtype", 10, "dtype torch.int64, expected a floating-point dtype"),
+    ("nan", 10, "lora.l0.B: contains NaN or Inf"),
+    ("inf", 10, "extra.head.weight: contains NaN or Inf"),
+    ("huge norm", 10, "exceeds max_update_norm 100"),
+    ("zero examples", 0, "num_examples must be a positive integer, got 0"),
+    ("negative examples", -4, "num_examples must be a positive integer, got -4"),
+]
+
+
+@pytest.mark.parametrize("kind,n_examples,match", CASES)
+def test_bad_upload_is_rejected_and_aggregation_is_exact_over_the_rest(kind, n_examples, match):
+    server = _server(max_update_norm=100.0)
+    good = [ClientUpload(0, _state(1), 30), ClientUpload(2, _state(2), 50)]
+    bad = ClientUpload(1, _bad(kind), n_examples)
+    outcome = server.aggregate([good[0], bad, good[1]])
+    assert outcome.accepted == [0, 2]
+    assert list(outcome.rejected) == [1]
+    assert re.search(match, outcome.rejected[1]), outcome.rejected[1]
+    ref = aggregate_states([g.state for g in good], [30, 50], "fedex")
+    for name in ref.state.factors:
+        assert torch.equal(server.state.factors[name][1], ref.state.factors[name][1])
+        assert torch.equal(outcome.residuals[name].to_dense(), ref.residuals[name].to_dense())
+    assert torch.equal(server.state.extra["head.weight"], ref.state.extra["head.weight"])
+
+
+def test_all_rejected_changes_nothing():
+    server = _server()
+    before = server.state.clone()
+    outcome = server.aggregate([ClientUpload(0, _bad("nan"), 5), ClientUpload(1, _state(3), 0)])
+    assert outcome.accepted == [] and len(outcome.rejected) == 2
+    assert outcome.residuals == {}
+    for k, v in before.to_flat().items():
+        assert torch.equal(server.state.to_flat()[k], v)
+    assert server.version == 0
+
+
+def test_engine_records_rejections_and_warns(tiny_cfg, tmp_path):
+    from fedexlora.pipeline import run_experiment
+    from fedexlora.report import read_metrics
+
+    def tamper(rnd, client, up):
+        if client == 1:
+            A, B = next(iter(up.state.factors.values()))
+            B[0, 0] = math.nan
+        return up
+
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = run_experiment(cfg, tmp_path, progress=False, tamper=tamper)
+    assert any("rejected client 1" in str(w.message) for w in caught)
+    on_disk = read_metrics(tmp_path / "metrics.jsonl")
+    for r in on_disk:
+        assert r["accepted"] == [0, 2] and "NaN or Inf" in r["rejected"]["1"]
+        assert r["effective_deviation"]["max"] < 1e-5
+        assert all(math.isfinite(v) for v in r["metrics"].values())
+    assert "rejected client 1" in (tmp_path / "summary.md").read_text()
+    assert rows == on_disk
+
+
+def test_engine_all_rejected_round_says_so(tiny_cfg, tmp_path):
+    from fedexlora.pipeline import run_experiment
+
+    def tamper(rnd, client, up):
+        up.num_examples = 0
+        return up
+
+    rows = run_experiment(tiny_cfg.replace(methods=["fedex"], rounds=1), tmp_path,
+                          progress=False, tamper=tamper)
+    assert rows[0]["accepted"] == [] and rows[0]["note"] == (
+        "every upload was rejected; the global model is unchanged")
