@@ -80,3 +80,53 @@ def tiny_cfg(tiny_bert_dir, tiny_csv):
         lora_dropout=0.0,
         target_modules=["query", "value", "intermediate.dense"],
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny randomly initialised Llama causal LM (with MiniLM's tokenizer, offline)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from fedexlora.models import resolve_model
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tok = AutoTokenizer.from_pretrained(resolve_model("minilm").path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.sep_token_id,
+        bos_token_id=tok.cls_token_id,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def tiny_qa_jsonl(tmp_path_factory):
+    """Prompt/response/answer lines with a final number, like GSM8K."""
+    import json
+
+    path = tmp_path_factory.mktemp("qa") / "qa.jsonl"
+    with open(path, "w") as f:
+        for i in range(40):
+            a, b = i % 7, i % 5
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": f"what is {a} plus {b}?",
+                        "response": f"{a} plus {b} is {a + b}. #### {a + b}",
+                        "answer": str(a + b),
+                    }
+                )
+                + "\n"
+            )
+    return str(path)

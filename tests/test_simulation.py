@@ -123,3 +123,18 @@ def test_save_client_adapters(tiny_cfg, tmp_path):
         weights.append(meta["weight"])
         assert PeftConfig.from_pretrained(str(d)).r == 4
     assert sum(weights) == pytest.approx(1.0)
+
+
+def test_bf16_base_with_gradient_checkpointing_stays_exact(tiny_cfg, tmp_path):
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=2, dtype="bf16", gradient_checkpointing=True)
+    rows = run_experiment(cfg, tmp_path, progress=False)
+    # the aggregation itself is exact in fp32 whatever the base dtype
+    assert all(r["effective_deviation"]["max"] < 1e-5 for r in rows)
+    assert all(r["metrics"]["accuracy"] >= 0 for r in rows)
+
+
+def test_cuda_without_gpu_is_a_clear_error(tiny_cfg, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ValueError, match="`device` is 'cuda' but no CUDA GPU is available"):
+        run_experiment(tiny_cfg.replace(device="cuda"), tmp_path, progress=False)

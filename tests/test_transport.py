@@ -37,17 +37,25 @@ def _rel(a, b):
 def _train(state, gen, scale=0.05):
     s = state.clone()
     for name, (A, B) in s.factors.items():
-        s.factors[name] = (A + scale * torch.randn(A.shape, generator=gen),
-                           B + scale * torch.randn(B.shape, generator=gen))
+        s.factors[name] = (
+            A + scale * torch.randn(A.shape, generator=gen),
+            B + scale * torch.randn(B.shape, generator=gen),
+        )
     return s
 
 
 def _run_partial(method, rounds=5, num_clients=6, fraction=0.5, residual_rank=None):
     server_model = _peft_gpt2()
     clients = [copy.deepcopy(server_model) for _ in range(num_clients)]
-    server = Server(get_state(server_model), layer_info(server_model), method=method,
-                    num_clients=num_clients, fraction=fraction, seed=3,
-                    residual_rank=residual_rank)
+    server = Server(
+        get_state(server_model),
+        layer_info(server_model),
+        method=method,
+        num_clients=num_clients,
+        fraction=fraction,
+        seed=3,
+        residual_rank=residual_rank,
+    )
     gen = torch.Generator().manual_seed(0)
     worst, sizes = 0.0, []
     for rnd in range(1, rounds + 1):

@@ -15,8 +15,10 @@ from fedexlora.state import AdapterState
 def _state(seed, d=6, n=5, r=2):
     g = torch.Generator().manual_seed(seed)
     return AdapterState(
-        factors={"l0": (torch.randn(r, n, generator=g), torch.randn(d, r, generator=g)),
-                 "l1": (torch.randn(r, d, generator=g), torch.randn(n, r, generator=g))},
+        factors={
+            "l0": (torch.randn(r, n, generator=g), torch.randn(d, r, generator=g)),
+            "l1": (torch.randn(r, d, generator=g), torch.randn(n, r, generator=g)),
+        },
         extra={"head.weight": torch.randn(3, d, generator=g)},
     )
 
@@ -121,7 +123,9 @@ def test_engine_all_rejected_round_says_so(tiny_cfg, tmp_path):
         up.num_examples = 0
         return up
 
-    rows = run_experiment(tiny_cfg.replace(methods=["fedex"], rounds=1), tmp_path,
-                          progress=False, tamper=tamper)
+    rows = run_experiment(
+        tiny_cfg.replace(methods=["fedex"], rounds=1), tmp_path, progress=False, tamper=tamper
+    )
     assert rows[0]["accepted"] == [] and rows[0]["note"] == (
-        "every upload was rejected; the global model is unchanged")
+        "every upload was rejected; the global model is unchanged"
+    )

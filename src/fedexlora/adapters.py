@@ -138,10 +138,18 @@ def set_trainable(model: torch.nn.Module, *, train_A: bool, adapter: str | None 
         layer.lora_B[adapter].weight.requires_grad_(True)
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy, in fp32 when the parameter is bf16/fp16 (numpy and records lack bf16)."""
+    t = t.detach().to("cpu", copy=True)
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
 def get_state(
     model: torch.nn.Module, *, include_A: bool = True, adapter: str | None = None
 ) -> AdapterState:
     """Copies the LoRA factors and trainable extras of ``model`` into an AdapterState.
+
+    Tensors are copied to the CPU (the server's math runs there), half precision as fp32.
 
     Args:
         model: A peft model.
@@ -151,9 +159,9 @@ def get_state(
     adapter = _adapter_name(model, adapter)
     factors = {}
     for name, layer in lora_layers(model, adapter).items():
-        A = layer.lora_A[adapter].weight.detach().clone() if include_A else None
-        factors[name] = (A, layer.lora_B[adapter].weight.detach().clone())
-    extra = {name: p.detach().clone() for name, p in _extra_params(model).items()}
+        A = _host(layer.lora_A[adapter].weight) if include_A else None
+        factors[name] = (A, _host(layer.lora_B[adapter].weight))
+    extra = {name: _host(p) for name, p in _extra_params(model).items()}
     return AdapterState(factors=factors, extra=extra)
 
 

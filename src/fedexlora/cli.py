@@ -51,6 +51,9 @@ _RUN_FLAGS = {
     "save_client_adapters": "save_client_adapters",
     "keep_checkpoints": "keep_checkpoints",
     "export": "export",
+    "device": "device",
+    "dtype": "dtype",
+    "gradient_checkpointing": "gradient_checkpointing",
 }
 
 
@@ -100,19 +103,13 @@ def run(
     method: str | None = typer.Option(
         None, help="Comma list of fedex,fedit,ffa,flora,centralized [fedex]."
     ),
-    num_clients: int | None = typer.Option(
-        None, "--num-clients", "--clients", help="Clients [3]."
-    ),
+    num_clients: int | None = typer.Option(None, "--num-clients", "--clients", help="Clients [3]."),
     partition: str | None = typer.Option(None, help="iid or dirichlet [dirichlet]."),
     alpha: float | None = typer.Option(None, help="Dirichlet concentration [0.5]."),
-    min_partition_size: int | None = typer.Option(
-        None, help="Minimum examples per client [10]."
-    ),
+    min_partition_size: int | None = typer.Option(None, help="Minimum examples per client [10]."),
     rounds: int | None = typer.Option(None, help="Federated rounds [3]."),
     local_epochs: float | None = typer.Option(None, help="Local epochs per round [1]."),
-    local_steps: int | None = typer.Option(
-        None, help="Local steps per round (overrides epochs)."
-    ),
+    local_steps: int | None = typer.Option(None, help="Local steps per round (overrides epochs)."),
     batch_size: int | None = typer.Option(None, help="Batch size [16]."),
     lr: float | None = typer.Option(None, help="Learning rate [1e-3]."),
     max_length: int | None = typer.Option(None, help="Max tokens per example [64]."),
@@ -122,17 +119,13 @@ def run(
     target_modules: str | None = typer.Option(
         None, help="Comma list of LoRA targets [per architecture]."
     ),
-    rslora: bool | None = typer.Option(
-        None, "--rslora/--no-rslora", help="Rank-stabilised scale."
-    ),
+    rslora: bool | None = typer.Option(None, "--rslora/--no-rslora", help="Rank-stabilised scale."),
     fraction: float | None = typer.Option(None, help="Fraction of clients per round [1.0]."),
     weighting: str | None = typer.Option(None, help="examples or uniform [examples]."),
     seed: int | None = typer.Option(None, help="Seed for everything random [0]."),
     max_train: int | None = typer.Option(None, help="Use only this many training examples."),
     max_test: int | None = typer.Option(None, help="Use only this many test examples."),
-    residual_rank: int | None = typer.Option(
-        None, help="Truncate residuals to this rank (lossy)."
-    ),
+    residual_rank: int | None = typer.Option(None, help="Truncate residuals to this rank (lossy)."),
     max_update_norm: float | None = typer.Option(
         None, help="Reject client updates above this norm."
     ),
@@ -142,6 +135,15 @@ def run(
     ),
     keep_checkpoints: int | None = typer.Option(None, help="Checkpoints kept per method [2]."),
     export: Path | None = typer.Option(None, help="Also export the final model here."),
+    device: str | None = typer.Option(None, help="auto, cpu or cuda [cpu]."),
+    dtype: str | None = typer.Option(
+        None, help="fp32, bf16 or fp16 (base weights, autocast) [fp32]."
+    ),
+    gradient_checkpointing: bool | None = typer.Option(
+        None,
+        "--gradient-checkpointing/--no-gradient-checkpointing",
+        help="Trade compute for memory.",
+    ),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
 ) -> None:
     """Federated LoRA fine-tuning: every method on identical partitions, reported side by side."""

@@ -75,6 +75,7 @@ class RunConfig:
     engine: str = "local"
     device: str = "cpu"
     dtype: str = "fp32"
+    gradient_checkpointing: bool = False
     save_client_adapters: bool = False
     keep_checkpoints: int = 2
     export: str | None = None

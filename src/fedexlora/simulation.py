@@ -46,11 +46,29 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when available; ``cuda`` without a GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("`device` is 'cuda' but no CUDA GPU is available; use 'auto' or 'cpu'")
+    return torch.device(name)
+
+
+def autocast_dtype(cfg: RunConfig) -> torch.dtype | None:
+    """The autocast dtype for training and evaluation (``None`` for fp32)."""
+    return None if cfg.dtype == "fp32" else torch_dtype(cfg.dtype)
+
+
 def new_model(cfg: RunConfig, task, method: str):
-    """A freshly loaded LoRA model; the same seed gives the same head and adapters."""
+    """A freshly loaded LoRA model on the run's device; same seed, same head and adapters.
+
+    With ``dtype`` bf16/fp16 the frozen base weights are stored in that dtype while the
+    adapters stay fp32 (peft's adapter autocast); residuals are folded through fp32.
+    """
     from .models import load_model
 
-    return load_model(
+    model, tokenizer = load_model(
         cfg.model,
         causal=task.kind == "causal_lm",
         num_labels=max(task.num_labels, 1),
@@ -61,7 +79,12 @@ def new_model(cfg: RunConfig, task, method: str):
         rslora=cfg.rslora,
         seed=cfg.seed,
         freeze_A=method == "ffa",
+        dtype=torch_dtype(cfg.dtype),
     )
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return model.to(resolve_device(cfg.device)), tokenizer
 
 
 def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
@@ -181,6 +204,8 @@ def run_method(
         max_update_norm=None if centralized else cfg.max_update_norm,
     )
     client_data = [prep.train.subset(p) for p in parts]
+    device = next(model.parameters()).device
+    amp = autocast_dtype(cfg)
     rows = []
     for rnd in range(server.round + 1, cfg.rounds + 1):
         t0 = time.perf_counter()
@@ -203,6 +228,8 @@ def run_method(
                 seed=client_seed(cfg.seed, rnd, c),
                 desc=f"{method} r{rnd} client {c}",
                 progress=progress,
+                device=device,
+                autocast=amp,
             )
             up = ClientUpload(
                 c, get_state(model, include_A=method != "ffa"), res.num_examples, res.loss
@@ -223,8 +250,10 @@ def run_method(
         for cid, why in outcome.rejected.items():
             warnings.warn(f"{method} round {rnd}: rejected client {cid}: {why}", stacklevel=1)
         if uploads and not outcome.accepted:
-            warnings.warn(f"{method} round {rnd}: every upload was rejected; the global model "
-                          "is unchanged", stacklevel=1)
+            warnings.warn(
+                f"{method} round {rnd}: every upload was rejected; the global model is unchanged",
+                stacklevel=1,
+            )
         metrics = evaluate(
             model,
             prep.test,
@@ -232,6 +261,8 @@ def run_method(
             batch_size=cfg.eval_batch_size,
             max_new_tokens=cfg.max_new_tokens,
             tokenizer=prep.tokenizer,
+            device=device,
+            autocast=amp,
         )
         if centralized:
             bytes_up = bytes_down = 0

@@ -132,6 +132,7 @@ def train_local(
     device: str | torch.device = "cpu",
     desc: str = "train",
     progress: bool = True,
+    autocast: torch.dtype | None = None,
 ) -> TrainResult:
     """Trains the model's trainable parameters on ``data`` with AdamW.
 
@@ -152,6 +153,7 @@ def train_local(
         device: Where the model lives.
         desc: Progress bar label.
         progress: Whether to show a progress bar.
+        autocast: Mixed-precision dtype (bf16/fp16) for the forward pass, or ``None``.
     """
     n = len(data)
     if n == 0:
@@ -179,7 +181,8 @@ def train_local(
             order += torch.randperm(n, generator=gen).tolist()
         idx, order = order[:batch_size], order[batch_size:]
         batch = _collate(data.subset(idx), device)
-        loss = model(**batch).loss
+        with _amp(device, autocast):
+            loss = model(**batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         opt.step()
@@ -191,15 +194,25 @@ def train_local(
     return TrainResult(loss=sum(losses) / len(losses), steps=total, num_examples=n)
 
 
+def _amp(device, dtype: torch.dtype | None):
+    dev = torch.device(device)
+    return torch.autocast(
+        device_type=dev.type, dtype=dtype or torch.float32, enabled=dtype is not None
+    )
+
+
 @torch.no_grad()
-def predict(model, data: Encoded, *, batch_size: int = 64, device="cpu") -> torch.Tensor:
+def predict(
+    model, data: Encoded, *, batch_size: int = 64, device="cpu", autocast=None
+) -> torch.Tensor:
     """Logits (classification) or scores (regression) for every example, in order."""
     model.eval()
     outs = []
     for start in range(0, len(data), batch_size):
         batch = _collate(data.subset(range(start, min(start + batch_size, len(data)))), device)
         batch.pop("labels")
-        outs.append(model(**batch).logits.float().cpu())
+        with _amp(device, autocast):
+            outs.append(model(**batch).logits.float().cpu())
     return torch.cat(outs)
 
 
@@ -213,20 +226,24 @@ def evaluate(
     device="cpu",
     max_new_tokens: int = 64,
     tokenizer=None,
+    autocast: torch.dtype | None = None,
 ) -> dict[str, float]:
     """Task metrics of the model on ``data`` (see :func:`fedexlora.data.compute_metrics`)."""
     from .data import compute_metrics, exact_match
 
     model.eval()
     if data.kind != "causal_lm":
-        logits = predict(model, data, batch_size=batch_size, device=device)
+        logits = predict(model, data, batch_size=batch_size, device=device, autocast=autocast)
         preds = logits.squeeze(-1) if data.kind == "regression" else logits.argmax(-1)
         return compute_metrics(task, preds.numpy(), torch.tensor(data.labels).numpy())
     # causal LM: loss and perplexity over response tokens, then greedy exact match
     tot_loss, tot_tok = 0.0, 0
     for start in range(0, len(data), batch_size):
         batch = _collate(data.subset(range(start, min(start + batch_size, len(data)))), device)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        with _amp(device, autocast):
+            logits = model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).logits
         shift = batch["labels"][:, 1:]
         lp = torch.nn.functional.cross_entropy(
             logits[:, :-1].float().reshape(-1, logits.shape[-1]),
@@ -239,7 +256,8 @@ def evaluate(
     loss = tot_loss / max(1, tot_tok)
     out = {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
     if data.answers is not None and tokenizer is not None:
-        texts = _generate(model, data, tokenizer, max_new_tokens, batch_size, device)
+        with _amp(device, autocast):
+            texts = _generate(model, data, tokenizer, max_new_tokens, batch_size, device)
         out["exact_match"] = exact_match(texts, data.answers)
     return out
 

@@ -1,0 +1,38 @@
+"""Causal-LM tasks: a decoder with LoRA on all projections, loss, perplexity, exact match."""
+
+import math
+
+import pytest
+
+from fedexlora.pipeline import run_experiment
+
+
+def test_causal_lm_run_reports_loss_perplexity_exact_match(tiny_llama_dir, tiny_qa_jsonl, tmp_path):
+    from fedexlora.config import RunConfig
+
+    cfg = RunConfig(
+        model=tiny_llama_dir,
+        task=tiny_qa_jsonl,
+        methods=["fedex", "fedit"],
+        num_clients=2,
+        min_partition_size=4,
+        rounds=2,
+        local_steps=3,
+        batch_size=4,
+        max_length=32,
+        lora_r=2,
+        lora_dropout=0.0,
+        max_new_tokens=4,
+        lr=1e-2,
+    )
+    rows = run_experiment(cfg, tmp_path, progress=False)
+    for r in rows:
+        assert {"exact_match", "loss", "perplexity"} <= set(r["metrics"])
+        assert r["metrics"]["perplexity"] == pytest.approx(math.exp(r["metrics"]["loss"]))
+        assert 0.0 <= r["metrics"]["exact_match"] <= 1.0
+    fedex = [r for r in rows if r["method"] == "fedex"]
+    assert all(r["effective_deviation"]["max"] < 1e-5 for r in fedex)
+    # the decoder default targets every attention and MLP projection
+    names = set(fedex[0]["deviation"]["per_layer"])
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+        assert any(n.endswith(proj) for n in names), proj
