@@ -204,6 +204,10 @@ def run_method(
         max_update_norm=None if centralized else cfg.max_update_norm,
     )
     client_data = [prep.train.subset(p) for p in parts]
+    # centralized: as many gradient steps per round as all clients together
+    steps = cfg.local_steps
+    if centralized and steps is not None:
+        steps *= len(prep.parts)
     device = next(model.parameters()).device
     amp = autocast_dtype(cfg)
     rows = []
@@ -219,7 +223,7 @@ def run_method(
                 model,
                 client_data[c],
                 epochs=cfg.local_epochs,
-                steps=cfg.local_steps,
+                steps=steps,
                 batch_size=cfg.batch_size,
                 lr=cfg.lr,
                 weight_decay=cfg.weight_decay,
