@@ -19,12 +19,25 @@ def _run(*args):
         (["--alpha", "0"], "`alpha` must be > 0, got 0.0"),
         (["--fraction", "1.5"], "`fraction` must be in (0, 1], got 1.5"),
         (["--method", "ffa", "--residual-rank", "2"], "`residual_rank` applies to fedex only"),
+        (["--device", "tpu"], "`device` must be one of"),
     ],
 )
 def test_user_mistakes_get_one_line_errors(args, match, tmp_path):
     res = _run("run", "--out", str(tmp_path / "o"), "--no-progress", *args)
     assert res.exit_code == 2, res.output
     assert match in res.output
+    assert "Traceback" not in res.output
+
+
+def test_cuda_without_gpu(tmp_path, tiny_bert_dir, tiny_csv):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    res = _run("run", "--model", tiny_bert_dir, "--task", tiny_csv, "--device", "cuda",
+               "--min-partition-size", "5", "--out", str(tmp_path / "o"), "--no-progress")
+    assert res.exit_code == 2
+    assert "`device` is 'cuda' but no CUDA GPU is available" in res.output
     assert "Traceback" not in res.output
 
 
