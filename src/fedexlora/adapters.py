@@ -121,13 +121,23 @@ def layer_info(model: torch.nn.Module, adapter: str | None = None) -> dict[str, 
     return info
 
 
-def _extra_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """Trainable parameters that are not LoRA factors (``modules_to_save``)."""
-    return {
-        name: p
-        for name, p in model.named_parameters()
-        if p.requires_grad and not any(tag in name for tag in _LORA_PARAM_TAGS)
-    }
+def _extra_params(model: torch.nn.Module, adapter: str) -> dict[str, torch.nn.Parameter]:
+    """Trainable non-LoRA parameters (``modules_to_save``) of ``adapter``.
+
+    A ``modules_to_save`` copy is keyed as ``...modules_to_save.default...`` whatever the
+    adapter's name, so that clients training other adapters (other ranks) share keys.
+    """
+    out = {}
+    own, canonical = f".modules_to_save.{adapter}.", ".modules_to_save.default."
+    for name, p in model.named_parameters():
+        if any(tag in name for tag in _LORA_PARAM_TAGS):
+            continue
+        if ".modules_to_save." in name:
+            if own in name:
+                out[name.replace(own, canonical)] = p
+        elif p.requires_grad:
+            out[name] = p
+    return out
 
 
 def set_trainable(model: torch.nn.Module, *, train_A: bool, adapter: str | None = None) -> None:
@@ -161,7 +171,7 @@ def get_state(
     for name, layer in lora_layers(model, adapter).items():
         A = _host(layer.lora_A[adapter].weight) if include_A else None
         factors[name] = (A, _host(layer.lora_B[adapter].weight))
-    extra = {name: _host(p) for name, p in _extra_params(model).items()}
+    extra = {name: _host(p) for name, p in _extra_params(model, adapter).items()}
     return AdapterState(factors=factors, extra=extra)
 
 
@@ -188,7 +198,7 @@ def check_compatible(model: torch.nn.Module, state: AdapterState, adapter: str |
             raise ValueError(
                 f"module {name!r}: B has shape {tuple(B.shape)}, model expects {tuple(wb.shape)}"
             )
-    params = _extra_params(model)
+    params = _extra_params(model, adapter)
     if set(params) != set(state.extra):
         raise ValueError(
             "adapter state does not match the model's trainable extras: missing "
@@ -220,7 +230,7 @@ def set_state(model: torch.nn.Module, state: AdapterState, adapter: str | None =
             wa.copy_(A.to(wa.dtype))
         wb = layer.lora_B[adapter].weight
         wb.copy_(B.to(wb.dtype))
-    params = _extra_params(model)
+    params = _extra_params(model, adapter)
     for name, t in state.extra.items():
         params[name].copy_(t.to(params[name].dtype))
 
@@ -251,7 +261,8 @@ def fold_residuals(
             continue
         scale = float(layer.scaling[adapter])
         weight = layer.get_base_layer().weight
-        target = weight.data if weight.dtype == torch.float32 else weight.data.float()
+        half = weight.dtype in (torch.float16, torch.bfloat16)
+        target = weight.data.float() if half else weight.data
         fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))
         if R.is_factored:
             U, V = R.U.to(target), R.V.to(target)

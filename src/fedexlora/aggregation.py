@@ -23,6 +23,8 @@ __all__ = [
     "deviation",
     "factor_product",
     "normalize_weights",
+    "pad_rank",
+    "split_leading",
 ]
 
 METHODS = ("fedex", "fedit", "ffa", "flora")
@@ -88,6 +90,13 @@ class Residual:
             dense=cast(self.dense),
             stored_rank=self.stored_rank,
         )
+
+    def scaled(self, factor: float) -> Residual:
+        """``factor * self`` (the left factor, or the dense matrix, is scaled)."""
+        if self.dense is not None:
+            return Residual(self.shape, dense=self.dense * factor, stored_rank=self.stored_rank)
+        assert self.U is not None and self.V is not None
+        return Residual(self.shape, U=self.U * factor, V=self.V, stored_rank=self.stored_rank)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stored tensors by role: ``{"U", "V"}`` or ``{"dense"}``."""
@@ -379,3 +388,53 @@ def aggregate(
         weights=p,
         method=method,
     )
+
+
+def split_leading(
+    A: torch.Tensor, B: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, Residual]:
+    """Splits ``B @ A`` into its best rank-``rank`` part and the rest, without ``(d, n)``.
+
+    ``B @ A = X S Y^T`` (QR of both factors, then an SVD of the ``(r, r)`` core). The
+    leading part keeps the most energy.
+
+    Returns:
+        ``(A_lead, B_lead, tail)`` with ``A_lead`` ``(rank, n)``, ``B_lead`` ``(d, rank)``,
+        both carrying ``sqrt(S)``, and ``B_lead @ A_lead + tail.to_dense() == B @ A``.
+    """
+    if rank < 1:
+        raise ValueError(f"`rank` must be >= 1, got {rank}")
+    out = _compute_dtype(A)
+    A64, B64 = A.detach().double(), B.detach().double()
+    Qb, Rb = torch.linalg.qr(B64)  # (d, r), (r, r)
+    Qa, Ra = torch.linalg.qr(A64.T)  # (n, r), (r, r)
+    X, S, Yh = torch.linalg.svd(Rb @ Ra.T)
+    U = Qb @ X  # (d, r)
+    V = Yh @ Qa.T  # (r, n)
+    k = min(rank, S.numel())
+    root = S[:k].sqrt()
+    B_lead = torch.zeros(B.shape[0], rank, dtype=torch.float64)
+    A_lead = torch.zeros(rank, A.shape[1], dtype=torch.float64)
+    B_lead[:, :k] = U[:, :k] * root
+    A_lead[:k] = root[:, None] * V[:k]
+    d, n = B.shape[0], A.shape[1]
+    tail = Residual((d, n), U=(U[:, k:] * S[k:]).to(out), V=V[k:].to(out).contiguous())
+    return A_lead.to(out), B_lead.to(out), tail
+
+
+def pad_rank(A: torch.Tensor, B: torch.Tensor, rank: int, factor: float = 1.0):
+    """Zero-pads ``(A, B)`` to ``rank`` and multiplies both by ``sqrt(factor)``.
+
+    ``pad_B @ pad_A == factor * B @ A``: used to express a client's rank-``r_i`` factors,
+    trained at scale ``s_i``, in the global adapter's rank and scale
+    (``factor = s_i / s_global``).
+    """
+    r = A.shape[0]
+    if r > rank:
+        raise ValueError(f"cannot pad rank {r} down to {rank}")
+    root = math.sqrt(factor)
+    pA = torch.zeros(rank, A.shape[1], dtype=A.dtype)
+    pB = torch.zeros(B.shape[0], rank, dtype=B.dtype)
+    pA[:r] = A * root
+    pB[:, :r] = B * root
+    return pA, pB

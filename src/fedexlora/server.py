@@ -162,6 +162,9 @@ class Server:
         seed: Seed for sampling and FLoRA's re-initialisation.
         residual_rank: Truncate residuals to this rank (lossy, with error feedback).
         max_update_norm: Reject uploads whose change from the global state is larger.
+        client_layers: Per client, the LoRA layer info of the adapter it trains when it
+            differs from the global one (heterogeneous ranks; see
+            :mod:`fedexlora.hetero`). Supported with ``fedex`` and ``flora``.
     """
 
     def __init__(
@@ -176,6 +179,7 @@ class Server:
         seed: int = 0,
         residual_rank: int | None = None,
         max_update_norm: float | None = None,
+        client_layers: Mapping[int, Mapping[str, LayerInfo]] | None = None,
     ):
         self.state = state.clone()
         self.layers = dict(layers)
@@ -192,6 +196,13 @@ class Server:
         self.client_version: dict[int, int] = {}  # base version each client holds
         self.feedback: dict[str, Residual] = {}  # lossy mode: residual kept back
         self.base_delta: dict[str, Residual] = {}  # sum of residuals folded so far
+        self.client_layers = {int(c): dict(v) for c, v in (client_layers or {}).items()}
+        if self.client_layers and method not in ("fedex", "flora"):
+            raise ValueError(
+                f"heterogeneous client ranks need method 'fedex' or 'flora', got {method!r}"
+            )
+        self.remainder: dict[int, dict[str, Residual]] = {}  # hetero: T_i each client holds
+        self.sent: dict[int, AdapterState] = {}  # hetero: the view each client trains from
 
     # -- sampling and payloads -------------------------------------------------------
     def sample(self, rnd: int) -> list[int]:
@@ -238,9 +249,46 @@ class Server:
         state = self.state
         if self.method == "ffa" and since is not None:
             state = self.upload_template()  # A is frozen and already held
+        if client_id in self.client_layers:
+            state, residuals = self._hetero_view(client_id, residuals)
         self.client_version[client_id] = self.version
         self._prune()
         return Payload(round=self.round + 1, version=self.version, state=state, residuals=residuals)
+
+    def _hetero_view(self, c: int, glob: dict[str, Residual]):
+        """Client ``c``'s factors, and its residual: catch-up plus the change of ``T_c``.
+
+        Everything is expressed in the client's own LoRA scale.
+        """
+        from .hetero import client_view
+
+        gen = torch.Generator().manual_seed(self.seed * 65_537 + self.round * 101 + c)
+        layers_c = self.client_layers[c]
+        view, t_new = client_view(self.state, self.layers, layers_c, generator=gen)
+        t_old = self.remainder.get(c, {})
+        out = {}
+        for name, info in self.layers.items():
+            s_c = layers_c[name].scale
+            parts = []
+            if name in glob:
+                parts.append(glob[name].scaled(info.scale / s_c))
+            if name in t_new:
+                parts.append(t_new[name].scaled(1.0 / s_c))
+            if name in t_old:
+                parts.append(t_old[name].scaled(-1.0 / s_c))
+            if parts:
+                out[name] = parts[0] if len(parts) == 1 else Residual.concat(parts)
+        self.remainder[c] = t_new
+        self.sent[c] = view
+        return view, out
+
+    def forget_client(self, client_id: int) -> None:
+        """Marks a client's base weights as unknown, e.g. after its payload was lost.
+
+        Its next payload is built as for a new client: the whole base delta since W0, with
+        every factor, so the client must start again from the pretrained weights.
+        """
+        self.client_version.pop(client_id, None)
 
     def _prune(self) -> None:
         if not self.history:
@@ -262,8 +310,9 @@ class Server:
         template = self.upload_template()
         accepted, rejected = [], {}
         for up in uploads:
+            expect = self.sent.get(up.client_id, template)
             reason = validate_upload(
-                up, template, max_update_norm=self.max_update_norm, reference=template
+                up, expect, max_update_norm=self.max_update_norm, reference=expect
             )
             if reason is None:
                 accepted.append(up)
@@ -277,14 +326,15 @@ class Server:
             weights = None
         if generator is None and self.method == "flora":
             generator = torch.Generator().manual_seed(self.seed * 7919 + self.round)
+        states = [self._to_global(u) for u in accepted]
         agg = aggregate_states(
-            [u.state for u in accepted],
+            states,
             weights,
             self.method,
             global_state=self.state,
             generator=generator,
         )
-        residuals = agg.residuals
+        residuals = self._add_remainders(agg.residuals, accepted, agg.weights)
         feedback_norm = {}
         if self.residual_rank is not None:
             residuals, feedback_norm = self._truncate(residuals)
@@ -313,6 +363,27 @@ class Server:
             feedback_norm=feedback_norm,
             weights={u.client_id: float(w) for u, w in zip(accepted, agg.weights)},
         )
+
+    def _to_global(self, up: ClientUpload) -> AdapterState:
+        if up.client_id not in self.client_layers:
+            return up.state
+        from .hetero import to_global
+
+        return to_global(up.state, self.layers, self.client_layers[up.client_id])
+
+    def _add_remainders(self, residuals, accepted, weights) -> dict[str, Residual]:
+        """Adds ``Σ p_i T_i / s_g``: the part of each client's start its factors lack."""
+        out = dict(residuals)
+        for name, info in self.layers.items():
+            parts = [
+                self.remainder[u.client_id][name].scaled(float(p) / info.scale)
+                for u, p in zip(accepted, weights)
+                if name in self.remainder.get(u.client_id, {})
+            ]
+            if parts:
+                base = [out[name]] if name in out and not out[name].is_zero else []
+                out[name] = Residual.concat(base + parts)
+        return out
 
     def _truncate(self, residuals: dict[str, Residual]):
         kept, norms = {}, {}
