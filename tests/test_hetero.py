@@ -130,3 +130,34 @@ def test_hetero_refuses_methods_that_cannot_be_exact():
             num_clients=2,
             client_layers={1: layer_info(small)},
         )
+
+
+def test_engine_with_client_ranks_is_exact_and_resumes(tiny_cfg, tmp_path):
+    from fedexlora.checkpoint import latest_checkpoint
+    from fedexlora.pipeline import run_experiment
+
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=2, lora_r=8, client_ranks=[2, 4, 8])
+    rows = run_experiment(cfg, tmp_path / "a", progress=False)
+    assert all(r["effective_deviation"]["max"] < 1e-5 for r in rows)
+    assert all(r["accepted"] == [0, 1, 2] for r in rows)
+    # the low-rank clients upload fewer bytes than a rank-8 client would
+    full = run_experiment(cfg.replace(client_ranks=None), tmp_path / "b", progress=False)
+    assert rows[0]["bytes_up"] < full[0]["bytes_up"]
+    # resume from round 1 reproduces round 2 exactly (remainders are checkpointed)
+    import shutil
+
+    shutil.rmtree(latest_checkpoint(tmp_path / "a" / "checkpoints" / "fedex"))
+    again = run_experiment(cfg, tmp_path / "a", resume=True, progress=False)
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]  # noqa: E731
+    assert strip(again) == strip(rows)
+
+
+def test_client_ranks_config_errors():
+    from fedexlora.config import RunConfig
+
+    errs = RunConfig(num_clients=3, client_ranks=[2, 4], lora_r=4).errors()
+    assert any("one rank per client (3), got 2" in e for e in errs)
+    errs = RunConfig(num_clients=2, client_ranks=[2, 4], lora_r=8).errors()
+    assert any("must equal max(client_ranks) = 4, got 8" in e for e in errs)
+    errs = RunConfig(num_clients=2, client_ranks=[2, 4], lora_r=4, methods=["ffa"]).errors()
+    assert any("cannot be combined with methods ['ffa']" in e for e in errs)

@@ -95,6 +95,8 @@ def save_checkpoint(
     flat.update(_residuals_to_flat("feedback", server.feedback))
     for v, res in server.history.items():
         flat.update(_residuals_to_flat(f"history{v}", res))
+    for c, res in server.remainder.items():  # heterogeneous ranks: T_c each client holds
+        flat.update(_residuals_to_flat(f"remainder{c}", res))
     flat = {k: t.detach().contiguous().clone() for k, t in flat.items()}
     save_file(flat, str(tmp / "tensors.safetensors"))
     info = {
@@ -104,6 +106,7 @@ def save_checkpoint(
         "method": server.method,
         "client_version": {str(k): v for k, v in server.client_version.items()},
         "history_versions": sorted(server.history),
+        "remainder_clients": sorted(server.remainder),
         **meta,
     }
     (tmp / "meta.json").write_text(json.dumps(info, indent=1))
@@ -171,6 +174,10 @@ def load_checkpoint(path: str | Path, server: Server, *, fingerprint: str | None
     server.feedback = _residuals_from_flat("feedback", flat)
     server.history = {
         int(v): _residuals_from_flat(f"history{v}", flat) for v in info["history_versions"]
+    }
+    server.remainder = {
+        int(c): _residuals_from_flat(f"remainder{c}", flat)
+        for c in info.get("remainder_clients", [])
     }
     server.round = int(info["round"])
     server.version = int(info["version"])

@@ -53,6 +53,7 @@ _RUN_FLAGS = {
     "export": "export",
     "device": "device",
     "dtype": "dtype",
+    "client_ranks": "client_ranks",
     "gradient_checkpointing": "gradient_checkpointing",
 }
 
@@ -120,6 +121,9 @@ def run(
         None, help="Comma list of LoRA targets [per architecture]."
     ),
     rslora: bool | None = typer.Option(None, "--rslora/--no-rslora", help="Rank-stabilised scale."),
+    client_ranks: str | None = typer.Option(
+        None, help="Comma list: each client's LoRA rank (global rank = the largest)."
+    ),
     fraction: float | None = typer.Option(None, help="Fraction of clients per round [1.0]."),
     weighting: str | None = typer.Option(None, help="examples or uniform [examples]."),
     seed: int | None = typer.Option(None, help="Seed for everything random [0]."),
@@ -158,6 +162,13 @@ def run(
             continue
         if flag in ("method", "target_modules"):
             value = [v.strip() for v in str(value).split(",") if v.strip()]
+        if flag == "client_ranks":
+            try:
+                value = [int(v) for v in str(value).split(",") if v.strip()]
+            except ValueError:
+                _fail(f"--client-ranks must be a comma list of integers, got {value!r}")
+            if rank is None and value:
+                overrides["lora_r"] = max(value)
         if isinstance(value, Path):
             value = str(value)
         overrides[key] = value

@@ -63,6 +63,7 @@ class RunConfig:
     lora_dropout: float = 0.05
     target_modules: list[str] | None = None
     rslora: bool = False
+    client_ranks: list[int] | None = None
     fraction: float = 1.0
     weighting: str = "examples"
     seed: int = 0
@@ -159,6 +160,28 @@ class RunConfig:
             self.keep_checkpoints >= 1,
             f"`keep_checkpoints` must be >= 1, got {self.keep_checkpoints}",
         )
+        if self.client_ranks is not None:
+            need(
+                len(self.client_ranks) == self.num_clients,
+                f"`client_ranks` needs one rank per client ({self.num_clients}), got "
+                f"{len(self.client_ranks)}",
+            )
+            need(
+                all(r >= 1 for r in self.client_ranks),
+                f"`client_ranks` must all be >= 1, got {self.client_ranks}",
+            )
+            need(
+                max(self.client_ranks, default=0) == self.lora_r,
+                f"`lora_r` is the global adapter's rank and must equal max(client_ranks) = "
+                f"{max(self.client_ranks, default=0)}, got {self.lora_r}",
+            )
+            other = [m for m in self.methods if m not in ("fedex", "flora", "centralized")]
+            need(
+                not other,
+                f"`client_ranks` works with fedex and flora (exact); it cannot be "
+                f"combined with methods {other}",
+            )
+            need(self.engine == "local", "`client_ranks` needs `engine` 'local'")
         if self.residual_rank is not None:
             lossless = [m for m in self.methods if m in ("ffa", "fedit", "centralized", "flora")]
             need(
@@ -199,6 +222,11 @@ def _type_errors(f: dataclasses.Field, value: Any) -> list[str]:
     optional = "None" in t
     if value is None:
         return [] if optional else [f"`{f.name}` must not be empty"]
+    if t.startswith("list[int]"):
+        ok = isinstance(value, list) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        )
+        return [] if ok else [f"`{f.name}` must be a list of integers, got {value!r}"]
     if t.startswith("list"):
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             return [f"`{f.name}` must be a list of strings, got {value!r}"]

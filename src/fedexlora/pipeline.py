@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .adapters import get_state, layer_info, lora_layers, set_state
+from .adapters import lora_layers, set_state
 from .checkpoint import (
     CheckpointError,
     config_fingerprint,
@@ -19,8 +19,7 @@ from .checkpoint import (
 )
 from .config import RunConfig, load_config
 from .report import write_summary
-from .server import Server
-from .simulation import new_model, prepare, run_method
+from .simulation import new_model, new_server, prepare, run_method
 
 __all__ = ["RunError", "export_model", "load_task_for", "restore_model", "run_experiment"]
 
@@ -56,21 +55,6 @@ def _append_row(path: Path, row: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _new_server(cfg: RunConfig, method: str, model, num_clients: int) -> Server:
-    centralized = method == "centralized"
-    return Server(
-        get_state(model),
-        layer_info(model),
-        method="fedex" if centralized else method,
-        num_clients=1 if centralized else num_clients,
-        fraction=1.0 if centralized else cfg.fraction,
-        weighting=cfg.weighting,
-        seed=cfg.seed,
-        residual_rank=None if centralized else cfg.residual_rank,
-        max_update_norm=None if centralized else cfg.max_update_norm,
-    )
-
-
 def _save_tensors_extra(ckpt: Path, deltas: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
@@ -87,7 +71,7 @@ def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: st
     from safetensors.torch import load_file
 
     model, tokenizer = new_model(cfg, task, method)
-    server = _new_server(cfg, method, model, cfg.num_clients)
+    server = new_server(cfg, method, model)
     info = load_checkpoint(ckpt, server, fingerprint=fingerprint)
     try:
         deltas = load_file(str(ckpt / "base_deltas.safetensors"))
@@ -185,7 +169,7 @@ def run_experiment(
                 if i == 0 and first_model is not None
                 else new_model(cfg, task, method)[0]
             )
-            server = _new_server(cfg, method, model, cfg.num_clients)
+            server = new_server(cfg, method, model)
             w0 = {n: w.detach().clone() for n, w in _adapted_weights(model).items()}
         first_model = None
 

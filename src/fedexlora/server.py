@@ -289,6 +289,7 @@ class Server:
         every factor, so the client must start again from the pretrained weights.
         """
         self.client_version.pop(client_id, None)
+        self.remainder.pop(client_id, None)  # heterogeneous ranks: nothing folded any more
 
     def _prune(self) -> None:
         if not self.history:

@@ -7,6 +7,8 @@ model, and records what happened.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import time
 import warnings
@@ -16,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from .adapters import fold_residuals, get_state, layer_info, set_state
+from .adapters import fold_residuals, get_state, layer_info, lora_layers, set_state
 from .config import RunConfig
 from .server import ClientUpload, RoundOutcome, Server
 from .training import Encoded, encode, evaluate, train_local
 
-__all__ = ["Prepared", "client_seed", "prepare", "round_row", "run_method"]
+__all__ = ["Prepared", "client_seed", "local_update", "prepare", "round_row", "run_method"]
 
 
 def client_seed(seed: int, rnd: int, client: int) -> int:
@@ -81,10 +83,43 @@ def new_model(cfg: RunConfig, task, method: str):
         freeze_A=method == "ffa",
         dtype=torch_dtype(cfg.dtype),
     )
+    for r in sorted(set(cfg.client_ranks or [])):
+        if method in ("fedex", "flora") and r != cfg.lora_r:  # heterogeneous client ranks
+            model.add_adapter(f"rank{r}", dataclasses.replace(model.peft_config["default"], r=r))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     return model.to(resolve_device(cfg.device)), tokenizer
+
+
+def client_adapter(cfg: RunConfig, method: str, client: int) -> str | None:
+    """The peft adapter a client trains when its rank differs from the global one."""
+    if not cfg.client_ranks or method not in ("fedex", "flora"):
+        return None
+    r = cfg.client_ranks[client]
+    return None if r == cfg.lora_r else f"rank{r}"
+
+
+def new_server(cfg: RunConfig, method: str, model) -> Server:
+    """The server of one method, from the freshly loaded model's adapters."""
+    centralized = method == "centralized"
+    client_layers = {}
+    for c in range(cfg.num_clients):
+        name = client_adapter(cfg, method, c)
+        if name is not None:
+            client_layers[c] = layer_info(model, name)
+    return Server(
+        get_state(model, adapter="default"),
+        layer_info(model, "default"),
+        method="fedex" if centralized else method,
+        num_clients=1 if centralized else cfg.num_clients,
+        fraction=1.0 if centralized else cfg.fraction,
+        weighting=cfg.weighting,
+        seed=cfg.seed,
+        residual_rank=None if centralized else cfg.residual_rank,
+        max_update_norm=None if centralized else cfg.max_update_norm,
+        client_layers=client_layers,
+    )
 
 
 def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
@@ -160,6 +195,53 @@ def round_row(
     return row
 
 
+def local_update(
+    cfg: RunConfig,
+    method: str,
+    model: torch.nn.Module,
+    data: Encoded,
+    rnd: int,
+    client: int,
+    *,
+    steps: int | None = None,
+    progress: bool = False,
+) -> ClientUpload:
+    """One client's local step, shared by every engine: train, then read the upload back.
+
+    The model must already hold the global weights (its base with the residuals folded
+    in, and the global factors). The seed comes from :func:`client_seed`, so every engine
+    trains a given client identically.
+
+    Args:
+        cfg: The run configuration.
+        method: The method (``ffa`` uploads no A).
+        model: The client's model, on the device it trains on.
+        data: The client's examples.
+        rnd: The round.
+        client: The client id.
+        steps: Local steps; ``None`` takes ``cfg.local_steps``.
+        progress: Whether to show a progress bar.
+    """
+    res = train_local(
+        model,
+        data,
+        epochs=cfg.local_epochs,
+        steps=cfg.local_steps if steps is None else steps,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        warmup_ratio=cfg.warmup_ratio,
+        max_grad_norm=cfg.max_grad_norm,
+        seed=client_seed(cfg.seed, rnd, client),
+        desc=f"{method} r{rnd} client {client}",
+        progress=progress,
+        device=next(model.parameters()).device,
+        autocast=autocast_dtype(cfg),
+    )
+    state = get_state(model, include_A=method != "ffa")
+    return ClientUpload(client, state, res.num_examples, res.loss)
+
+
 def run_method(
     cfg: RunConfig,
     method: str,
@@ -192,17 +274,7 @@ def run_method(
     if model is None:
         model, _ = new_model(cfg, prep.task, method)
     parts = [sorted(i for p in prep.parts for i in p)] if centralized else prep.parts
-    server = server or Server(
-        get_state(model),
-        layer_info(model),
-        method="fedex" if centralized else method,
-        num_clients=len(parts),
-        fraction=1.0 if centralized else cfg.fraction,
-        weighting=cfg.weighting,
-        seed=cfg.seed,
-        residual_rank=None if centralized else cfg.residual_rank,
-        max_update_norm=None if centralized else cfg.max_update_norm,
-    )
+    server = server or new_server(cfg, method, model)
     client_data = [prep.train.subset(p) for p in parts]
     # centralized: as many gradient steps per round as all clients together
     steps = cfg.local_steps
@@ -219,31 +291,17 @@ def run_method(
             payload = server.payload_for(c)
             bytes_down += payload.nbytes
             set_state(model, server.state)  # the shared base already holds the residuals
-            res = train_local(
-                model,
-                client_data[c],
-                epochs=cfg.local_epochs,
-                steps=steps,
-                batch_size=cfg.batch_size,
-                lr=cfg.lr,
-                weight_decay=cfg.weight_decay,
-                warmup_ratio=cfg.warmup_ratio,
-                max_grad_norm=cfg.max_grad_norm,
-                seed=client_seed(cfg.seed, rnd, c),
-                desc=f"{method} r{rnd} client {c}",
-                progress=progress,
-                device=device,
-                autocast=amp,
-            )
-            up = ClientUpload(
-                c, get_state(model, include_A=method != "ffa"), res.num_examples, res.loss
-            )
+            with _client_view(model, server, c, client_adapter(cfg, method, c)):
+                up = local_update(
+                    cfg, method, model, client_data[c], rnd, c, steps=steps, progress=progress
+                )
+            num_examples = up.num_examples
             if tamper is not None:
                 up = tamper(rnd, c, up)
             bytes_up += up.nbytes
             uploads.append(up)
             if cfg.save_client_adapters and out_dir is not None:
-                save_client_adapter(model, out_dir, rnd, c, res.num_examples)
+                save_client_adapter(model, out_dir, rnd, c, num_examples)
         outcome = server.aggregate(uploads)
         if cfg.save_client_adapters and out_dir is not None:
             for c, w in outcome.weights.items():
@@ -288,6 +346,34 @@ def run_method(
         if after_round is not None:
             after_round(row, server, model)
     return rows, model, server
+
+
+@contextlib.contextmanager
+def _client_view(model, server: Server, client: int, adapter: str | None):
+    """Temporarily turns the shared model into a client of another rank.
+
+    The client's remainder ``T_c`` is folded into the shared base under the client's own
+    adapter and scale, and restored bit for bit afterwards.
+    """
+    if adapter is None:
+        yield
+        return
+    weights = {n: layer.get_base_layer().weight for n, layer in lora_layers(model).items()}
+    snapshot = {n: w.detach().clone() for n, w in weights.items()}
+    info = layer_info(model, adapter)
+    remainder = server.remainder.get(client, {})
+    fold_residuals(
+        model, {n: t.scaled(1.0 / info[n].scale) for n, t in remainder.items()}, adapter=adapter
+    )
+    model.set_adapter(adapter)
+    set_state(model, server.sent[client], adapter=adapter)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, w in weights.items():
+                w.copy_(snapshot[n])
+        model.set_adapter("default")
 
 
 def save_client_adapter(
