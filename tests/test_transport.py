@@ -120,40 +120,33 @@ def test_payload_roundtrip_and_bytes_counted_from_tensors():
         assert torch.equal(back.residuals[name].to_dense(), r.to_dense())
 
 
+def _rounds(model, residual_rank):
+    """3 rounds of 4 clients with seeded uploads; the uploads depend only on A and B."""
+    server = Server(get_state(model), layer_info(model), num_clients=4, residual_rank=residual_rank)
+    gen = torch.Generator().manual_seed(1)
+    outcomes = []
+    for rnd in range(1, 4):
+        ups = []
+        for c in server.sample(rnd):
+            server.payload_for(c)
+            ups.append(ClientUpload(c, _train(server.state, gen, 0.3), 7 + c))
+        outcomes.append(server.aggregate(ups))
+        fold_residuals(model, outcomes[-1].residuals)
+        set_state(model, server.state)
+    return server, outcomes
+
+
 def test_lossy_residual_rank_keeps_the_remainder_as_error_feedback():
     model = _peft_gpt2()
-    server = Server(get_state(model), layer_info(model), num_clients=4, residual_rank=1)
-    gen = torch.Generator().manual_seed(1)
-    for rnd in range(1, 4):
-        ups = []
-        for c in server.sample(rnd):
-            server.payload_for(c)
-            ups.append(ClientUpload(c, _train(server.state, gen, 0.3), 7 + c))
-        out = server.aggregate(ups)
+    server, outcomes = _rounds(model, residual_rank=1)
+    for out in outcomes:
         assert all(r.rank <= 1 for r in out.residuals.values())
         assert max(out.feedback_norm.values()) > 0
-        fold_residuals(model, out.residuals)
-        set_state(model, server.state)
     # nothing dropped for good: lossy model + scale * feedback == exact model of those uploads
+    # (truncation touches only R, so both runs see the same A, B and the same uploads)
     eff = _effective(model)
     for name, layer in lora_layers(model).items():
-        fb = server.feedback[name].to_dense().double()
-        eff[name] = eff[name] + layer.scaling["default"] * fb
-    exact = _exact_replay()  # truncation touches only R, so the uploads are the same
-    assert _rel(eff, exact) < 1e-6
-
-
-def _exact_replay():
-    """Re-run the same 3 rounds without truncation (same seeds, same uploads)."""
-    model = _peft_gpt2()
-    server = Server(get_state(model), layer_info(model), num_clients=4)
-    gen = torch.Generator().manual_seed(1)
-    for rnd in range(1, 4):
-        ups = []
-        for c in server.sample(rnd):
-            server.payload_for(c)
-            ups.append(ClientUpload(c, _train(server.state, gen, 0.3), 7 + c))
-        out = server.aggregate(ups)
-        fold_residuals(model, out.residuals)
-        set_state(model, server.state)
-    return _effective(model)
+        eff[name] = eff[name] + layer.scaling["default"] * server.feedback[name].to_dense().double()
+    exact = _peft_gpt2()
+    _rounds(exact, residual_rank=None)
+    assert _rel(eff, _effective(exact)) < 1e-6

@@ -24,6 +24,8 @@ __all__ = [
     "factor_product",
     "normalize_weights",
     "pad_rank",
+    "residuals_from_flat",
+    "residuals_to_flat",
     "split_leading",
 ]
 
@@ -438,3 +440,30 @@ def pad_rank(A: torch.Tensor, B: torch.Tensor, rank: int, factor: float = 1.0):
     pA[:r] = A * root
     pB[:, :r] = B * root
     return pA, pB
+
+
+def residuals_to_flat(prefix: str, residuals: dict[str, Residual]) -> dict[str, torch.Tensor]:
+    """``{f"{prefix}.{module}.U"|".V"|".dense": tensor}``: a flat map for transport or disk."""
+    out = {}
+    for name, r in residuals.items():
+        for role, t in r.tensors().items():
+            out[f"{prefix}.{name}.{role}"] = t
+    return out
+
+
+def residuals_from_flat(prefix: str, flat: dict[str, torch.Tensor]) -> dict[str, Residual]:
+    """Inverse of :func:`residuals_to_flat`; shapes are read from the tensors."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in flat.items():
+        if k.startswith(prefix + "."):
+            name, role = k[len(prefix) + 1 :].rsplit(".", 1)
+            parts.setdefault(name, {})[role] = v
+    out = {}
+    for name, p in parts.items():
+        if "dense" in p:
+            out[name] = Residual(tuple(p["dense"].shape), dense=p["dense"])
+        elif "U" in p and "V" in p:
+            out[name] = Residual((p["U"].shape[0], p["V"].shape[1]), U=p["U"], V=p["V"])
+        else:
+            raise ValueError(f"residual {prefix}.{name} needs U and V, or dense; got {sorted(p)}")
+    return out

@@ -8,11 +8,10 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .aggregation import Residual
+from .aggregation import residuals_from_flat, residuals_to_flat
 from .server import Server
 from .state import AdapterState
 
@@ -36,29 +35,6 @@ def config_fingerprint(cfg_dict: dict) -> str:
     volatile = {"rounds", "export", "keep_checkpoints", "save_client_adapters"}
     stable = {k: v for k, v in sorted(cfg_dict.items()) if k not in volatile}
     return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _residuals_to_flat(prefix: str, residuals: dict[str, Residual]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, r in residuals.items():
-        for role, t in r.tensors().items():
-            out[f"{prefix}.{name}.{role}"] = t
-    return out
-
-
-def _residuals_from_flat(prefix: str, flat: dict[str, torch.Tensor]) -> dict[str, Residual]:
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for k, v in flat.items():
-        if k.startswith(prefix + "."):
-            name, role = k[len(prefix) + 1 :].rsplit(".", 1)
-            parts.setdefault(name, {})[role] = v
-    out = {}
-    for name, p in parts.items():
-        if "dense" in p:
-            out[name] = Residual(tuple(p["dense"].shape), dense=p["dense"])
-        else:
-            out[name] = Residual((p["U"].shape[0], p["V"].shape[1]), U=p["U"], V=p["V"])
-    return out
 
 
 def _fsync_dir(path: Path) -> None:
@@ -91,12 +67,12 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     flat = {f"state.{k}": v for k, v in server.state.to_flat().items()}
-    flat.update(_residuals_to_flat("base_delta", server.base_delta))
-    flat.update(_residuals_to_flat("feedback", server.feedback))
+    flat.update(residuals_to_flat("base_delta", server.base_delta))
+    flat.update(residuals_to_flat("feedback", server.feedback))
     for v, res in server.history.items():
-        flat.update(_residuals_to_flat(f"history{v}", res))
+        flat.update(residuals_to_flat(f"history{v}", res))
     for c, res in server.remainder.items():  # heterogeneous ranks: T_c each client holds
-        flat.update(_residuals_to_flat(f"remainder{c}", res))
+        flat.update(residuals_to_flat(f"remainder{c}", res))
     flat = {k: t.detach().contiguous().clone() for k, t in flat.items()}
     save_file(flat, str(tmp / "tensors.safetensors"))
     info = {
@@ -166,17 +142,17 @@ def load_checkpoint(path: str | Path, server: Server, *, fingerprint: str | None
         raise CheckpointError(
             f"checkpoint {str(p)!r} does not match the model: its modules or shapes differ"
         )
-    base_delta = _residuals_from_flat("base_delta", flat)
+    base_delta = residuals_from_flat("base_delta", flat)
     if set(base_delta) - set(server.layers):
         raise CheckpointError(f"checkpoint {str(p)!r} has base deltas for unknown modules")
     server.state = state
     server.base_delta = base_delta
-    server.feedback = _residuals_from_flat("feedback", flat)
+    server.feedback = residuals_from_flat("feedback", flat)
     server.history = {
-        int(v): _residuals_from_flat(f"history{v}", flat) for v in info["history_versions"]
+        int(v): residuals_from_flat(f"history{v}", flat) for v in info["history_versions"]
     }
     server.remainder = {
-        int(c): _residuals_from_flat(f"remainder{c}", flat)
+        int(c): residuals_from_flat(f"remainder{c}", flat)
         for c in info.get("remainder_clients", [])
     }
     server.round = int(info["round"])

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adapters import LayerInfo
-from .aggregation import Residual
+from .aggregation import Residual, residuals_from_flat, residuals_to_flat
 from .state import AdapterState, aggregate_states
 
 __all__ = ["ClientUpload", "Payload", "RoundOutcome", "Server", "validate_upload"]
@@ -48,9 +48,7 @@ class Payload:
     def to_flat(self) -> dict[str, torch.Tensor]:
         """One flat ``name -> tensor`` map for transport (Flower records, safetensors)."""
         flat = {f"state.{k}": v for k, v in self.state.to_flat().items()}
-        for name, r in self.residuals.items():
-            for role, t in r.tensors().items():
-                flat[f"residual.{name}.{role}"] = t
+        flat.update(residuals_to_flat("residual", self.residuals))
         return flat
 
     @classmethod
@@ -59,17 +57,7 @@ class Payload:
         state = AdapterState.from_flat(
             {k[6:]: v for k, v in flat.items() if k.startswith("state.")}
         )
-        parts: dict[str, dict[str, torch.Tensor]] = {}
-        for k, v in flat.items():
-            if k.startswith("residual."):
-                name, role = k[9:].rsplit(".", 1)
-                parts.setdefault(name, {})[role] = v
-        residuals = {}
-        for name, p in parts.items():
-            if "dense" in p:
-                residuals[name] = Residual(tuple(p["dense"].shape), dense=p["dense"])
-            else:
-                residuals[name] = Residual((p["U"].shape[0], p["V"].shape[1]), U=p["U"], V=p["V"])
+        residuals = residuals_from_flat("residual", dict(flat))
         return cls(round=round, version=version, state=state, residuals=residuals)
 
 
