@@ -229,7 +229,7 @@ def evaluate(
     autocast: torch.dtype | None = None,
 ) -> dict[str, float]:
     """Task metrics of the model on ``data`` (see :func:`fedexlora.data.compute_metrics`)."""
-    from .data import compute_metrics, exact_match
+    from .metrics import compute_metrics, exact_match
 
     model.eval()
     if data.kind != "causal_lm":

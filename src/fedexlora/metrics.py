@@ -1,0 +1,231 @@
+"""Task metrics: accuracy, F1, Matthews correlation, Pearson, and exact match on numbers.
+
+Plain numpy, no scikit-learn. Used by :mod:`fedexlora.training` to evaluate the global
+model and by :mod:`fedexlora.data` for its task definitions.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .data import Task
+
+__all__ = ["compute_metrics", "exact_match", "extract_final_number"]
+
+
+# --------------------------------------------------------------------------------------
+# Answers and metrics
+# --------------------------------------------------------------------------------------
+
+_NUMBER = re.compile(
+    # A minus counts only when it does not follow a word character or a dot, so the hyphen
+    # in "3-4" or "COVID-19" is not read as a sign.
+    r"(?:(?<![\w.])(?P<sign>-))?"
+    r"(?<![\d.])(?P<num>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+)
+
+
+def _normalise_number(sign: str, digits: str) -> str:
+    digits = digits.replace(",", "")
+    whole, _, frac = digits.partition(".")
+    whole = whole.lstrip("0") or "0"
+    frac = frac.rstrip("0")
+    out = whole + ("." + frac if frac else "")
+    if sign and out != "0":
+        out = "-" + out
+    return out
+
+
+def extract_final_number(text: str) -> str | None:
+    """Return the last number in ``text``, normalised, or None if there is none.
+
+    Handles GSM8K's ``"#### 42"`` lines, thousands separators (``"1,234"`` → ``"1234"``),
+    negatives (``"-3"``; a hyphen between words or numbers as in ``"3-4"`` is not a minus),
+    decimals, and trailing zeros (``"42.0"`` → ``"42"``, ``"2.50"`` → ``"2.5"``).
+
+    Args:
+        text: Any text, e.g. a model generation or a reference answer.
+
+    Returns:
+        The normalised last number as a string, or None.
+    """
+    if text is None:
+        return None
+    last = None
+    for match in _NUMBER.finditer(str(text)):
+        last = match
+    if last is None:
+        return None
+    return _normalise_number(last.group("sign") or "", last.group("num"))
+
+
+def exact_match(predicted_texts: Iterable[str], answers: Iterable[str]) -> float:
+    """Fraction of predictions whose final number equals the reference's final number.
+
+    Both sides go through :func:`extract_final_number`; a reference without a number is
+    compared as stripped text. A prediction without a number never matches.
+
+    Args:
+        predicted_texts: Generated texts.
+        answers: Reference answers (e.g. ``"42"`` or a full ``"... #### 42"`` solution).
+
+    Returns:
+        The exact-match rate in [0, 1].
+
+    Raises:
+        ValueError: If the sequences differ in length or are empty.
+    """
+    preds = list(predicted_texts)
+    refs = list(answers)
+    if len(preds) != len(refs):
+        raise ValueError(
+            f"predicted_texts and answers differ in length: {len(preds)} != {len(refs)}"
+        )
+    if not preds:
+        raise ValueError("exact_match needs at least one example, got 0")
+    hits = 0
+    for pred, ref in zip(preds, refs, strict=True):
+        want = extract_final_number(ref)
+        got = extract_final_number(pred)
+        if want is None:
+            hits += int(got is None and str(pred).strip() == str(ref).strip())
+        else:
+            hits += int(got == want)
+    return hits / len(preds)
+
+
+def _confusion(y_true: np.ndarray, y_pred: np.ndarray, classes: np.ndarray) -> np.ndarray:
+    index = {c: i for i, c in enumerate(classes.tolist())}
+    cm = np.zeros((len(classes), len(classes)), dtype=np.int64)
+    for t, p in zip(y_true.tolist(), y_pred.tolist(), strict=True):
+        cm[index[t], index[p]] += 1
+    return cm
+
+
+def _f1_from_counts(tp: np.ndarray, fp: np.ndarray, fn: np.ndarray) -> np.ndarray:
+    denom = 2 * tp + fp + fn
+    return np.divide(2 * tp, denom, out=np.zeros(tp.shape, dtype=float), where=denom > 0)
+
+
+def _binary_f1(y_true: np.ndarray, y_pred: np.ndarray, positive: int = 1) -> float:
+    tp = np.sum((y_pred == positive) & (y_true == positive))
+    fp = np.sum((y_pred == positive) & (y_true != positive))
+    fn = np.sum((y_pred != positive) & (y_true == positive))
+    return float(_f1_from_counts(np.array([tp]), np.array([fp]), np.array([fn]))[0])
+
+
+def _macro_f1(y_true: np.ndarray, y_pred: np.ndarray) -> float:
+    classes = np.union1d(y_true, y_pred)
+    cm = _confusion(y_true, y_pred, classes)
+    tp = np.diag(cm).astype(float)
+    fp = cm.sum(axis=0) - tp
+    fn = cm.sum(axis=1) - tp
+    return float(np.mean(_f1_from_counts(tp, fp, fn)))
+
+
+def _matthews(y_true: np.ndarray, y_pred: np.ndarray) -> float:
+    """Matthews correlation (multi-class form of Gorodkin 2004; binary MCC for 2 classes)."""
+    classes = np.union1d(y_true, y_pred)
+    cm = _confusion(y_true, y_pred, classes).astype(float)
+    t = cm.sum(axis=1)
+    p = cm.sum(axis=0)
+    c = np.trace(cm)
+    s = cm.sum()
+    cov_tp = c * s - float(t @ p)
+    cov_pp = s * s - float(p @ p)
+    cov_tt = s * s - float(t @ t)
+    if cov_pp == 0 or cov_tt == 0:
+        return 0.0
+    return float(cov_tp / math.sqrt(cov_pp * cov_tt))
+
+
+def _pearson(x: np.ndarray, y: np.ndarray) -> float:
+    x = x.astype(float) - x.mean()
+    y = y.astype(float) - y.mean()
+    denom = math.sqrt(float(x @ x) * float(y @ y))
+    if denom == 0:
+        return float("nan")
+    return float((x @ y) / denom)
+
+
+_CLASSIFICATION_METRICS = ("accuracy", "f1", "f1_macro", "matthews")
+_REGRESSION_METRICS = ("pearson",)
+
+
+def compute_metrics(task: Task, predictions: Any, labels: Any) -> dict[str, float]:
+    """Compute the metrics that ``task.metric_names`` lists for a classification/regression task.
+
+    For classification, ``predictions`` may be class ids of shape ``(n,)`` or logits of
+    shape ``(n, num_labels)`` (arg-maxed); ``"accuracy"`` is always included. ``"f1"`` is
+    binary F1 with positive class 1; ``"f1_macro"`` averages per-class F1 over the classes
+    present in labels or predictions (as scikit-learn does); ``"matthews"`` is the
+    Matthews correlation coefficient (0.0 when undefined). For regression, ``predictions``
+    of shape ``(n,)`` or ``(n, 1)``; ``"pearson"`` is NaN when either side is constant.
+
+    Args:
+        task: The task the predictions are for.
+        predictions: Predicted class ids, logits, or regression outputs.
+        labels: Reference labels.
+
+    Returns:
+        Metric name → value, in the order of ``task.metric_names`` (accuracy added first
+        for classification when not listed).
+
+    Raises:
+        ValueError: For causal LM tasks (use :func:`exact_match`), shape mismatches, empty
+            inputs, or metric names this function does not know.
+    """
+    if task.kind not in ("classification", "regression"):
+        raise ValueError(
+            f"compute_metrics supports classification and regression tasks, got "
+            f"task.kind={task.kind!r}; use exact_match() for causal LM tasks"
+        )
+    preds = np.asarray(predictions)
+    refs = np.asarray(labels).reshape(-1)
+    if refs.size == 0:
+        raise ValueError("compute_metrics needs at least one example, got 0 labels")
+
+    if task.kind == "regression":
+        preds = preds.reshape(-1) if preds.ndim == 2 and preds.shape[1] == 1 else preds
+        known = _REGRESSION_METRICS
+        names = list(task.metric_names)
+    else:
+        if preds.ndim == 2:
+            preds = preds.argmax(axis=-1)
+        known = _CLASSIFICATION_METRICS
+        names = list(task.metric_names)
+        if "accuracy" not in names:
+            names.insert(0, "accuracy")
+        refs = refs.astype(np.int64)
+        preds = preds.astype(np.int64) if preds.ndim == 1 else preds
+
+    if preds.ndim != 1 or preds.shape[0] != refs.shape[0]:
+        raise ValueError(
+            f"predictions of shape {tuple(np.shape(predictions))} do not match labels of "
+            f"length {refs.shape[0]} for a {task.kind} task"
+        )
+    unknown = [m for m in names if m not in known]
+    if unknown:
+        raise ValueError(
+            f"unknown metric(s) {unknown} for a {task.kind} task; supported: {list(known)}"
+        )
+
+    out: dict[str, float] = {}
+    for metric in names:
+        if metric == "accuracy":
+            out[metric] = float(np.mean(preds == refs))
+        elif metric == "f1":
+            out[metric] = _binary_f1(refs, preds, positive=1)
+        elif metric == "f1_macro":
+            out[metric] = _macro_f1(refs, preds)
+        elif metric == "matthews":
+            out[metric] = _matthews(refs, preds)
+        elif metric == "pearson":
+            out[metric] = _pearson(preds, refs)
+    return out
