@@ -47,7 +47,7 @@ class Residual:
     U: torch.Tensor | None = None
     V: torch.Tensor | None = None
     dense: torch.Tensor | None = None
-    stored_rank: int | None = None
+    stored_rank: int | None = None  # known rank; for a directly formed dense one, its bound
 
     @property
     def is_factored(self) -> bool:
@@ -113,7 +113,13 @@ class Residual:
         return Residual((d, n), U=torch.zeros(d, 0, dtype=dtype), V=torch.zeros(0, n, dtype=dtype))
 
     @staticmethod
-    def from_factors(U: torch.Tensor, V: torch.Tensor, *, rtol: float | None = None) -> Residual:
+    def from_factors(
+        U: torch.Tensor,
+        V: torch.Tensor,
+        *,
+        rtol: float | None = None,
+        dense_dtype: torch.dtype | None = None,
+    ) -> Residual:
         """Builds a residual from ``U @ V``, reduced to its numerical rank.
 
         The reduction never forms the ``(d, n)`` product: it takes a QR of ``U`` and of
@@ -125,6 +131,8 @@ class Residual:
             V: ``(q, n)`` right factor.
             rtol: Singular values below ``rtol * s_max`` are dropped. Defaults to
                 ``max(d, n) * eps`` of the compute dtype.
+            dense_dtype: The dtype of the one matmul that forms a dense residual when
+                ``q (d + n) >= d n``; defaults to the factors' dtype.
         """
         if U.ndim != 2 or V.ndim != 2 or U.shape[1] != V.shape[0]:
             raise ValueError(
@@ -133,8 +141,13 @@ class Residual:
             )
         d, q = U.shape
         n = V.shape[1]
-        if q == 0:
+        if q == 0 or not U.any() or not V.any():
             return Residual.zero(d, n, dtype=U.dtype)
+        if q * (d + n) >= d * n:
+            # Even unreduced factors would not beat dense: one matmul, no QR/SVD. The rank
+            # is then only known as its bound min(q, d, n).
+            dt = dense_dtype or U.dtype
+            return Residual((d, n), dense=U.to(dt) @ V.to(dt), stored_rank=min(q, d, n))
         Qu, Ru = torch.linalg.qr(U)  # (d, q'), (q', q)
         Qv, Rv = torch.linalg.qr(V.T)  # (n, q''), (q'', q)
         core = Ru @ Rv.T  # (q', q'')
@@ -357,7 +370,7 @@ def aggregate(
 
     if method == "fedex":
         U, V = _centred_factors(A, B, p)
-        residual = Residual.from_factors(U, V)
+        residual = Residual.from_factors(U, V, dense_dtype=out_dtype)
         A_new = torch.einsum("k,krn->rn", p, A)
         B_new = torch.einsum("k,kdr->dr", p, B)
     elif method == "fedit":
@@ -378,7 +391,7 @@ def aggregate(
     else:  # flora
         P = (B * p[:, None, None]).permute(1, 0, 2).reshape(d, k * r)  # (d, k r)
         Q = A.reshape(k * r, n)  # (k r, n)
-        residual = Residual.from_factors(P, Q)
+        residual = Residual.from_factors(P, Q, dense_dtype=out_dtype)
         A_new = torch.empty(r, n, dtype=A.dtype)
         bound = 1.0 / math.sqrt(n)  # kaiming_uniform_(a=sqrt(5)), peft's default for A
         A_new.uniform_(-bound, bound, generator=generator)

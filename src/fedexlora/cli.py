@@ -11,6 +11,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .bench import bench_app
+
 app = typer.Typer(
     pretty_exceptions_show_locals=False,
     add_completion=False,
@@ -18,6 +20,7 @@ app = typer.Typer(
     help="Federated LoRA fine-tuning with exact aggregation (FedEx-LoRA) and its baselines.",
 )
 console = Console()
+app.add_typer(bench_app, name="bench")
 err_console = Console(stderr=True)
 
 _RUN_FLAGS = {
