@@ -56,7 +56,8 @@ class Residual:
 
     @property
     def rank(self) -> int:
-        """The stored rank: ``q`` when factored, the numerical rank when dense."""
+        """``q`` when factored. When dense: the numerical rank found by the reduction, or,
+        for a residual formed directly as dense, its bound ``min(q, d, n)``."""
         if self.stored_rank is not None:
             return self.stored_rank
         if self.dense is not None:
@@ -193,7 +194,8 @@ class Residual:
                 raise ValueError(f"cannot add residuals of shapes {shape} and {p.shape}")
         if any(p.dense is not None for p in parts):
             total = sum((p.to_dense() for p in parts[1:]), parts[0].to_dense())
-            return Residual(shape, dense=total)
+            bound = min(sum(p.rank for p in parts), *shape)
+            return Residual(shape, dense=total, stored_rank=bound)
         U = torch.cat([p.U for p in parts], dim=1)  # type: ignore[misc]
         V = torch.cat([p.V for p in parts], dim=0)  # type: ignore[misc]
         return Residual.from_factors(U, V)
