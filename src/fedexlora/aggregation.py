@@ -56,8 +56,10 @@ class Residual:
 
     @property
     def rank(self) -> int:
-        """``q`` when factored. When dense: the numerical rank found by the reduction, or,
-        for a residual formed directly as dense, its bound ``min(q, d, n)``."""
+        """The rank: ``q`` when factored; when dense, the numerical rank or its bound.
+
+        A dense residual formed directly (no reduction) reports ``min(q, d, n)``.
+        """
         if self.stored_rank is not None:
             return self.stored_rank
         if self.dense is not None:
