@@ -34,8 +34,20 @@ def test_cuda_without_gpu(tmp_path, tiny_bert_dir, tiny_csv):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    res = _run("run", "--model", tiny_bert_dir, "--task", tiny_csv, "--device", "cuda",
-               "--min-partition-size", "5", "--out", str(tmp_path / "o"), "--no-progress")
+    res = _run(
+        "run",
+        "--model",
+        tiny_bert_dir,
+        "--task",
+        tiny_csv,
+        "--device",
+        "cuda",
+        "--min-partition-size",
+        "5",
+        "--out",
+        str(tmp_path / "o"),
+        "--no-progress",
+    )
     assert res.exit_code == 2
     assert "`device` is 'cuda' but no CUDA GPU is available" in res.output
     assert "Traceback" not in res.output
@@ -113,10 +125,33 @@ def test_config_file_and_flags_override(tiny_bert_dir, tiny_csv, tmp_path):
 
 def test_compare_grid_writes_comparison(tiny_bert_dir, tiny_csv, tmp_path):
     out = tmp_path / "cmp"
-    res = _run("compare", "--out", str(out), "--model", tiny_bert_dir, "--task", tiny_csv,
-               "--method", "fedex,fedit,centralized", "--ranks", "2", "--seeds", "0,1",
-               "--settings", "iid-2,dir0.5-3", "--rounds", "1", "--local-steps", "2",
-               "--max-length", "16", "--max-test", "30", "--min-partition-size", "5")
+    res = _run(
+        "compare",
+        "--out",
+        str(out),
+        "--model",
+        tiny_bert_dir,
+        "--task",
+        tiny_csv,
+        "--method",
+        "fedex,fedit,centralized",
+        "--ranks",
+        "2",
+        "--seeds",
+        "0,1",
+        "--settings",
+        "iid-2,dir0.5-3",
+        "--rounds",
+        "1",
+        "--local-steps",
+        "2",
+        "--max-length",
+        "16",
+        "--max-test",
+        "30",
+        "--min-partition-size",
+        "5",
+    )
     assert res.exit_code == 0, res.output
     md = (out / "comparison.md").read_text()
     assert "## iid-2 (2 clients, iid), r=2" in md and "## dir0.5-3 (3 clients, dirichlet" in md
@@ -126,8 +161,44 @@ def test_compare_grid_writes_comparison(tiny_bert_dir, tiny_csv, tmp_path):
     assert cell.is_file()
     # a finished grid is reused, not recomputed
     before = cell.read_text()
-    res = _run("compare", "--out", str(out), "--model", tiny_bert_dir, "--task", tiny_csv,
-               "--method", "fedex,fedit,centralized", "--ranks", "2", "--seeds", "0,1",
-               "--settings", "iid-2,dir0.5-3", "--rounds", "1", "--local-steps", "2",
-               "--max-length", "16", "--max-test", "30", "--min-partition-size", "5")
+    res = _run(
+        "compare",
+        "--out",
+        str(out),
+        "--model",
+        tiny_bert_dir,
+        "--task",
+        tiny_csv,
+        "--method",
+        "fedex,fedit,centralized",
+        "--ranks",
+        "2",
+        "--seeds",
+        "0,1",
+        "--settings",
+        "iid-2,dir0.5-3",
+        "--rounds",
+        "1",
+        "--local-steps",
+        "2",
+        "--max-length",
+        "16",
+        "--max-test",
+        "30",
+        "--min-partition-size",
+        "5",
+    )
     assert res.exit_code == 0 and "(done)" in res.output and cell.read_text() == before
+
+
+def test_every_config_field_is_a_run_flag():
+    from dataclasses import fields
+
+    from fedexlora.cli import _RUN_FLAGS
+    from fedexlora.config import RunConfig
+
+    assert {f.name for f in fields(RunConfig)} == set(_RUN_FLAGS.values())
+    res = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "300", "TERM": "dumb"})
+    for flag in _RUN_FLAGS:
+        if flag != "rank":
+            assert "--" + flag.replace("_", "-") in res.output, flag

@@ -57,6 +57,12 @@ _RUN_FLAGS = {
     "device": "device",
     "dtype": "dtype",
     "client_ranks": "client_ranks",
+    "eval_batch_size": "eval_batch_size",
+    "max_grad_norm": "max_grad_norm",
+    "max_new_tokens": "max_new_tokens",
+    "test_fraction": "test_fraction",
+    "warmup_ratio": "warmup_ratio",
+    "weight_decay": "weight_decay",
     "gradient_checkpointing": "gradient_checkpointing",
 }
 
@@ -124,6 +130,14 @@ def run(
         None, help="Comma list of LoRA targets [per architecture]."
     ),
     rslora: bool | None = typer.Option(None, "--rslora/--no-rslora", help="Rank-stabilised scale."),
+    eval_batch_size: int | None = typer.Option(None, help="Evaluation batch size [64]."),
+    weight_decay: float | None = typer.Option(None, help="AdamW weight decay [0]."),
+    warmup_ratio: float | None = typer.Option(None, help="Fraction of steps for warm-up [0]."),
+    max_grad_norm: float | None = typer.Option(None, help="Gradient clipping norm [1.0]."),
+    test_fraction: float | None = typer.Option(None, help="Held-out test fraction [0.2]."),
+    max_new_tokens: int | None = typer.Option(
+        None, help="Tokens generated per answer (causal LM exact match) [64]."
+    ),
     client_ranks: str | None = typer.Option(
         None, help="Comma list: each client's LoRA rank (global rank = the largest)."
     ),
