@@ -90,9 +90,25 @@ def _reset_peak() -> bool:
         return False
 
 
+DEVICE = torch.device("cpu")
+
+
 def measured(fn):
-    """Runs ``fn()``; returns (seconds, peak RSS growth in bytes or None, result)."""
+    """Runs ``fn()``; returns (seconds, peak memory growth in bytes or None, result).
+
+    On the CPU the peak is the resident-set high-water mark; on CUDA it is
+    ``torch.cuda.max_memory_allocated`` above what was allocated before the call.
+    """
     gc.collect()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        return dt, torch.cuda.max_memory_allocated() - before, out
     can = _reset_peak()
     before = _status_kb("VmRSS")
     t0 = time.perf_counter()
@@ -150,6 +166,7 @@ def one_layer_model(d: int, n: int, r: int):
     model = get_peft_model(
         base, LoraConfig(r=r, lora_alpha=SCALE * r, lora_dropout=0.0, target_modules=["0"])
     )
+    model.to(DEVICE)
     W = model.base_model.model[0].base_layer.weight
     with torch.no_grad():
         W.zero_()
@@ -163,7 +180,7 @@ def client_factors(d, n, k, r, seed=0):
     B0 = torch.randn(d, r, generator=g) / d**0.5
     As = [A0 + 0.1 * torch.randn(r, n, generator=g) / n**0.5 for _ in range(k)]
     Bs = [B0 + 0.1 * torch.randn(d, r, generator=g) / d**0.5 for _ in range(k)]
-    return As, Bs
+    return [a.to(DEVICE) for a in As], [b.to(DEVICE) for b in Bs]
 
 
 def fp64_reference(As, Bs):
@@ -185,8 +202,8 @@ def run_cell(d, n, k, r, *, budget: float, max_reps: int) -> dict:
     As, Bs = client_factors(d, n, k, r)
     model, W_ours = one_layer_model(d, n, r)
     ours = make_ours(model)
-    W_ref = torch.zeros(d, n)
-    X = torch.randn(d, n)
+    W_ref = torch.zeros(d, n, device=DEVICE)
+    X = torch.randn(d, n, device=DEVICE)
 
     # first calls on a zero base: accuracy and warm-up
     first, mem = {}, {}
@@ -281,7 +298,12 @@ def main(argv=None) -> None:
     ap.add_argument("--budget", type=float, default=4.0, help="seconds of repeats per cell")
     ap.add_argument("--max-reps", type=int, default=15)
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda [cpu]")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU is available")
     if args.threads:
         torch.set_num_threads(args.threads)
     cells = list(QUICK)
@@ -289,7 +311,7 @@ def main(argv=None) -> None:
         cells = [(d, n, k, r) for d, n in SHAPES for k in CLIENTS for r in RANKS]
         cells.insert(cells.index((4096, 4096, 10, 16)), PAPER_CELL)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}, device {DEVICE}, {torch.get_num_threads()} threads, "
         f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_')}, "
         f"load average {os.getloadavg()[0]:.2f} at start",
         flush=True,
