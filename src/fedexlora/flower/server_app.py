@@ -1,0 +1,201 @@
+"""The Flower ServerApp: the shared server state, evaluation and run directory.
+
+For every method of the run it builds the same :class:`fedexlora.server.Server` the
+in-process engine builds (:func:`fedexlora.pipeline`'s helpers), drives it with the
+:class:`fedexlora.flower.strategy.FedExLoRA` strategy, and after each round evaluates the
+global model it holds (residuals folded into its base, global factors loaded) exactly as
+the in-process engine does. It writes the same run directory: ``config.toml``,
+``metrics.jsonl`` (rows from :func:`fedexlora.simulation.round_row`, with ``dropped``
+filled in), checkpoints, ``summary.md`` and the plots.
+
+The run directory is the run config's ``run-dir`` (give an absolute path when the
+ServerApp runs under a SuperLink).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+
+from .records import FlowerSettings, resolve_run_config, to_array_record
+
+__all__ = ["app", "make_server_app", "run_server"]
+
+
+def check_flower_config(cfg) -> None:
+    """Raises ``ValueError`` for settings the Flower engine does not support."""
+    if "centralized" in cfg.methods:
+        raise ValueError(
+            "method 'centralized' has no clients to federate and runs in-process only; "
+            "use --engine local for it (or drop it from the methods of a Flower run)"
+        )
+    if cfg.save_client_adapters:
+        raise ValueError(
+            "`save_client_adapters` needs the clients' models in the server's run "
+            "directory and is supported by --engine local only"
+        )
+
+
+def run_server(
+    grid: Grid,
+    cfg,
+    settings: FlowerSettings,
+    *,
+    say: Callable[[str], Any] = print,
+) -> list[dict]:
+    """Runs every method of ``cfg`` over ``grid`` and writes the run directory.
+
+    Returns:
+        All metrics rows.
+
+    Raises:
+        ValueError: If the configuration asks for something the Flower engine cannot do,
+            or the run directory already holds a run.
+    """
+    from ..adapters import fold_residuals, set_state
+    from ..checkpoint import config_fingerprint, save_checkpoint
+    from ..pipeline import (
+        RunError,
+        _adapted_weights,
+        _append_row,
+        _base_deltas,
+        _save_tensors_extra,
+        load_task_for,
+    )
+    from ..report import write_summary
+    from ..simulation import autocast_dtype, new_model, new_server, prepare, round_row
+    from ..training import evaluate
+    from .strategy import FedExLoRA, NodeDirectory
+
+    check_flower_config(cfg)
+    out = Path(settings.run_dir or Path("runs") / time.strftime("flower-%Y%m%d-%H%M%S"))
+    metrics_path = out / "metrics.jsonl"
+    if metrics_path.exists() and metrics_path.stat().st_size > 0:
+        raise RunError(
+            f"run directory {str(out)!r} already holds a run; the Flower engine does not "
+            "resume, choose another directory"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(cfg.to_toml())
+    metrics_path.write_text("")
+    fingerprint = config_fingerprint(cfg.to_dict())
+
+    task = load_task_for(cfg)
+    first_model, tokenizer = new_model(cfg, task, cfg.methods[0])
+    prep = prepare(cfg, tokenizer, task)
+    say(f"task {cfg.task}: {len(task.train)} train / {len(task.test)} test")
+    say(prep.partition_table)
+    nodes = NodeDirectory(cfg.num_clients, fingerprint, timeout=settings.round_timeout)
+    amp = autocast_dtype(cfg)
+
+    all_rows: list[dict] = []
+    for i, method in enumerate(cfg.methods):
+        model = first_model if i == 0 else new_model(cfg, task, method)[0]
+        first_model = None
+        server = new_server(cfg, method, model)
+        w0 = {n: w.detach().clone() for n, w in _adapted_weights(model).items()}
+        strategy = FedExLoRA(
+            server,
+            nodes,
+            fraction_train=cfg.fraction,
+            min_train_nodes=settings.min_train_nodes,
+            min_available_nodes=settings.min_available_nodes or None,
+            wait_timeout=settings.wait_timeout,
+            fingerprint=fingerprint,
+        )
+        rows: list[dict] = []
+
+        def evaluate_fn(rnd, _arrays, m=method, mdl=model, srv=server, st=strategy, rs=rows, w0=w0):
+            """After each round: fold, evaluate, write the row and a checkpoint."""
+            if rnd == 0:
+                return None  # the in-process engine does not evaluate before round 1
+            rec = st.current
+            fold_residuals(mdl, rec.outcome.residuals)
+            set_state(mdl, srv.state)
+            for cid, why in rec.outcome.rejected.items():
+                warnings.warn(f"{m} round {rnd}: rejected client {cid}: {why}", stacklevel=1)
+            metrics = evaluate(
+                mdl,
+                prep.test,
+                prep.task,
+                batch_size=cfg.eval_batch_size,
+                max_new_tokens=cfg.max_new_tokens,
+                tokenizer=prep.tokenizer,
+                device=next(mdl.parameters()).device,
+                autocast=amp,
+            )
+            row = round_row(
+                m,
+                rnd,
+                metrics,
+                rec.outcome,
+                rec.uploads,
+                seconds=time.perf_counter() - rec.started,
+                bytes_up=rec.bytes_up,
+                bytes_down=rec.bytes_down,
+                approximate=cfg.residual_rank is not None,
+                sampled=rec.sampled,
+                dropped=rec.dropped,
+            )
+            rs.append(row)
+            _append_row(metrics_path, row)
+            meta = {"rows": rs, "fingerprint": fingerprint, "parts": prep.parts}
+            meta["config"] = cfg.to_dict()
+            ckpt = save_checkpoint(
+                out / "checkpoints" / m, srv, meta=meta, keep=cfg.keep_checkpoints
+            )
+            _save_tensors_extra(ckpt, _base_deltas(mdl, w0))
+            return MetricRecord({k: float(v) for k, v in metrics.items() if _is_number(v)})
+
+        t0 = time.perf_counter()
+        strategy.start(
+            grid,
+            initial_arrays=to_array_record(server.state.to_flat()),
+            num_rounds=cfg.rounds,
+            timeout=settings.round_timeout,
+            evaluate_fn=evaluate_fn,
+        )
+        dropped = sorted({c for r in rows for c in r["dropped"]})
+        say(
+            f"{method}: {len(rows)} rounds in {time.perf_counter() - t0:.1f}s"
+            + (f" (clients dropped at some round: {dropped})" if dropped else "")
+        )
+        all_rows.extend(rows)
+        del model
+    write_summary(out, all_rows, cfg.to_toml())
+    say(f"wrote {metrics_path}")
+    return all_rows
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def make_server_app(
+    defaults: Mapping[str, Any] | None = None, *, say: Callable[[str], Any] = print
+) -> ServerApp:
+    """A ServerApp; ``defaults`` fill in run-config keys the context does not set.
+
+    ``flwr run`` gives the app its run config (``[tool.flwr.app.config]`` plus
+    ``--run-config`` overrides); ``flwr.simulation.run_simulation`` gives none, so
+    :func:`fedexlora.flower.simulation.run_flower_experiment` bakes it in here.
+    """
+    base = dict(defaults or {})
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        """Resolves the run config and runs every method."""
+        cfg, settings = resolve_run_config({**base, **dict(context.run_config)})
+        run_server(grid, cfg, settings, say=say)
+
+    return server_app
+
+
+app = make_server_app()

@@ -1,0 +1,126 @@
+"""``fedexlora run --engine flower``: the same job through Flower's simulation runtime.
+
+:func:`run_flower_experiment` runs the ServerApp and ClientApp of this package in
+process with ``flwr.simulation.run_simulation`` (the Ray backend): one virtual SuperNode
+per client, each holding its own model. With the same seeds and configuration it reaches
+the in-process engine's global model (to float rounding) and writes the same run
+directory.
+
+Client resources on Ray come from ``client_cpus`` / ``client_gpus`` (or the environment
+variables ``FEDEXLORA_CLIENT_CPUS`` / ``FEDEXLORA_CLIENT_GPUS``): Ray runs as many
+ClientApp actors at once as the machine's CPUs and GPUs allow at that size.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from .records import to_run_config
+
+__all__ = ["client_resources", "run_flower_experiment"]
+
+
+def _env_float(name: str) -> float | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be a number, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"environment variable {name} must be >= 0, got {raw!r}")
+    return value
+
+
+def client_resources(
+    cfg, client_cpus: float | None = None, client_gpus: float | None = None
+) -> dict[str, float]:
+    """Ray resources of one ClientApp actor.
+
+    Defaults: the machine's CPUs shared among the clients (at least one each); on CUDA
+    (``device`` cuda, or auto with a GPU) the GPUs shared among the clients, else none.
+    """
+    import torch
+
+    from ..simulation import resolve_device
+
+    cpus = client_cpus if client_cpus is not None else _env_float("FEDEXLORA_CLIENT_CPUS")
+    gpus = client_gpus if client_gpus is not None else _env_float("FEDEXLORA_CLIENT_GPUS")
+    if cpus is None:
+        cpus = max(1, (os.cpu_count() or 1) // cfg.num_clients)
+    if gpus is None:
+        cuda = resolve_device(cfg.device).type == "cuda"
+        gpus = min(1.0, torch.cuda.device_count() / cfg.num_clients) if cuda else 0.0
+    if cpus <= 0:
+        raise ValueError(f"client CPUs must be > 0, got {cpus}")
+    return {"num_cpus": cpus, "num_gpus": gpus}
+
+
+def run_flower_experiment(
+    cfg,
+    out_dir: str | Path,
+    *,
+    progress: bool = True,
+    console=None,
+    client_cpus: float | None = None,
+    client_gpus: float | None = None,
+    backend_config: dict[str, Any] | None = None,
+) -> list[dict]:
+    """Runs every method of ``cfg`` through Flower's simulation runtime.
+
+    Args:
+        cfg: A validated configuration (``engine`` is ignored).
+        out_dir: The run directory (same layout as the in-process engine's).
+        progress: Unused (clients train without progress bars); kept for the CLI.
+        console: A ``rich`` console for messages (plain ``print`` when ``None``).
+        client_cpus: Ray CPUs per ClientApp actor (see :func:`client_resources`).
+        client_gpus: Ray GPUs per ClientApp actor (fractions share a GPU).
+        backend_config: A full Flower backend config, replacing the above.
+
+    Returns:
+        All metrics rows, as written to ``metrics.jsonl``.
+
+    Raises:
+        ValueError: For a configuration the Flower engine cannot run (``centralized``,
+            ``save_client_adapters``), or a run directory that holds a run already.
+    """
+    del progress
+    from flwr.simulation import run_simulation
+
+    from ..pipeline import RunError
+    from ..report import read_metrics
+    from .client_app import make_client_app
+    from .server_app import check_flower_config, make_server_app
+
+    cfg.validate()
+    check_flower_config(cfg)
+    out = Path(out_dir).resolve()
+    if (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0:
+        raise RunError(
+            f"--out {str(out)!r} already holds a run; the Flower engine does not resume "
+            "(--resume is for --engine local), choose another directory"
+        )
+    run_config = to_run_config(
+        cfg, run_dir=str(out), min_train_nodes=1, min_available_nodes=cfg.num_clients
+    )
+    say = console.print if console is not None else print
+    backend = backend_config or {
+        "client_resources": client_resources(cfg, client_cpus, client_gpus),
+        "init_args": {"include_dashboard": False},
+    }
+    run_simulation(
+        server_app=make_server_app(run_config, say=say),
+        client_app=make_client_app(run_config),
+        num_supernodes=cfg.num_clients,
+        backend_config=backend,
+    )
+    rows = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
+    want = cfg.rounds * len(cfg.methods)
+    if len(rows) != want:
+        raise RuntimeError(
+            f"the Flower simulation wrote {len(rows)} of {want} metrics rows; see its log above"
+        )
+    return rows

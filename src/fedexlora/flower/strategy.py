@@ -1,0 +1,390 @@
+"""The Flower strategy: transport only, over the shared :class:`fedexlora.server.Server`.
+
+:class:`FedExLoRA` subclasses Flower's message-API ``FedAvg``. It overrides
+
+- ``configure_train``: finds which node holds which partition (one ``query`` message per
+  new node), samples partitions with ``Server.sample`` (seeded exactly as in-process)
+  and sends every sampled client *its own* payload (``Server.payload_for``: global
+  factors, head, and the residual since the base version that client holds);
+- ``aggregate_train``: unpacks the replies into :class:`fedexlora.server.ClientUpload`
+  and calls ``Server.aggregate``. No aggregation logic lives here.
+
+Records, both ways: ``arrays`` (an ``ArrayRecord`` of ``Payload.to_flat()`` down,
+``AdapterState.to_flat()`` up), ``config`` (a ``ConfigRecord``) and, up, ``metrics`` (a
+``MetricRecord`` with ``num-examples`` and ``train-loss``).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+from flwr.supercore import log
+
+from ..server import ClientUpload, RoundOutcome, Server
+from ..state import AdapterState
+from .records import from_array_record, to_array_record
+
+__all__ = ["FedExLoRA", "NodeDirectory", "RoundRecord"]
+
+FLOWER_METHODS = ("fedex", "fedit", "ffa", "flora")
+
+
+@dataclass
+class RoundRecord:
+    """What one Flower round did, for the metrics row.
+
+    Attributes:
+        round: The round.
+        sampled: Partitions sampled by the server.
+        sent: Partitions that were sent a payload (sampled and connected).
+        dropped: Sampled partitions whose upload never arrived (not connected, an error
+            reply, or no reply within the timeout).
+        uploads: The uploads received, sorted by client id.
+        outcome: What ``Server.aggregate`` returned.
+        bytes_down: Bytes of every payload tensor sent.
+        bytes_up: Bytes of every upload tensor received.
+        started: ``time.perf_counter()`` when the round was configured.
+        errors: Partition -> why its upload is missing.
+    """
+
+    round: int
+    sampled: list[int]
+    sent: list[int] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
+    uploads: list[ClientUpload] = field(default_factory=list)
+    outcome: RoundOutcome | None = None
+    bytes_down: int = 0
+    bytes_up: int = 0
+    started: float = 0.0
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+class NodeDirectory:
+    """Which Flower node holds which partition, learned by asking each new node once.
+
+    Shared by the strategies of one run, so later methods need not ask again.
+
+    Args:
+        num_partitions: The partitions the run expects (``num_clients``).
+        fingerprint: The server's configuration fingerprint; a node whose ClientApp
+            resolved another configuration is refused.
+        timeout: Seconds to wait for the replies to one round of questions.
+    """
+
+    def __init__(self, num_partitions: int, fingerprint: str = "", timeout: float = 600.0):
+        self.num_partitions = num_partitions
+        self.fingerprint = fingerprint
+        self.timeout = timeout
+        self.partition_of: dict[int, int] = {}  # node id -> partition id
+        self.refused: dict[int, str] = {}  # node id -> why its ClientApp cannot take part
+        self.assigned: dict[int, int] = {}  # partition -> the node last used for it
+        self.changed: list[int] = []  # partitions now held by another node than before
+
+    def node_of(self, online: Iterable[int]) -> dict[int, int]:
+        """Partition -> node among ``online``.
+
+        A partition stays with the node last used for it while that node is online;
+        otherwise the first online node that holds it takes it.
+        """
+        online = list(online)
+        out = {p: n for p, n in self.assigned.items() if n in online}
+        for node in online:
+            p = self.partition_of.get(node)
+            if p is not None and p not in out:
+                out[p] = node
+        return out
+
+    def refresh(self, grid: Grid) -> dict[int, int]:
+        """Asks every new online node for its partition; returns partition -> node.
+
+        Raises:
+            ValueError: If a node reports a problem (no partition in its node config, a
+                configuration its ClientApp cannot resolve) or its ``num-partitions`` or
+                configuration differs from the server's: such a federation cannot
+                produce the run that was asked for.
+        """
+        online = list(grid.get_node_ids())
+        new = [n for n in online if n not in self.partition_of and n not in self.refused]
+        if new:
+            questions = [
+                Message(
+                    RecordDict({"config": ConfigRecord({"fingerprint": self.fingerprint})}),
+                    message_type=MessageType.QUERY,
+                    dst_node_id=n,
+                )
+                for n in new
+            ]
+            for reply in grid.send_and_receive(questions, timeout=self.timeout):
+                node = reply.metadata.src_node_id
+                if reply.has_error():
+                    if node in new:  # the node's ClientApp refused: a configuration error
+                        self.refused[node] = reply.error.reason
+                        log(WARNING, "node %s cannot take part: %s", node, reply.error.reason)
+                    else:  # made by the SuperLink (node unavailable...): ask again later
+                        log(WARNING, "a node did not answer: %s", reply.error.reason)
+                    continue
+                conf = reply.content["config"]
+                if conf.get("error"):
+                    raise ValueError(f"SuperNode {node} cannot take part: {conf['error']}")
+                pid, parts = int(conf["partition-id"]), int(conf["num-partitions"])
+                if parts != self.num_partitions:
+                    raise ValueError(
+                        f"node {node} has num-partitions={parts}, but the run has "
+                        f"num_clients={self.num_partitions}; start every SuperNode with "
+                        f"--node-config 'partition-id=<i> num-partitions={self.num_partitions}'"
+                    )
+                if not 0 <= pid < parts:
+                    raise ValueError(f"node {node} has partition-id={pid}, not in [0, {parts})")
+                theirs = str(conf.get("fingerprint", ""))
+                if self.fingerprint and theirs != self.fingerprint:
+                    raise ValueError(
+                        f"node {node} (partition {pid}) resolved another configuration "
+                        f"(fingerprint {theirs!r}, server {self.fingerprint!r}); the "
+                        "ClientApp and the ServerApp must share one run config"
+                    )
+                self.partition_of[node] = pid
+                log(INFO, "node %s holds partition %s", node, pid)
+        now = self.node_of(online)
+        self.changed = [p for p, n in now.items() if p in self.assigned and self.assigned[p] != n]
+        self.assigned.update(now)
+        return now
+
+
+class FedExLoRA(FedAvg):
+    """Flower strategy for FedEx-LoRA and its baselines over the shared server logic.
+
+    Sampling, payloads, validation and aggregation are ``server``'s: this class only moves
+    records. It supports ``fedex``, ``fedit``, ``ffa`` and ``flora``; the centralized
+    baseline has no clients and runs in-process only (``fedexlora run --engine local``).
+
+    Args:
+        server: The shared server (global state, residual history, client versions).
+        nodes: The node directory (partition of each Flower node).
+        fraction_train: Fraction of partitions sampled per round (``Server.sample``,
+            seeded by round, identical to the in-process engine).
+        min_train_nodes: The fewest uploads a round needs to be aggregated. With fewer,
+            the round leaves the global model unchanged.
+        min_available_nodes: Nodes to wait for before the first round (default: every
+            partition).
+        wait_timeout: Seconds to wait for ``min_available_nodes``; after that the run
+            goes on if at least ``min_train_nodes`` nodes are there, else fails.
+        fingerprint: Configuration fingerprint sent along; clients check it.
+        weighted_by_key: The ``MetricRecord`` key holding each upload's example count.
+    """
+
+    def __init__(
+        self,
+        server: Server,
+        nodes: NodeDirectory,
+        *,
+        fraction_train: float = 1.0,
+        min_train_nodes: int = 1,
+        min_available_nodes: int | None = None,
+        wait_timeout: float = 600.0,
+        fingerprint: str = "",
+        weighted_by_key: str = "num-examples",
+    ) -> None:
+        if server.method not in FLOWER_METHODS:
+            raise ValueError(
+                f"the Flower engine supports methods {list(FLOWER_METHODS)}, got "
+                f"{server.method!r}; the centralized baseline runs in-process only "
+                "(--engine local)"
+            )
+        if min_train_nodes < 1:
+            raise ValueError(f"`min_train_nodes` must be >= 1, got {min_train_nodes}")
+        available = server.num_clients if min_available_nodes in (None, 0) else min_available_nodes
+        super().__init__(
+            fraction_train=fraction_train,
+            fraction_evaluate=0.0,  # the server evaluates the global model itself
+            min_train_nodes=min_train_nodes,
+            min_evaluate_nodes=0,
+            min_available_nodes=available,
+            weighted_by_key=weighted_by_key,
+        )
+        server.fraction = fraction_train
+        self.server = server
+        self.nodes = nodes
+        self.wait_timeout = wait_timeout
+        self.fingerprint = fingerprint
+        self.current: RoundRecord | None = None
+        self._waited = False
+
+    @property
+    def method(self) -> str:
+        """The method this strategy runs."""
+        return self.server.method
+
+    def summary(self) -> None:
+        """Logs the strategy's settings."""
+        log(INFO, "\t├──> FedEx-LoRA strategy, method %s", self.method)
+        log(INFO, "\t│\t├──Fraction of partitions per round: %.2f", self.fraction_train)
+        log(INFO, "\t│\t├──Minimum uploads per round: %d", self.min_train_nodes)
+        log(INFO, "\t│\t└──Nodes awaited before round 1: %d", self.min_available_nodes)
+        log(INFO, "\t└──> Weighted by: '%s'", self.weighted_by_key)
+
+    # -- configure ---------------------------------------------------------------
+    def _wait_for_nodes(self, grid: Grid) -> dict[int, int]:
+        deadline = time.monotonic() + self.wait_timeout
+        while True:
+            by_partition = self.nodes.refresh(grid)
+            if len(by_partition) >= self.min_available_nodes:
+                return by_partition
+            if time.monotonic() > deadline:
+                if len(by_partition) >= self.min_train_nodes:
+                    log(
+                        WARNING,
+                        "only %d of %d nodes after %.0fs; going on",
+                        len(by_partition),
+                        self.min_available_nodes,
+                        self.wait_timeout,
+                    )
+                    return by_partition
+                refused = "; ".join(f"node {n}: {r}" for n, r in self.nodes.refused.items())
+                raise RuntimeError(
+                    f"only {len(by_partition)} of min_available_nodes="
+                    f"{self.min_available_nodes} SuperNodes answered within "
+                    f"{self.wait_timeout:.0f}s" + (f" ({refused})" if refused else "")
+                )
+            time.sleep(1.0)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """One message per sampled, connected partition, each with its own payload."""
+        started = time.perf_counter()
+        rnd = self.server.round + 1
+        if server_round != rnd:
+            raise RuntimeError(f"Flower round {server_round} but server round {rnd}")
+        if not self._waited:
+            by_partition = self._wait_for_nodes(grid)
+            self._waited = True
+        else:
+            by_partition = self.nodes.refresh(grid)
+        for p in self.nodes.changed:  # a new node (fresh state) now holds partition p
+            self.server.forget_client(p)
+        rec = RoundRecord(round=rnd, sampled=self.server.sample(rnd), started=started)
+        messages = []
+        for c in rec.sampled:
+            node = by_partition.get(c)
+            if node is None:
+                rec.dropped.append(c)
+                rec.errors[c] = "no connected SuperNode holds this partition"
+                continue
+            since = self.server.client_version.get(c)
+            payload = self.server.payload_for(c)
+            rec.bytes_down += payload.nbytes
+            rec.sent.append(c)
+            conf = ConfigRecord(
+                {
+                    "server-round": rnd,
+                    "method": self.method,
+                    "partition-id": c,
+                    "version": payload.version,
+                    "base-version": -1 if since is None else since,
+                    "fingerprint": self.fingerprint,
+                }
+            )
+            content = RecordDict(
+                {self.arrayrecord_key: to_array_record(payload.to_flat()), "config": conf}
+            )
+            messages.append(
+                Message(
+                    content, message_type=MessageType.TRAIN, dst_node_id=node, group_id=str(rnd)
+                )
+            )
+        self.current = rec
+        log(
+            INFO,
+            "configure_train: %d of %d sampled partitions sent",
+            len(rec.sent),
+            len(rec.sampled),
+        )
+        return messages
+
+    # -- aggregate ---------------------------------------------------------------
+    def _upload(self, msg: Message) -> ClientUpload:
+        node = msg.metadata.src_node_id
+        c = self.nodes.partition_of.get(node)
+        if c is None:
+            raise ValueError(f"reply from unknown node {node}")
+        content = msg.content
+        claimed = int(content["config"]["partition-id"])
+        if claimed != c:
+            raise ValueError(f"node {node} holds partition {c} but replied as {claimed}")
+        metrics = content["metrics"]
+        num = metrics[self.weighted_by_key]
+        state = AdapterState.from_flat(from_array_record(content[self.arrayrecord_key]))
+        return ClientUpload(
+            c,
+            state,
+            int(num) if float(num).is_integer() else num,
+            float(metrics.get("train-loss", float("nan"))),
+        )
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Unpacks the replies and calls ``Server.aggregate``; returns the global state."""
+        rec = self.current
+        if rec is None or rec.round != server_round:
+            raise RuntimeError(f"aggregate_train for round {server_round} was not configured")
+        valid, failed = self._check_and_log_replies(replies, is_train=True, validate=False)
+        uploads: dict[int, ClientUpload] = {}
+        unmatched = []  # errors made by the SuperLink (e.g. node unavailable) name no node
+        for msg in failed:
+            c = self.nodes.partition_of.get(msg.metadata.src_node_id)
+            if c is None:
+                unmatched.append(msg.error.reason)
+            else:
+                rec.errors[c] = msg.error.reason
+        for msg in valid:
+            try:
+                up = self._upload(msg)
+            except (KeyError, TypeError, ValueError) as exc:
+                c = self.nodes.partition_of.get(msg.metadata.src_node_id)
+                if c is not None:
+                    rec.errors[c] = f"malformed reply: {exc}"
+                continue
+            if up.client_id in rec.sent and up.client_id not in uploads:
+                uploads[up.client_id] = up
+        ups = [uploads[c] for c in sorted(uploads)]  # the in-process engine's order
+        rec.uploads = ups
+        rec.bytes_up = sum(u.nbytes for u in ups)
+        for c in rec.sent:
+            if c not in uploads:
+                rec.dropped.append(c)
+                why = unmatched.pop(0) if unmatched else "no reply within the round timeout"
+                rec.errors.setdefault(c, why)
+                self.server.forget_client(c)  # its base is unknown: re-sync it from W0
+        rec.dropped.sort()
+        for c, why in sorted(rec.errors.items()):
+            warnings.warn(
+                f"{self.method} round {server_round}: client {c} dropped: {why}", stacklevel=1
+            )
+        if len(ups) < self.min_train_nodes:
+            outcome = self.server.aggregate([])
+            for u in ups:
+                outcome.rejected[u.client_id] = (
+                    f"round not aggregated: {len(ups)} upload(s), min_train_nodes="
+                    f"{self.min_train_nodes}"
+                )
+        else:
+            outcome = self.server.aggregate(ups)
+        rec.outcome = outcome
+        accepted = [u for u in ups if u.client_id in outcome.accepted]
+        losses = [u.train_loss for u in accepted]
+        metrics = MetricRecord(
+            {
+                self.weighted_by_key: sum(int(u.num_examples) for u in accepted),
+                "train-loss": sum(losses) / len(losses) if losses else float("nan"),
+                "dropped": len(rec.dropped),
+            }
+        )
+        return to_array_record(self.server.state.to_flat()), metrics
