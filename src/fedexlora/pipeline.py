@@ -21,25 +21,38 @@ from .config import RunConfig, load_config
 from .report import write_summary
 from .simulation import new_model, new_server, prepare, run_method
 
-__all__ = ["RunError", "export_model", "load_task_for", "restore_model", "run_experiment"]
+__all__ = [
+    "RunError",
+    "adapted_weights",
+    "append_row",
+    "apply_base_deltas",
+    "base_deltas",
+    "export_model",
+    "load_task_for",
+    "restore_model",
+    "run_experiment",
+    "save_base_deltas",
+]
 
 
 class RunError(ValueError):
     """A run that cannot start or continue, for a reason the user can fix."""
 
 
-def _adapted_weights(model) -> dict[str, torch.Tensor]:
+def adapted_weights(model) -> dict[str, torch.Tensor]:
+    """The base weight of every LoRA-adapted layer, by module name."""
     return {n: layer.get_base_layer().weight for n, layer in lora_layers(model).items()}
 
 
-def _base_deltas(model, w0: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def base_deltas(model, w0: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``W - W0`` of each adapted layer in fp64, so that ``W0 + delta`` restores W exactly."""
-    return {n: (w.detach().double() - w0[n].double()) for n, w in _adapted_weights(model).items()}
+    return {n: (w.detach().double() - w0[n].double()) for n, w in adapted_weights(model).items()}
 
 
 @torch.no_grad()
-def _apply_base_deltas(model, deltas: dict[str, torch.Tensor]) -> None:
-    weights = _adapted_weights(model)
+def apply_base_deltas(model, deltas: dict[str, torch.Tensor]) -> None:
+    """Adds checkpointed fp64 deltas to the adapted base weights (``W0 + delta -> W``)."""
+    weights = adapted_weights(model)
     if set(deltas) != set(weights):
         raise CheckpointError("checkpoint base deltas cover other modules than the model")
     for n, w in weights.items():
@@ -48,14 +61,16 @@ def _apply_base_deltas(model, deltas: dict[str, torch.Tensor]) -> None:
         w.copy_((w.double() + deltas[n]).to(w.dtype))
 
 
-def _append_row(path: Path, row: dict) -> None:
+def append_row(path: Path, row: dict) -> None:
+    """Appends one JSON row to ``metrics.jsonl`` and fsyncs it."""
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
 
-def _save_tensors_extra(ckpt: Path, deltas: dict[str, torch.Tensor]) -> None:
+def save_base_deltas(ckpt: Path, deltas: dict[str, torch.Tensor]) -> None:
+    """Writes ``base_deltas.safetensors`` into a checkpoint directory, atomically."""
     from safetensors.torch import save_file
 
     tmp = ckpt / ".base_deltas.tmp"
@@ -77,8 +92,8 @@ def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: st
         deltas = load_file(str(ckpt / "base_deltas.safetensors"))
     except (OSError, SafetensorError) as exc:
         raise CheckpointError(f"checkpoint {str(ckpt)!r}: base deltas unreadable: {exc}") from None
-    w0 = {n: w.detach().clone() for n, w in _adapted_weights(model).items()}
-    _apply_base_deltas(model, deltas)
+    w0 = {n: w.detach().clone() for n, w in adapted_weights(model).items()}
+    apply_base_deltas(model, deltas)
     set_state(model, server.state)
     return model, tokenizer, server, info, w0
 
@@ -170,12 +185,12 @@ def run_experiment(
                 else new_model(cfg, task, method)[0]
             )
             server = new_server(cfg, method, model)
-            w0 = {n: w.detach().clone() for n, w in _adapted_weights(model).items()}
+            w0 = {n: w.detach().clone() for n, w in adapted_weights(model).items()}
         first_model = None
 
         def after_round(row, srv, mdl, _rows=rows, _method=method, _w0=w0):
             _rows.append(row)
-            _append_row(metrics_path, row)
+            append_row(metrics_path, row)
             ckpt = save_checkpoint(
                 out / "checkpoints" / _method,
                 srv,
@@ -187,7 +202,7 @@ def run_experiment(
                 },
                 keep=cfg.keep_checkpoints,
             )
-            _save_tensors_extra(ckpt, _base_deltas(mdl, _w0))
+            save_base_deltas(ckpt, base_deltas(mdl, _w0))
 
         if server.round < cfg.rounds:
             t0 = time.perf_counter()

@@ -62,11 +62,11 @@ def run_server(
     from ..checkpoint import config_fingerprint, save_checkpoint
     from ..pipeline import (
         RunError,
-        _adapted_weights,
-        _append_row,
-        _base_deltas,
-        _save_tensors_extra,
+        adapted_weights,
+        append_row,
+        base_deltas,
         load_task_for,
+        save_base_deltas,
     )
     from ..report import write_summary
     from ..simulation import autocast_dtype, new_model, new_server, prepare, round_row
@@ -99,7 +99,7 @@ def run_server(
         model = first_model if i == 0 else new_model(cfg, task, method)[0]
         first_model = None
         server = new_server(cfg, method, model)
-        w0 = {n: w.detach().clone() for n, w in _adapted_weights(model).items()}
+        w0 = {n: w.detach().clone() for n, w in adapted_weights(model).items()}
         strategy = FedExLoRA(
             server,
             nodes,
@@ -144,13 +144,13 @@ def run_server(
                 dropped=rec.dropped,
             )
             rs.append(row)
-            _append_row(metrics_path, row)
+            append_row(metrics_path, row)
             meta = {"rows": rs, "fingerprint": fingerprint, "parts": prep.parts}
             meta["config"] = cfg.to_dict()
             ckpt = save_checkpoint(
                 out / "checkpoints" / m, srv, meta=meta, keep=cfg.keep_checkpoints
             )
-            _save_tensors_extra(ckpt, _base_deltas(mdl, w0))
+            save_base_deltas(ckpt, base_deltas(mdl, w0))
             return MetricRecord({k: float(v) for k, v in metrics.items() if _is_number(v)})
 
         t0 = time.perf_counter()
