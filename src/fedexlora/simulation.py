@@ -23,7 +23,15 @@ from .config import RunConfig
 from .server import ClientUpload, RoundOutcome, Server
 from .training import Encoded, encode, evaluate, train_local
 
-__all__ = ["Prepared", "client_seed", "local_update", "prepare", "round_row", "run_method"]
+__all__ = [
+    "Prepared",
+    "apply_round",
+    "client_seed",
+    "local_update",
+    "prepare",
+    "round_row",
+    "run_method",
+]
 
 
 def client_seed(seed: int, rnd: int, client: int) -> int:
@@ -280,8 +288,6 @@ def run_method(
     steps = cfg.local_steps
     if centralized and steps is not None:
         steps *= len(prep.parts)
-    device = next(model.parameters()).device
-    amp = autocast_dtype(cfg)
     rows = []
     for rnd in range(server.round + 1, cfg.rounds + 1):
         t0 = time.perf_counter()
@@ -307,25 +313,7 @@ def run_method(
             for c, w in outcome.weights.items():
                 meta = Path(out_dir) / "clients" / f"round-{rnd}" / f"client-{c}" / "meta.json"
                 meta.write_text(json.dumps({**json.loads(meta.read_text()), "weight": w}))
-        fold_residuals(model, outcome.residuals)
-        set_state(model, server.state)
-        for cid, why in outcome.rejected.items():
-            warnings.warn(f"{method} round {rnd}: rejected client {cid}: {why}", stacklevel=1)
-        if uploads and not outcome.accepted:
-            warnings.warn(
-                f"{method} round {rnd}: every upload was rejected; the global model is unchanged",
-                stacklevel=1,
-            )
-        metrics = evaluate(
-            model,
-            prep.test,
-            prep.task,
-            batch_size=cfg.eval_batch_size,
-            max_new_tokens=cfg.max_new_tokens,
-            tokenizer=prep.tokenizer,
-            device=device,
-            autocast=amp,
-        )
+        metrics = apply_round(cfg, method, rnd, model, server, outcome, prep, bool(uploads))
         if centralized:
             bytes_up = bytes_down = 0
         row = round_row(
@@ -346,6 +334,42 @@ def run_method(
         if after_round is not None:
             after_round(row, server, model)
     return rows, model, server
+
+
+def apply_round(
+    cfg: RunConfig,
+    method: str,
+    rnd: int,
+    model,
+    server: Server,
+    outcome: RoundOutcome,
+    prep: Prepared,
+    any_uploads: bool = True,
+) -> dict[str, float]:
+    """Brings the server's model to the new global state and evaluates it (every engine).
+
+    Folds the round's residuals into the base, loads the global factors, warns about
+    rejected uploads, and returns the task metrics on the test split.
+    """
+    fold_residuals(model, outcome.residuals)
+    set_state(model, server.state)
+    for cid, why in outcome.rejected.items():
+        warnings.warn(f"{method} round {rnd}: rejected client {cid}: {why}", stacklevel=2)
+    if any_uploads and not outcome.accepted:
+        warnings.warn(
+            f"{method} round {rnd}: every upload was rejected; the global model is unchanged",
+            stacklevel=2,
+        )
+    return evaluate(
+        model,
+        prep.test,
+        prep.task,
+        batch_size=cfg.eval_batch_size,
+        max_new_tokens=cfg.max_new_tokens,
+        tokenizer=prep.tokenizer,
+        device=next(model.parameters()).device,
+        autocast=autocast_dtype(cfg),
+    )
 
 
 @contextlib.contextmanager

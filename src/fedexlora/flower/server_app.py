@@ -15,7 +15,6 @@ ServerApp runs under a SuperLink).
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -58,7 +57,6 @@ def run_server(
         ValueError: If the configuration asks for something the Flower engine cannot do,
             or the run directory already holds a run.
     """
-    from ..adapters import fold_residuals, set_state
     from ..checkpoint import config_fingerprint, save_checkpoint
     from ..pipeline import (
         RunError,
@@ -69,8 +67,7 @@ def run_server(
         save_base_deltas,
     )
     from ..report import write_summary
-    from ..simulation import autocast_dtype, new_model, new_server, prepare, round_row
-    from ..training import evaluate
+    from ..simulation import apply_round, new_model, new_server, prepare, round_row
     from .strategy import FedExLoRA, NodeDirectory
 
     check_flower_config(cfg)
@@ -92,7 +89,6 @@ def run_server(
     say(f"task {cfg.task}: {len(task.train)} train / {len(task.test)} test")
     say(prep.partition_table)
     nodes = NodeDirectory(cfg.num_clients, fingerprint, timeout=settings.round_timeout)
-    amp = autocast_dtype(cfg)
 
     all_rows: list[dict] = []
     for i, method in enumerate(cfg.methods):
@@ -116,20 +112,7 @@ def run_server(
             if rnd == 0:
                 return None  # the in-process engine does not evaluate before round 1
             rec = st.current
-            fold_residuals(mdl, rec.outcome.residuals)
-            set_state(mdl, srv.state)
-            for cid, why in rec.outcome.rejected.items():
-                warnings.warn(f"{m} round {rnd}: rejected client {cid}: {why}", stacklevel=1)
-            metrics = evaluate(
-                mdl,
-                prep.test,
-                prep.task,
-                batch_size=cfg.eval_batch_size,
-                max_new_tokens=cfg.max_new_tokens,
-                tokenizer=prep.tokenizer,
-                device=next(mdl.parameters()).device,
-                autocast=amp,
-            )
+            metrics = apply_round(cfg, m, rnd, mdl, srv, rec.outcome, prep)
             row = round_row(
                 m,
                 rnd,
