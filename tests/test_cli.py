@@ -125,33 +125,11 @@ def test_config_file_and_flags_override(tiny_bert_dir, tiny_csv, tmp_path):
 
 def test_compare_grid_writes_comparison(tiny_bert_dir, tiny_csv, tmp_path):
     out = tmp_path / "cmp"
-    res = _run(
-        "compare",
-        "--out",
-        str(out),
-        "--model",
-        tiny_bert_dir,
-        "--task",
-        tiny_csv,
-        "--method",
-        "fedex,fedit,centralized",
-        "--ranks",
-        "2",
-        "--seeds",
-        "0,1",
-        "--settings",
-        "iid-2,dir0.5-3",
-        "--rounds",
-        "1",
-        "--local-steps",
-        "2",
-        "--max-length",
-        "16",
-        "--max-test",
-        "30",
-        "--min-partition-size",
-        "5",
-    )
+    args = ["compare", "--out", str(out), "--model", tiny_bert_dir, "--task", tiny_csv,
+            "--method", "fedex,fedit,centralized", "--ranks", "2", "--seeds", "0,1",
+            "--settings", "iid-2,dir0.5-3", "--rounds", "1", "--local-steps", "2",
+            "--max-length", "16", "--max-test", "30", "--min-partition-size", "5"]  # fmt: skip
+    res = _run(*args)
     assert res.exit_code == 0, res.output
     md = (out / "comparison.md").read_text()
     assert "## iid-2 (2 clients, iid), r=2" in md and "## dir0.5-3 (3 clients, dirichlet" in md
@@ -161,33 +139,7 @@ def test_compare_grid_writes_comparison(tiny_bert_dir, tiny_csv, tmp_path):
     assert cell.is_file()
     # a finished grid is reused, not recomputed
     before = cell.read_text()
-    res = _run(
-        "compare",
-        "--out",
-        str(out),
-        "--model",
-        tiny_bert_dir,
-        "--task",
-        tiny_csv,
-        "--method",
-        "fedex,fedit,centralized",
-        "--ranks",
-        "2",
-        "--seeds",
-        "0,1",
-        "--settings",
-        "iid-2,dir0.5-3",
-        "--rounds",
-        "1",
-        "--local-steps",
-        "2",
-        "--max-length",
-        "16",
-        "--max-test",
-        "30",
-        "--min-partition-size",
-        "5",
-    )
+    res = _run(*args)
     assert res.exit_code == 0 and "(done)" in res.output and cell.read_text() == before
 
 
