@@ -150,3 +150,15 @@ def test_lossy_residual_rank_keeps_the_remainder_as_error_feedback():
     exact = _peft_gpt2()
     _rounds(exact, residual_rank=None)
     assert _rel(eff, _effective(exact)) < 1e-6
+
+
+def test_lossy_run_is_labelled_approximate_and_logs_its_gap(tiny_cfg, tmp_path):
+    from fedexlora.pipeline import run_experiment
+
+    rows = run_experiment(
+        tiny_cfg.replace(methods=["fedex"], residual_rank=1), tmp_path, progress=False
+    )
+    assert all(r["approximate"] for r in rows)
+    assert all(r["approximation_gap"]["max"] > 0 for r in rows)
+    assert all(max(r["residual_rank"].values()) <= 1 for r in rows)
+    assert "fedex (approximate)" in (tmp_path / "summary.md").read_text()

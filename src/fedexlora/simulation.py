@@ -198,6 +198,12 @@ def round_row(
         "num_examples": sum(u.num_examples for u in uploads if u.client_id in outcome.accepted),
         "approximate": approximate,
     }
+    if approximate:
+        # lossy --residual-rank: how far the applied model is from the exact one, per layer
+        # (Frobenius norm of the residual kept back as error feedback, before the scale)
+        row["approximation_gap"] = {
+            k: v for k, v in _summ(outcome.feedback_norm).items() if k != "per_layer"
+        }
     if not outcome.accepted:
         row["note"] = "every upload was rejected; the global model is unchanged"
     return row
