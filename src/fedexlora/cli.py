@@ -90,11 +90,13 @@ def _print_final_table(rows: list[dict]) -> None:
 
     header, cells = summary_table(rows)
     table = Table(title="final results")
+    # logs and pipes get 80 columns by default, which truncates this table
+    out = console if console.is_terminal else Console(width=160)
     for h in header:
         table.add_column(h)
     for c in cells:
         table.add_row(*c)
-    console.print(table)
+    out.print(table)
 
 
 @app.command()
