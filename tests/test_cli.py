@@ -29,45 +29,24 @@ def test_user_mistakes_get_one_line_errors(args, match, tmp_path):
     assert "Traceback" not in res.output
 
 
+def _run_tiny(model, task, tmp_path, *extra):
+    return _run("run", "--model", model, "--task", task, "--min-partition-size", "5",
+                "--out", str(tmp_path / "o"), "--no-progress", *extra)  # fmt: skip
+
+
 def test_cuda_without_gpu(tmp_path, tiny_bert_dir, tiny_csv):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    res = _run(
-        "run",
-        "--model",
-        tiny_bert_dir,
-        "--task",
-        tiny_csv,
-        "--device",
-        "cuda",
-        "--min-partition-size",
-        "5",
-        "--out",
-        str(tmp_path / "o"),
-        "--no-progress",
-    )
+    res = _run_tiny(tiny_bert_dir, tiny_csv, tmp_path, "--device", "cuda")
     assert res.exit_code == 2
     assert "`device` is 'cuda' but no CUDA GPU is available" in res.output
     assert "Traceback" not in res.output
 
 
 def test_too_few_examples_per_client(tiny_bert_dir, tiny_csv, tmp_path):
-    res = _run(
-        "run",
-        "--model",
-        tiny_bert_dir,
-        "--task",
-        tiny_csv,
-        "--num-clients",
-        "40",
-        "--min-partition-size",
-        "5",
-        "--out",
-        str(tmp_path / "o"),
-        "--no-progress",
-    )
+    res = _run_tiny(tiny_bert_dir, tiny_csv, tmp_path, "--num-clients", "40")
     assert res.exit_code == 2
     assert "min_partition_size" in res.output or "num_clients" in res.output
     assert "Traceback" not in res.output

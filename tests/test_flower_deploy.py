@@ -1,0 +1,402 @@
+"""A real Flower deployment on 127.0.0.1, and a SuperNode killed mid-run (integration).
+
+``flower-superlink`` and two ``flower-supernode`` processes with TLS and SuperNode
+authentication, self-signed credentials made here; every process is stopped by PID.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from fedexlora.pipeline import load_task_for, restore_model
+from fedexlora.report import read_metrics
+from test_flower import ROOT, VENV_BIN, _final_model, _state_dict_rel_diff
+
+
+# -- a real deployment on 127.0.0.1: SuperLink, two SuperNodes, TLS, node auth --------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_credentials(d: Path, num_nodes: int) -> None:
+    """A self-signed CA, a server certificate for 127.0.0.1, one EC P-384 key per node."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def pem_key(key):
+        return key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedexlora test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP384R1())
+    import ipaddress
+
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    (d / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (d / "server.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (d / "server.key").write_bytes(pem_key(key))
+    for i in range(num_nodes):
+        node_key = ec.generate_private_key(ec.SECP384R1())
+        (d / f"supernode-{i}").write_bytes(
+            node_key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.OpenSSH,
+                serialization.NoEncryption(),
+            )
+        )
+        (d / f"supernode-{i}.pub").write_bytes(
+            node_key.public_key().public_bytes(
+                serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+            )
+        )
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(0), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _stop(procs: list[subprocess.Popen], sig=signal.SIGTERM, wait: float = 15.0) -> None:
+    """Stops each process we started and all its descendants, by PID."""
+    pids = []
+    for p in procs:
+        if p.poll() is None:
+            pids += [p.pid, *_descendants(p.pid)]  # collected before any of them dies
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for pid in pids:  # whatever is left (including reparented grandchildren)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class Federation:
+    """``flower-superlink`` (TLS, SuperNode auth) and SuperNodes on 127.0.0.1, by PID."""
+
+    def __init__(self, root: Path, num_nodes: int = 2):
+        self.root = root
+        self.num_nodes = num_nodes
+        self.creds = root / "credentials"
+        self.creds.mkdir(parents=True)
+        _write_credentials(self.creds, num_nodes)
+        self.port = _free_port()
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(root / "flwr-home"),
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        (root / "flwr-home").mkdir()
+        (root / "flwr-home" / "config.toml").write_text(
+            '[superlink]\ndefault = "fedexlora-test"\n\n[superlink.fedexlora-test]\n'
+            f'address = "127.0.0.1:{self.port}"\n'
+            f'root-certificates = "{self.creds / "ca.crt"}"\n'
+        )
+        self.superlink: subprocess.Popen | None = None
+        self.supernodes: dict[int, subprocess.Popen] = {}
+        self.others: list[subprocess.Popen] = []
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.root / f"{name}.log", "wb")  # noqa: SIM115
+        return subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.root
+        )
+
+    def flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(VENV_BIN / "flwr"), *args],
+            env=self.env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def start(self) -> "Federation":
+        import httpx
+
+        c = self.creds
+        self.superlink = self._spawn(
+            "superlink",
+            [
+                str(VENV_BIN / "flower-superlink"),
+                "--host", "127.0.0.1",
+                "--port", str(self.port),
+                "--ssl-ca-certfile", str(c / "ca.crt"),
+                "--ssl-certfile", str(c / "server.pem"),
+                "--ssl-keyfile", str(c / "server.key"),
+                "--enable-supernode-auth",
+            ],
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.superlink.poll() is None, self.log("superlink")
+            try:
+                if httpx.get(
+                    f"https://127.0.0.1:{self.port}/health", verify=str(c / "ca.crt"), timeout=2
+                ).is_success:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "SuperLink did not start\n" + self.log("superlink")
+            time.sleep(0.5)
+        for i in range(self.num_nodes):
+            res = self.flwr("supernode", "register", str(c / f"supernode-{i}.pub"))
+            assert res.returncode == 0, res.stdout + res.stderr
+        for i in range(self.num_nodes):
+            self.supernodes[i] = self._spawn(
+                f"supernode-{i}",
+                [
+                    str(VENV_BIN / "flower-supernode"),
+                    "--superlink", f"127.0.0.1:{self.port}",
+                    "--root-certificates", str(c / "ca.crt"),
+                    "--auth-supernode-private-key", str(c / f"supernode-{i}"),
+                    "--node-config", f"partition-id={i} num-partitions={self.num_nodes}",
+                    "--port", str(_free_port()),
+                ],
+            )  # fmt: skip
+        return self
+
+    def run(self, cfg, run_dir: Path) -> subprocess.Popen:
+        """``flwr run . fedexlora-test --stream -c ...`` in the background."""
+        from fedexlora.flower.records import to_run_config
+
+        rc = to_run_config(cfg, run_dir=str(run_dir), min_train_nodes=1)
+        pairs = " ".join(f"{k}={json.dumps(v)}" for k, v in rc.items())
+        proc = self._spawn(
+            "flwr-run",
+            [str(VENV_BIN / "flwr"), "run", str(ROOT), "fedexlora-test", "--stream", "-c", pairs],
+        )
+        self.others.append(proc)
+        return proc
+
+    def kill_supernode(self, i: int) -> None:
+        """A crash: SIGKILL the SuperNode and everything it started."""
+        _stop([self.supernodes[i]], sig=signal.SIGKILL, wait=5)
+
+    def log(self, name: str) -> str:
+        path = self.root / f"{name}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def stop(self) -> None:
+        _stop([*self.others, *self.supernodes.values()])
+        if self.superlink is not None:
+            _stop([self.superlink])
+
+
+def _deploy_cfg(tiny_bert_dir):
+    from fedexlora.config import RunConfig
+
+    return RunConfig(
+        model=tiny_bert_dir,
+        task="bbc-news",
+        methods=["fedex"],
+        num_clients=2,
+        max_train=40,
+        max_test=20,
+        min_partition_size=5,
+        rounds=3,
+        local_steps=2,
+        batch_size=8,
+        max_length=32,
+        lora_r=4,
+        lora_alpha=8.0,
+        lora_dropout=0.0,
+    )
+
+
+def _rows(path: Path) -> list[dict]:
+    return read_metrics(path) if path.is_file() else []
+
+
+@pytest.fixture(scope="module")
+def deployed(tiny_bert_dir, tmp_path_factory):
+    """One ``flwr run`` of 3 rounds on a real federation; SuperNode 1 dies in round 3.
+
+    Rounds 1-2 are the clean 2-round deployment; right after round 2's row is written,
+    SuperNode 1 and everything it started get SIGKILL (a crash: the SuperLink learns it
+    only when the node's heartbeat lapses). While the run finishes, the in-process
+    reference is computed: the same job where client 1 is not sampled in round 3.
+    """
+    from fedexlora.simulation import new_model, new_server, prepare, run_method
+
+    root = tmp_path_factory.mktemp("deployment")
+    cfg = _deploy_cfg(tiny_bert_dir)
+    run_dir = root / "run"
+    fed = Federation(root / "federation")
+    try:
+        fed.start()
+        t0 = time.perf_counter()
+        proc = fed.run(cfg, run_dir)
+        deadline = time.monotonic() + 600
+        while len(_rows(run_dir / "metrics.jsonl")) < 2:
+            assert proc.poll() is None, "flwr run ended early\n" + fed.log("flwr-run")
+            assert time.monotonic() < deadline, "no round 2 in time\n" + fed.log("flwr-run")
+            time.sleep(0.25)
+        two_rounds = time.perf_counter() - t0
+        fed.kill_supernode(1)
+
+        task = load_task_for(cfg)
+        model, tok = new_model(cfg, task, "fedex")
+        prep = prepare(cfg, tok, task)
+        server = new_server(cfg, "fedex", model)
+        sample = server.sample
+        server.sample = lambda rnd: [c for c in sample(rnd) if (rnd, c) != (3, 1)]
+        after_two = {}
+
+        def snapshot(row, _srv, mdl):
+            if row["round"] == 2:
+                after_two.update({k: v.detach().clone() for k, v in mdl.state_dict().items()})
+
+        ref_rows, ref_model, _ = run_method(
+            cfg, "fedex", prep, model=model, server=server, progress=False, after_round=snapshot
+        )
+        try:
+            proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            pytest.fail("flwr run did not finish\n" + fed.log("flwr-run") + fed.log("superlink"))
+        total = time.perf_counter() - t0
+        assert proc.returncode == 0, fed.log("flwr-run")
+    finally:
+        fed.stop()
+    started = [fed.superlink, *fed.supernodes.values(), *fed.others]
+    assert all(p is None or p.poll() is not None for p in started)  # all stopped, by PID
+    yield {
+        "cfg": cfg,
+        "run_dir": run_dir,
+        "rows": _rows(run_dir / "metrics.jsonl"),
+        "ref_rows": ref_rows,
+        "ref_after_two": after_two,
+        "ref_model": ref_model,
+        "two_rounds_s": two_rounds,
+        "total_s": total,
+        "log": fed.log("flwr-run"),
+    }
+
+
+def _rel_diff(a: dict, b: dict) -> float:
+    worst = 0.0
+    for name, t in a.items():
+        u, v = t.double(), b[name].double()
+        den = float(v.norm())
+        worst = max(worst, float((u - v).norm()) / den if den > 0 else float(u.norm()))
+    return worst
+
+
+@pytest.mark.integration
+def test_deployment_two_supernodes_matches_in_process(deployed):
+    cfg, run_dir, rows = deployed["cfg"], deployed["run_dir"], deployed["rows"]
+    assert [r["round"] for r in rows] == [1, 2, 3], deployed["log"]  # client errors do not fail
+    for r, ref in zip(rows[:2], deployed["ref_rows"][:2]):
+        assert r["sampled"] == r["accepted"] == [0, 1] and r["dropped"] == []
+        assert r["effective_deviation"]["max"] < 1e-5
+        assert set(r) == set(ref)
+        assert r["num_examples"] == ref["num_examples"] and r["bytes_down"] == ref["bytes_down"]
+        assert r["metrics"] == pytest.approx(ref["metrics"], rel=1e-5, abs=1e-6)
+    for name in ("config.toml", "summary.md", "metrics.png"):
+        assert (run_dir / name).is_file()
+    task = load_task_for(cfg)
+    ckpt = run_dir / "checkpoints" / "fedex" / "round-0002"
+    model, _, server, _, _ = restore_model(cfg, task, "fedex", ckpt, None)
+    assert server.round == 2
+    diff = _rel_diff(model.state_dict(), deployed["ref_after_two"])
+    print(
+        f"\n2-round deployment: {deployed['two_rounds_s']:.1f}s from `flwr run` to round 2's "
+        f"row; max relative difference vs in-process {diff:.2e}"
+    )
+    assert diff < 1e-5
+
+
+@pytest.mark.integration
+def test_supernode_killed_mid_round(deployed):
+    cfg, rows = deployed["cfg"], deployed["rows"]
+    assert len(rows) == 3, deployed["log"]
+    last = rows[2]
+    assert last["sampled"] == [0, 1] and last["dropped"] == [1] and last["accepted"] == [0]
+    assert last["num_examples"] == deployed["ref_rows"][2]["num_examples"]
+    assert last["effective_deviation"]["max"] < 1e-5  # exact over the clients that reported
+    got, _ = _final_model(cfg, deployed["run_dir"], "fedex")
+    diff = _state_dict_rel_diff(got, deployed["ref_model"])
+    print(
+        f"\nafter the crash: run finished {deployed['total_s']:.1f}s after start; "
+        f"max relative difference vs in-process {diff:.2e}"
+    )
+    assert diff < 1e-5
