@@ -113,6 +113,8 @@ def test_compare_grid_writes_comparison(tiny_bert_dir, tiny_csv, tmp_path):
     md = (out / "comparison.md").read_text()
     assert "## iid-2 (2 clients, iid), r=2" in md and "## dir0.5-3 (3 clients, dirichlet" in md
     assert "| fedex | " in md and " ± " in md
+    assert "fedex − fedit, final metric paired by seed:" in md
+    assert "2 local steps per client in all" in md and "reused" not in md
     assert (out / "comparison.png").is_file()
     cell = out / "iid-2_r2_seed1" / "metrics.jsonl"
     assert cell.is_file()
@@ -120,6 +122,7 @@ def test_compare_grid_writes_comparison(tiny_bert_dir, tiny_csv, tmp_path):
     before = cell.read_text()
     res = _run(*args)
     assert res.exit_code == 0 and "(done)" in res.output and cell.read_text() == before
+    assert "(4 of 4 runs reused from an earlier invocation)" in (out / "comparison.md").read_text()
 
 
 def test_every_config_field_is_a_run_flag():

@@ -68,6 +68,7 @@ def run_grid(
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     cells = [(s, r, seed) for s in settings for r in ranks for seed in seeds]
+    reused = 0
     for i, (s, r, seed) in enumerate(cells, 1):
         cfg = base.replace(
             num_clients=s.num_clients,
@@ -81,13 +82,14 @@ def run_grid(
             cfg.methods
         ) * cfg.rounds
         say(f"[{i}/{len(cells)}] {s.name} r={r} seed={seed}" + (" (done)" if done else ""))
+        reused += done
         if not done:
             run_experiment(
                 cfg, d, resume=(d / "config.toml").exists(), progress=progress, console=console
             )
     elapsed = time.perf_counter() - t0
     rows = {c: read_metrics(_cell_dir(out, *c) / "metrics.jsonl") for c in cells}
-    md = comparison_table(rows, base, settings, ranks, seeds, elapsed)
+    md = comparison_table(rows, base, settings, ranks, seeds, elapsed, reused=reused)
     path = out / "comparison.md"
     path.write_text(md)
     _plot(rows, settings, ranks, out / "comparison.png")
@@ -125,10 +127,33 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:.2f} MB"
 
 
-def comparison_table(rows, base: RunConfig, settings, ranks, seeds, elapsed: float) -> str:
+def _paired(agg: dict, key: str, a: str, b: str) -> str | None:
+    """``a − b`` of the final metric, paired by seed (same partitions and start), mean ± std."""
+    xa, xb = agg.get(f"{key}|{a}"), agg.get(f"{key}|{b}")
+    if xa is None or xb is None:
+        return None
+    diffs = [u - v for u, v in zip(xa["final"], xb["final"])]
+    wins = sum(d > 0 for d in diffs)
+    ties = sum(d == 0 for d in diffs)
+    sign = "+" if statistics.fmean(diffs) >= 0 else ""
+    return (
+        f"{a} − {b}, final metric paired by seed: {sign}{_ms(diffs)} "
+        f"({wins} ahead, {ties} tied, {len(diffs) - wins - ties} behind)"
+    )
+
+
+def comparison_table(
+    rows, base: RunConfig, settings, ranks, seeds, elapsed: float, reused: int = 0
+) -> str:
     """Markdown: one table per (setting, rank), mean ± std over seeds per method."""
     agg = _aggregate(rows)
     metric = next(iter(next(iter(rows.values()))[0]["metrics"]))
+    compute = sum(x["seconds"] for rs in rows.values() for x in rs)
+    steps = (
+        f"{base.rounds * base.local_steps} local steps per client in all"
+        if base.local_steps
+        else f"{base.rounds * base.local_epochs:g} local epochs per client in all"
+    )
     lines = [
         "# fedex-lora comparison",
         "",
@@ -146,7 +171,11 @@ def comparison_table(rows, base: RunConfig, settings, ranks, seeds, elapsed: flo
         "clients together. Within a (setting, rank, seed) cell every method sees the same "
         "partitions, initial adapters and data order.",
         "",
-        f"Wall time of the grid: {elapsed / 60:.1f} min.",
+        f"Sizing: {len(rows)} runs of {len(base.methods)} methods x {base.rounds} rounds, "
+        f"{steps}. Time in the rounds, summed over every run: {compute / 60:.1f} min; "
+        f"wall time of this invocation: {elapsed / 60:.1f} min"
+        + (f" ({reused} of {len(rows)} runs reused from an earlier invocation)" if reused else "")
+        + ".",
         "",
     ]
     for s in settings:
@@ -170,6 +199,9 @@ def comparison_table(rows, base: RunConfig, settings, ranks, seeds, elapsed: flo
                     f"{statistics.fmean(a['deviation']):.3g} | {max(a['effective']):.2g} |"
                 )
             lines.append("")
+            paired = _paired(agg, f"{s.name}|r{r}", "fedex", "fedit")
+            if paired:
+                lines += [paired, ""]
     lines += [
         "*deviation*: relative Frobenius deviation of the averaged-factor product from the "
         "ideal update, mean over layers and rounds (what FedIT loses). *effective "
