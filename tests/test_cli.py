@@ -102,6 +102,26 @@ def test_config_file_and_flags_override(tiny_bert_dir, tiny_csv, tmp_path):
     assert res.exit_code == 2 and "method 'flora' is not in this run" in res.output
 
 
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--settings", ","], "--settings is empty"),
+        (["--settings", "dir-3"], "--settings: cannot parse 'dir-3'; use iid-K or dirA-K"),
+        (["--settings", "ring-3"], "--settings: cannot parse 'ring-3'"),
+        (["--ranks", "1,x"], "--ranks must be a comma list of integers, got '1,x'"),
+        (["--seeds", ""], "--seeds is empty"),
+        (["--ranks", "4,0"], "`lora_r` must be >= 1, got 0"),
+        (["--method", "fedex,bogus"], "`methods`: unknown ['bogus']"),
+    ],
+)
+def test_compare_bad_input_is_one_clear_error(args, match, tmp_path):
+    res = runner.invoke(app, ["compare", "--out", str(tmp_path / "c"), *args],
+                        env={"COLUMNS": "300"})  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert match in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "c").exists()  # nothing ran, not even the valid cells
+
+
 def test_compare_grid_writes_comparison(tiny_bert_dir, tiny_csv, tmp_path):
     out = tmp_path / "cmp"
     args = ["compare", "--out", str(out), "--model", tiny_bert_dir, "--task", tiny_csv,

@@ -298,20 +298,32 @@ def compare(
     from .compare import Setting, run_grid
     from .config import ConfigError, validate_mapping
 
-    try:
-        parsed = []
-        for s in [x.strip() for x in settings.split(",") if x.strip()]:
-            kind, _, k = s.rpartition("-")
+    def items(flag: str, value: str) -> list[str]:
+        out = [x.strip() for x in value.split(",") if x.strip()]
+        if not out:
+            _fail(f"{flag} is empty (got {value!r})")
+        return out
+
+    def ints(flag: str, value: str) -> list[int]:
+        try:
+            return [int(x) for x in items(flag, value)]
+        except ValueError:
+            _fail(f"{flag} must be a comma list of integers, got {value!r}")
+
+    parsed = []
+    for s in items("--settings", settings):
+        kind, _, k = s.rpartition("-")
+        try:
             if kind == "iid":
                 parsed.append(Setting(s, int(k), "iid"))
             elif kind.startswith("dir"):
                 parsed.append(Setting(s, int(k), "dirichlet", float(kind[3:])))
             else:
                 raise ValueError(s)
-        rank_list = [int(r) for r in ranks.split(",")]
-        seed_list = [int(x) for x in seeds.split(",")]
-    except ValueError as exc:
-        _fail(f"--settings/--ranks/--seeds: cannot parse {exc}")
+        except ValueError:
+            _fail(f"--settings: cannot parse {s!r}; use iid-K or dirA-K, e.g. iid-3,dir0.1-5")
+    rank_list = ints("--ranks", ranks)
+    seed_list = ints("--seeds", seeds)
     cfg, errs = validate_mapping(
         dict(
             model=model,

@@ -65,18 +65,20 @@ def run_grid(
     """
     say = console.print if console is not None else print
     out = Path(out)
+    cells = [(s, r, seed) for s in settings for r in ranks for seed in seeds]
+    if not cells:
+        raise ValueError("the grid is empty: give at least one setting, rank and seed")
+    # Every cell's config is checked before the first one runs.
+    cfgs = [
+        base.replace(
+            num_clients=s.num_clients, partition=s.partition, alpha=s.alpha, lora_r=r, seed=seed
+        ).validate()
+        for s, r, seed in cells
+    ]
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    cells = [(s, r, seed) for s in settings for r in ranks for seed in seeds]
     reused = 0
-    for i, (s, r, seed) in enumerate(cells, 1):
-        cfg = base.replace(
-            num_clients=s.num_clients,
-            partition=s.partition,
-            alpha=s.alpha,
-            lora_r=r,
-            seed=seed,
-        ).validate()
+    for i, ((s, r, seed), cfg) in enumerate(zip(cells, cfgs), 1):
         d = _cell_dir(out, s, r, seed)
         done = (d / "metrics.jsonl").exists() and len(read_metrics(d / "metrics.jsonl")) == len(
             cfg.methods
