@@ -27,7 +27,7 @@ def test_causal_lm_run_reports_loss_perplexity_exact_match(tiny_llama_dir, tiny_
     )
     rows = run_experiment(cfg, tmp_path, progress=False)
     for r in rows:
-        assert {"exact_match", "loss", "perplexity"} <= set(r["metrics"])
+        assert list(r["metrics"]) == ["exact_match", "loss", "perplexity"]  # primary first
         assert r["metrics"]["perplexity"] == pytest.approx(math.exp(r["metrics"]["loss"]))
         assert 0.0 <= r["metrics"]["exact_match"] <= 1.0
     fedex = [r for r in rows if r["method"] == "fedex"]

@@ -156,3 +156,18 @@ def test_every_config_field_is_a_run_flag():
     for flag in _RUN_FLAGS:
         if flag != "rank":
             assert "--" + flag.replace("_", "-") in res.output, flag
+
+
+def test_compare_best_of_a_loss_is_its_minimum():
+    from fedexlora.compare import Setting, comparison_table
+    from fedexlora.config import RunConfig
+
+    def row(rnd, loss):
+        return {"method": "fedex", "round": rnd, "metrics": {"loss": loss}, "seconds": 1.0,
+                "bytes_up": 0, "bytes_down": 0, "deviation": {"mean": 0.0},
+                "effective_deviation": {"max": 0.0}}  # fmt: skip
+
+    s = Setting("iid-2", 2, "iid")
+    rows = {(s, 1, 0): [row(1, 2.0), row(2, 1.5), row(3, 1.7)]}
+    md = comparison_table(rows, RunConfig(methods=["fedex"], rounds=3), [s], [1], [0], 5.0)
+    assert "| fedex | 1.7000 | 1.5000 |" in md and "best loss" in md

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .config import RunConfig
 from .pipeline import run_experiment
-from .report import read_metrics
+from .report import best_value, primary_metric, read_metrics
 
 __all__ = ["DEFAULT_SETTINGS", "Setting", "comparison_table", "run_grid"]
 
@@ -103,7 +103,7 @@ def _aggregate(rows: dict) -> dict:
     """Per (setting, rank, method): lists over seeds of final/best metric, bytes, deviation."""
     agg: dict = defaultdict(lambda: defaultdict(list))
     for (s, r, _seed), rs in rows.items():
-        metric = next(iter(rs[0]["metrics"]))
+        metric = primary_metric(rs)
         by_method = defaultdict(list)
         for row in rs:
             by_method[row["method"]].append(row)
@@ -112,7 +112,7 @@ def _aggregate(rows: dict) -> dict:
             vals = [x["metrics"][metric] for x in mrs]
             agg[key]["metric"].append(metric)
             agg[key]["final"].append(vals[-1])
-            agg[key]["best"].append(max(vals))
+            agg[key]["best"].append(best_value(metric, vals))
             agg[key]["bytes"].append(sum(x["bytes_up"] + x["bytes_down"] for x in mrs))
             agg[key]["deviation"].append(statistics.fmean(x["deviation"]["mean"] for x in mrs))
             agg[key]["effective"].append(max(x["effective_deviation"]["max"] for x in mrs))
@@ -149,7 +149,7 @@ def comparison_table(
 ) -> str:
     """Markdown: one table per (setting, rank), mean ± std over seeds per method."""
     agg = _aggregate(rows)
-    metric = next(iter(next(iter(rows.values()))[0]["metrics"]))
+    metric = primary_metric(next(iter(rows.values())))
     compute = sum(x["seconds"] for rs in rows.values() for x in rs)
     steps = (
         f"{base.rounds * base.local_steps} local steps per client in all"

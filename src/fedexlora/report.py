@@ -8,10 +8,12 @@ from collections import defaultdict
 from pathlib import Path
 
 __all__ = [
+    "best_value",
     "final_rows",
     "layer_group",
     "plot_deviation",
     "plot_metrics",
+    "primary_metric",
     "read_metrics",
     "summary_table",
     "write_summary",
@@ -32,8 +34,14 @@ def final_rows(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
-def _primary(rows: list[dict]) -> str:
+def primary_metric(rows: list[dict]) -> str:
+    """The headline metric of metrics rows: the first key of their ``metrics``."""
     return next(iter(rows[0]["metrics"])) if rows and rows[0]["metrics"] else "loss"
+
+
+def best_value(metric: str, values: list[float]) -> float:
+    """The best of ``values``: the lowest for a loss or perplexity, else the highest."""
+    return min(values) if metric in ("loss", "perplexity") else max(values)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -46,7 +54,7 @@ def _fmt_bytes(n: float) -> str:
 
 def summary_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """Header and cells of the final table: one line per method."""
-    metric = _primary(rows)
+    metric = primary_metric(rows)
     by_method: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
         by_method[r["method"]].append(r)
@@ -62,11 +70,10 @@ def summary_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         "seconds",
     ]
     cells = []
-    higher_better = metric not in ("loss", "perplexity")
     for method, rs in by_method.items():
         vals = [r["metrics"].get(metric, float("nan")) for r in rs]
         last = rs[-1]
-        best = max(vals) if higher_better else min(vals)
+        best = best_value(metric, vals)
         label = method + (" (approximate)" if last.get("approximate") else "")
         cells.append(
             [
@@ -142,7 +149,7 @@ def _plt():
 def plot_metrics(rows: list[dict], path: str | Path) -> Path:
     """PNG of the primary metric per round, one line per method."""
     plt = _plt()
-    metric = _primary(rows)
+    metric = primary_metric(rows)
     fig, ax = plt.subplots(figsize=(6, 4))
     by_method: dict[str, list[dict]] = defaultdict(list)
     for r in rows:

@@ -259,7 +259,10 @@ def evaluate(
         with _amp(device, autocast):
             texts = _generate(model, data, tokenizer, max_new_tokens, batch_size, device)
         out["exact_match"] = exact_match(texts, data.answers)
-    return out
+    # The task's primary metric first (exact match where there are answers): reports and
+    # `compare` read the first key as the headline metric.
+    order = [k for k in getattr(task, "metric_names", []) if k in out]
+    return {k: out[k] for k in order} | {k: v for k, v in out.items() if k not in order}
 
 
 def _generate(model, data: Encoded, tokenizer, max_new_tokens, batch_size, device) -> list[str]:
