@@ -39,7 +39,7 @@ against an fp64 reference.
 
 Usage::
 
-    python benchmarks/aggregation.py            # full grid, about 10 min on 2 cores
+    python benchmarks/aggregation.py            # full grid, 5-10 min on 2 cores
     python benchmarks/aggregation.py --quick    # 3 cells, about a minute
     python benchmarks/aggregation.py --json out.json --threads 1
 """
