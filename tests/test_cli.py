@@ -162,12 +162,19 @@ def test_compare_best_of_a_loss_is_its_minimum():
     from fedexlora.compare import Setting, comparison_table
     from fedexlora.config import RunConfig
 
-    def row(rnd, loss):
-        return {"method": "fedex", "round": rnd, "metrics": {"loss": loss}, "seconds": 1.0,
+    def row(method, rnd, loss):
+        return {"method": method, "round": rnd, "metrics": {"loss": loss}, "seconds": 1.0,
                 "bytes_up": 0, "bytes_down": 0, "deviation": {"mean": 0.0},
                 "effective_deviation": {"max": 0.0}}  # fmt: skip
 
     s = Setting("iid-2", 2, "iid")
-    rows = {(s, 1, 0): [row(1, 2.0), row(2, 1.5), row(3, 1.7)]}
-    md = comparison_table(rows, RunConfig(methods=["fedex"], rounds=3), [s], [1], [0], 5.0)
-    assert "| fedex | 1.7000 | 1.5000 |" in md and "best loss" in md
+    rows = {
+        (s, 1, seed): [row("fedex", 1, 2.0), row("fedex", 2, 1.5), row("fedex", 3, 1.7),
+                       row("fedit", 1, 2.0), row("fedit", 2, 1.6), row("fedit", 3, fedit)]
+        for seed, fedit in ((0, 1.8), (1, 1.6))
+    }  # fmt: skip
+    cfg = RunConfig(methods=["fedex", "fedit"], rounds=3)
+    md = comparison_table(rows, cfg, [s], [1], [0, 1], 5.0)
+    assert "| fedex | 1.7000 ± 0.0000 | 1.5000 ± 0.0000 |" in md and "best loss" in md
+    # a lower loss is ahead: seed 0 (1.7 vs 1.8) ahead, seed 1 (1.7 vs 1.6) behind
+    assert "(1 ahead, 0 tied, 1 behind)" in md

@@ -129,13 +129,16 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:.2f} MB"
 
 
-def _paired(agg: dict, key: str, a: str, b: str) -> str | None:
-    """``a − b`` of the final metric, paired by seed (same partitions and start), mean ± std."""
+def _paired(agg: dict, key: str, a: str, b: str, metric: str) -> str | None:
+    """``a − b`` of the final metric, paired by seed (same partitions and start), mean ± std.
+
+    "Ahead" means better: higher, or lower for a loss or perplexity.
+    """
     xa, xb = agg.get(f"{key}|{a}"), agg.get(f"{key}|{b}")
     if xa is None or xb is None:
         return None
     diffs = [u - v for u, v in zip(xa["final"], xb["final"])]
-    wins = sum(d > 0 for d in diffs)
+    wins = sum(best_value(metric, [d, 0.0]) == d and d != 0 for d in diffs)
     ties = sum(d == 0 for d in diffs)
     sign = "+" if statistics.fmean(diffs) >= 0 else ""
     return (
@@ -201,7 +204,7 @@ def comparison_table(
                     f"{statistics.fmean(a['deviation']):.3g} | {max(a['effective']):.2g} |"
                 )
             lines.append("")
-            paired = _paired(agg, f"{s.name}|r{r}", "fedex", "fedit")
+            paired = _paired(agg, f"{s.name}|r{r}", "fedex", "fedit", metric)
             if paired:
                 lines += [paired, ""]
     lines += [
