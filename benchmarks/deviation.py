@@ -76,6 +76,13 @@ def grid_deviation(grid: Path, method: str = "fedit") -> dict:
     }
 
 
+def _print_row(title: str, values: dict) -> None:
+    """A one-row markdown table: the keys as columns, the deviation below them."""
+    print(f"\n| {title} | " + " | ".join(map(str, values)) + " |")
+    print("|---|" + "---|" * len(values))
+    print("| deviation | " + " | ".join(f"{v:.4f}" for v in values.values()) + " |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("grids", nargs="+", type=Path, help="output directories of fedexlora compare")
@@ -89,12 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         print("| layers | mean relative deviation |\n|---|---|")
         for kind, value in res["kind"].items():
             print(f"| {kind} | {value:.4f} |")
-        print("\n| layer index | " + " | ".join(map(str, res["depth"])) + " |")
-        print("|---|" + "---|" * len(res["depth"]))
-        print("| deviation | " + " | ".join(f"{v:.4f}" for v in res["depth"].values()) + " |")
-        print("\n| round | " + " | ".join(map(str, res["round"])) + " |")
-        print("|---|" + "---|" * len(res["round"]))
-        print("| deviation | " + " | ".join(f"{v:.4f}" for v in res["round"].values()) + " |")
+        _print_row("layer index", res["depth"])
+        _print_row("round", res["round"])
     if len(results) > 1:
         # Deviation shrinks over rounds, so grids are compared over the rounds they share.
         common = min(max(res["round"]) for res in results)

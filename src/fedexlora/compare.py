@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .config import RunConfig
 from .pipeline import run_experiment
-from .report import best_value, primary_metric, read_metrics
+from .report import best_value, higher_is_better, primary_metric, read_metrics
 
 __all__ = ["DEFAULT_SETTINGS", "Setting", "comparison_table", "run_grid"]
 
@@ -138,11 +138,12 @@ def _paired(agg: dict, key: str, a: str, b: str, metric: str) -> str | None:
     if xa is None or xb is None:
         return None
     diffs = [u - v for u, v in zip(xa["final"], xb["final"])]
-    wins = sum(best_value(metric, [d, 0.0]) == d and d != 0 for d in diffs)
+    sign = 1 if higher_is_better(metric) else -1
+    wins = sum(sign * d > 0 for d in diffs)
     ties = sum(d == 0 for d in diffs)
-    sign = "+" if statistics.fmean(diffs) >= 0 else ""
+    plus = "+" if statistics.fmean(diffs) >= 0 else ""
     return (
-        f"{a} − {b}, final metric paired by seed: {sign}{_ms(diffs)} "
+        f"{a} − {b}, final metric paired by seed: {plus}{_ms(diffs)} "
         f"({wins} ahead, {ties} tied, {len(diffs) - wins - ties} behind)"
     )
 
@@ -176,8 +177,8 @@ def comparison_table(
         "clients together. Within a (setting, rank, seed) cell every method sees the same "
         "partitions, initial adapters and data order.",
         "",
-        f"Sizing: {len(rows)} runs of {len(base.methods)} methods x {base.rounds} rounds, "
-        f"{steps}. Time in the rounds, summed over every run: {compute / 60:.1f} min; "
+        f"Sizing: {len(rows)} runs of {len(base.methods)} methods, {steps}. "
+        f"Time in the rounds, summed over every run: {compute / 60:.1f} min; "
         f"wall time of this invocation: {elapsed / 60:.1f} min"
         + (f" ({reused} of {len(rows)} runs reused from an earlier invocation)" if reused else "")
         + ".",

@@ -10,6 +10,7 @@ from pathlib import Path
 __all__ = [
     "best_value",
     "final_rows",
+    "higher_is_better",
     "layer_group",
     "plot_deviation",
     "plot_metrics",
@@ -39,9 +40,14 @@ def primary_metric(rows: list[dict]) -> str:
     return next(iter(rows[0]["metrics"])) if rows and rows[0]["metrics"] else "loss"
 
 
+def higher_is_better(metric: str) -> bool:
+    """False for a loss or perplexity, True for every other metric."""
+    return metric not in ("loss", "perplexity")
+
+
 def best_value(metric: str, values: list[float]) -> float:
-    """The best of ``values``: the lowest for a loss or perplexity, else the highest."""
-    return min(values) if metric in ("loss", "perplexity") else max(values)
+    """The best of ``values``: the highest, or the lowest for a loss or perplexity."""
+    return max(values) if higher_is_better(metric) else min(values)
 
 
 def _fmt_bytes(n: float) -> str:

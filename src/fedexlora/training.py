@@ -261,7 +261,7 @@ def evaluate(
         out["exact_match"] = exact_match(texts, data.answers)
     # The task's primary metric first (exact match where there are answers): reports and
     # `compare` read the first key as the headline metric.
-    order = [k for k in getattr(task, "metric_names", []) if k in out]
+    order = [k for k in task.metric_names if k in out]
     return {k: out[k] for k in order} | {k: v for k, v in out.items() if k not in order}
 
 
