@@ -208,15 +208,6 @@ def test_refuses_dora():
         get_state(model)
 
 
-def test_refuses_quantized_base(monkeypatch):
-    model = get_peft_model(_bert(), LoraConfig(r=2, target_modules=["query"]))
-    layer = next(iter(lora_layers(model).values()))
-    base = layer.get_base_layer()
-    base.weight.quant_state = object()  # what bitsandbytes' Params4bit carries
-    with pytest.raises(ValueError, match="quantized base layer"):
-        get_state(model)
-
-
 def test_refuses_embedding_lora():
     model = get_peft_model(_bert(), LoraConfig(r=2, target_modules=["word_embeddings"]))
     with pytest.raises(ValueError, match="LoRA on embeddings is not supported"):
@@ -242,14 +233,3 @@ def test_refuses_mismatched_client_states():
         set_state(model, other)
     with pytest.raises(ValueError, match="covers other modules"):
         aggregate_states([state, missing], None, "fedex")
-
-
-def test_bf16_base_folds_through_fp32():
-    make, kw = CASES["bert"]
-    model = get_peft_model(make(), LoraConfig(r=4, init_lora_weights=False, **kw))
-    layer = next(iter(lora_layers(model).values()))
-    layer.get_base_layer().weight.data = layer.get_base_layer().weight.data.bfloat16()
-    clients = _perturbed_clients(get_state(model), 3)
-    agg = aggregate_states(clients, None, "fedex")
-    fold_residuals(model, agg.residuals)
-    assert layer.get_base_layer().weight.dtype == torch.bfloat16

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from fedexlora.checkpoint import latest_checkpoint
-from fedexlora.pipeline import RunError, export_model, load_task_for, restore_model, run_experiment
+from fedexlora.export import export_model
+from fedexlora.pipeline import RunError, load_task_for, restore_model, run_experiment
 from fedexlora.report import read_metrics
 
 FIELDS = {
@@ -94,7 +95,7 @@ def test_export_reproduces_global_model_logits(tiny_cfg, tmp_path):
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=2)
     run_experiment(cfg, tmp_path / "run", progress=False)
-    dest = export_model(tmp_path / "run", tmp_path / "export")
+    dest = export_model(tmp_path / "run", tmp_path / "export").path
     task = load_task_for(cfg)
     model, tok, server, _, _ = restore_model(
         cfg, task, "fedex", latest_checkpoint(tmp_path / "run" / "checkpoints" / "fedex"), None

@@ -1,9 +1,12 @@
 """The peft bridge: the only module that knows peft's internals.
 
 It reads LoRA factors from a :class:`peft.PeftModel`, writes global factors back, and folds
-``scale * residual`` into the frozen base weights. Orientation (``fan_in_fan_out``) and
-scale are always taken from the peft layer itself, never recomputed: ``nn.Linear`` stores
-its weight ``(out, in)``, GPT-2's ``Conv1D`` stores ``(in, out)``.
+``scale * residual`` into the frozen base: into an fp32 weight directly, and for a
+bf16/fp16 or bitsandbytes-quantized weight into an fp32 side branch
+(:mod:`fedexlora.side`) that the forward pass applies, so no precision is lost.
+Orientation (``fan_in_fan_out``) and scale are always taken from the peft layer itself,
+never recomputed: ``nn.Linear`` stores its weight ``(out, in)``, GPT-2's ``Conv1D``
+stores ``(in, out)``.
 """
 
 from __future__ import annotations
@@ -15,20 +18,32 @@ import torch
 from peft.tuners.lora import LoraLayer
 from transformers.pytorch_utils import Conv1D
 
-from .aggregation import Residual
+from .aggregation import Residual, residuals_from_flat, residuals_to_flat
+from .side import SideBranch
 from .state import AdapterState
 
 __all__ = [
     "LayerInfo",
+    "base_weight",
     "check_compatible",
+    "effective_weight",
     "fold_residuals",
+    "folded_weights",
     "get_state",
     "layer_info",
+    "load_side_state",
     "lora_layers",
+    "restore_base",
     "set_state",
     "set_trainable",
+    "side_nbytes",
+    "side_state",
+    "side_weight",
+    "snapshot_base",
 ]
 
+_SIDE = "fedex_side"  # child module of a LoraLayer holding its SideBranch
+_BNB_LAYERS = {"Linear4bit", "LinearNF4", "LinearFP4", "Linear8bitLt"}
 _LORA_PARAM_TAGS = (".lora_A.", ".lora_B.", ".lora_embedding_", ".lora_magnitude_vector")
 
 
@@ -81,24 +96,25 @@ def lora_layers(model: torch.nn.Module, adapter: str | None = None) -> dict[str,
         if getattr(module, "lora_bias", {}).get(adapter, False):
             raise ValueError(f"module {name!r} uses lora_bias, which is not supported")
         base = module.get_base_layer()
-        weight = getattr(base, "weight", None)
-        quantized = (
-            type(base).__module__.split(".")[0] in {"bitsandbytes", "auto_gptq", "optimum"}
-            or weight is None
-            or not weight.dtype.is_floating_point
-            or hasattr(weight, "quant_state")
-        )
-        if quantized:
-            raise ValueError(
-                f"module {name!r} has a quantized base layer ({type(base).__name__}); the "
-                "residual cannot be folded into quantized weights without loss, so it is "
-                "not supported"
-            )
-        if not isinstance(base, (torch.nn.Linear, Conv1D)):
-            raise ValueError(
-                f"module {name!r}: base layer {type(base).__name__} is not supported; "
-                "only nn.Linear and GPT-2 Conv1D are"
-            )
+        if _is_bnb(base):
+            if type(base).__name__ not in _BNB_LAYERS:
+                raise ValueError(
+                    f"module {name!r}: bitsandbytes layer {type(base).__name__} is not "
+                    f"supported; only {sorted(_BNB_LAYERS)} are"
+                )
+        else:
+            weight = getattr(base, "weight", None)
+            if weight is None or not weight.dtype.is_floating_point:
+                raise ValueError(
+                    f"module {name!r} has a quantized base layer ({type(base).__name__}) "
+                    "that fedex-lora cannot read; quantize with bitsandbytes instead "
+                    "(--quantization nf4|fp4|int8)"
+                )
+            if not isinstance(base, (torch.nn.Linear, Conv1D)):
+                raise ValueError(
+                    f"module {name!r}: base layer {type(base).__name__} is not supported; "
+                    "only nn.Linear, GPT-2 Conv1D and bitsandbytes Linear4bit/Linear8bitLt are"
+                )
         layers[name] = module
     if not layers:
         raise ValueError(f"the model has no LoRA layers for adapter {adapter!r}")
@@ -235,15 +251,138 @@ def set_state(model: torch.nn.Module, state: AdapterState, adapter: str | None =
         params[name].copy_(t.to(params[name].dtype))
 
 
+def _is_bnb(base: torch.nn.Module) -> bool:
+    return type(base).__module__.split(".")[0] == "bitsandbytes"
+
+
+def _holds_in_weight(layer: LoraLayer) -> bool:
+    """Whether the residual is folded into the base weight (fp32/fp64, not quantized)."""
+    base = layer.get_base_layer()
+    return not _is_bnb(base) and base.weight.dtype in (torch.float32, torch.float64)
+
+
+def _side(layer: LoraLayer, create: bool = False) -> SideBranch | None:
+    """The layer's side branch (created and hooked into its forward when asked)."""
+    side = getattr(layer, _SIDE, None)
+    if side is None and create:
+        A, B = next(iter(layer.lora_A.values())).weight, next(iter(layer.lora_B.values())).weight
+        side = SideBranch(int(B.shape[0]), int(A.shape[1]), device=A.device)
+        layer.add_module(_SIDE, side)
+        layer.register_forward_hook(_apply_side)
+    return side
+
+
+def _apply_side(layer: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    return getattr(layer, _SIDE)(args[0], out)
+
+
+def base_weight(layer: LoraLayer) -> torch.Tensor:
+    """The frozen base weight as the forward pass uses it: fp64, ``(d, n)`` orientation.
+
+    A bitsandbytes weight is dequantized (peft's own helper); a Conv1D weight is
+    transposed.
+    """
+    base = layer.get_base_layer()
+    if _is_bnb(base):
+        from peft.utils.integrations import dequantize_bnb_weight
+
+        return dequantize_bnb_weight(base.weight, state=getattr(base, "state", None)).double()
+    w = base.weight.detach().double()
+    return w.T if getattr(layer, "fan_in_fan_out", False) else w
+
+
+def side_weight(layer: LoraLayer) -> torch.Tensor | None:
+    """The layer's side-branch correction in fp64 ``(d, n)``, or ``None`` if it has none."""
+    side = _side(layer)
+    return None if side is None else side.to_dense()
+
+
+def effective_weight(layer: LoraLayer, adapter: str = "default", *, lora: bool = True):
+    """Base + side branch (+ ``scale * B @ A`` when ``lora``), fp64 ``(d, n)``.
+
+    This is the weight the forward pass applies: what exactness is measured on.
+    """
+    w = base_weight(layer)
+    extra = side_weight(layer)
+    if extra is not None:
+        w = w + extra.to(w.device)
+    if lora:
+        A = layer.lora_A[adapter].weight.detach().double()
+        B = layer.lora_B[adapter].weight.detach().double()
+        w = w + float(layer.scaling[adapter]) * (B @ A).to(w.device)
+    return w
+
+
+def side_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every non-empty side branch as flat tensors (``side.<module>.U|V|dense``)."""
+    out = {}
+    for name, layer in lora_layers(model).items():
+        side = _side(layer)
+        if side is not None and side.rank:
+            out.update(residuals_to_flat("side", {name: side.residual}))
+    return out
+
+
+def load_side_state(model: torch.nn.Module, flat: Mapping[str, torch.Tensor]) -> None:
+    """Sets the side branches from :func:`side_state`'s tensors (others are emptied).
+
+    Raises:
+        ValueError: If a tensor names an unknown module or has the wrong shape.
+    """
+    layers = lora_layers(model)
+    residuals = residuals_from_flat("side", dict(flat))
+    unknown = sorted(set(residuals) - set(layers))
+    if unknown:
+        raise ValueError(f"side-branch state for unknown modules {unknown[:3]}")
+    for name, layer in layers.items():
+        if name in residuals:
+            _side(layer, create=True).set(residuals[name])
+        elif _side(layer) is not None:
+            d, n = _side(layer).shape
+            _side(layer).set(Residual.zero(d, n))
+
+
+def side_nbytes(model: torch.nn.Module) -> int:
+    """Bytes held by all side branches."""
+    return sum(s.nbytes for s in (_side(x) for x in lora_layers(model).values()) if s)
+
+
+def folded_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The base weights that residuals are folded into (fp32/fp64 layers only)."""
+    return {
+        n: layer.get_base_layer().weight
+        for n, layer in lora_layers(model).items()
+        if _holds_in_weight(layer)
+    }
+
+
+def snapshot_base(model: torch.nn.Module) -> dict:
+    """Everything folding changes (folded weights, side branches), to restore later."""
+    return {
+        "weights": {n: w.detach().clone() for n, w in folded_weights(model).items()},
+        "side": side_state(model),
+    }
+
+
+@torch.no_grad()
+def restore_base(model: torch.nn.Module, snapshot: dict) -> None:
+    """Restores :func:`snapshot_base`'s state bit for bit."""
+    for n, w in folded_weights(model).items():
+        w.copy_(snapshot["weights"][n])
+    load_side_state(model, snapshot["side"])
+
+
 @torch.no_grad()
 def fold_residuals(
     model: torch.nn.Module, residuals: Mapping[str, Residual], adapter: str | None = None
 ) -> None:
-    """Folds ``scale * residual`` into each layer's frozen base weight, in place.
+    """Applies ``scale * residual`` to each layer's frozen base, in place.
 
-    The scale and the orientation come from the peft layer. A factored residual is
-    folded with one ``addmm_`` per layer; a base weight in bf16/fp16 is updated through
-    an fp32 copy.
+    The scale and the orientation come from the peft layer. Where the base weight is
+    fp32 (or fp64) the residual is folded into it, a factored one with one ``addmm_``.
+    Where it is bf16/fp16 or quantized (bitsandbytes), it is never rounded into the
+    weight: it is added to the layer's fp32 side branch (:class:`SideBranch`), which the
+    forward pass applies.
 
     Raises:
         ValueError: If a residual names an unknown module or has the wrong shape.
@@ -260,9 +399,10 @@ def fold_residuals(
         if R.is_zero:
             continue
         scale = float(layer.scaling[adapter])
-        weight = layer.get_base_layer().weight
-        half = weight.dtype in (torch.float16, torch.bfloat16)
-        target = weight.data.float() if half else weight.data
+        if not _holds_in_weight(layer):
+            _side(layer, create=True).add(R.scaled(scale))
+            continue
+        target = layer.get_base_layer().weight.data
         fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))
         if R.is_factored:
             U, V = R.U.to(target), R.V.to(target)
@@ -273,5 +413,3 @@ def fold_residuals(
         else:
             dense = R.dense.to(target)
             target.add_(dense.T if fan_in_fan_out else dense, alpha=scale)
-        if target is not weight.data:
-            weight.data.copy_(target)

@@ -32,7 +32,15 @@ class CheckpointError(ValueError):
 
 def config_fingerprint(cfg_dict: dict) -> str:
     """Hash of the settings that must not change across a resume."""
-    volatile = {"rounds", "export", "keep_checkpoints", "save_client_adapters"}
+    volatile = {
+        "rounds",
+        "export",
+        "export_format",
+        "export_dtype",
+        "allow_inexact",
+        "keep_checkpoints",
+        "save_client_adapters",
+    }
     stable = {k: v for k, v in sorted(cfg_dict.items()) if k not in volatile}
     return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
 

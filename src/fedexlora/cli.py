@@ -64,6 +64,12 @@ _RUN_FLAGS = {
     "warmup_ratio": "warmup_ratio",
     "weight_decay": "weight_decay",
     "gradient_checkpointing": "gradient_checkpointing",
+    "quantization": "quantization",
+    "double_quant": "double_quant",
+    "side_rank": "side_rank",
+    "export_format": "export_format",
+    "export_dtype": "export_dtype",
+    "allow_inexact": "allow_inexact",
 }
 
 
@@ -162,6 +168,22 @@ def run(
     dtype: str | None = typer.Option(
         None, help="fp32, bf16 or fp16 (base weights, autocast) [fp32]."
     ),
+    quantization: str | None = typer.Option(
+        None, help="nf4, fp4 or int8: quantize the base with bitsandbytes [none]."
+    ),
+    double_quant: bool | None = typer.Option(
+        None, "--double-quant/--no-double-quant", help="Quantize the 4-bit block scales too."
+    ),
+    side_rank: int | None = typer.Option(
+        None, help="Cap the fp32 side branch at this rank (lossy, error feedback)."
+    ),
+    export_format: str | None = typer.Option(
+        None, help="adapter or merged [merged for fp32 bases, else adapter]."
+    ),
+    export_dtype: str | None = typer.Option(None, help="Merged export dtype [fp32]."),
+    allow_inexact: bool | None = typer.Option(
+        None, "--allow-inexact/--no-allow-inexact", help="Allow an export that rounds."
+    ),
     gradient_checkpointing: bool | None = typer.Option(
         None,
         "--gradient-checkpointing/--no-gradient-checkpointing",
@@ -218,7 +240,8 @@ def run(
 
 def _execute(cfg, out: Path, *, resume: bool, progress: bool) -> None:
     from .checkpoint import CheckpointError
-    from .pipeline import RunError, export_model, run_experiment
+    from .export import export_model
+    from .pipeline import RunError, run_experiment
 
     console.print(f"[bold]fedex-lora[/bold] run -> {out}  methods={','.join(cfg.methods)}")
     try:
@@ -231,8 +254,8 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool) -> None:
         _print_final_table(rows)
         console.print(f"wrote {out / 'metrics.jsonl'}, {out / 'summary.md'}")
         if cfg.export:
-            dest = export_model(out, cfg.export)
-            console.print(f"exported {cfg.methods[0]} global model to {dest}")
+            res = export_model(out, cfg.export)
+            console.print(f"exported {cfg.methods[0]} global model to {res.path} ({res.note})")
     except (RunError, CheckpointError, ValueError) as exc:
         _fail(str(exc))
     except ImportError as exc:
@@ -242,19 +265,32 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool) -> None:
 @app.command("export")
 def export_cmd(
     run_dir: Path = typer.Argument(..., help="A run directory written by `fedexlora run`."),
-    dest: Path = typer.Argument(..., help="Where to write the merged Hugging Face model."),
+    dest: Path = typer.Argument(..., help="Where to write the model or adapter."),
     method: str | None = typer.Option(None, help="Which method's model [the run's first]."),
+    fmt: str | None = typer.Option(
+        None,
+        "--format",
+        help="adapter (PEFT, exact on the unchanged base) or merged (Hugging Face model) "
+        "[merged for fp32 bases, adapter for bf16/fp16/quantized].",
+    ),
+    dtype: str | None = typer.Option(None, "--dtype", help="Merged model dtype [fp32]."),
+    allow_inexact: bool = typer.Option(
+        False, "--allow-inexact", help="Allow a merged bf16/fp16 model (rounds the update)."
+    ),
 ) -> None:
-    """Export a run's final global model as a merged Hugging Face model directory."""
+    """Export a run's final global model, exactly: a PEFT adapter or a merged model."""
     _quiet_libraries()
     from .checkpoint import CheckpointError
-    from .pipeline import RunError, export_model
+    from .export import export_model
+    from .pipeline import RunError
 
     try:
-        path = export_model(run_dir, dest, method)
+        res = export_model(
+            run_dir, dest, method, fmt=fmt, dtype=dtype, allow_inexact=allow_inexact or None
+        )
     except (RunError, CheckpointError, ValueError) as exc:
         _fail(str(exc))
-    console.print(f"exported to {path}")
+    console.print(f"exported to {res.path} ({res.note})")
 
 
 @app.command()

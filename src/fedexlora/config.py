@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -24,6 +25,8 @@ _WEIGHTINGS = ("examples", "uniform")
 _ENGINES = ("local", "flower")
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("fp32", "bf16", "fp16")
+_QUANTIZATIONS = ("nf4", "fp4", "int8")
+_EXPORT_FORMATS = ("adapter", "merged")
 
 
 class ConfigError(ValueError):
@@ -76,10 +79,26 @@ class RunConfig:
     engine: str = "local"
     device: str = "cpu"
     dtype: str = "fp32"
+    quantization: str | None = None
+    double_quant: bool = False
+    side_rank: int | None = None
     gradient_checkpointing: bool = False
     save_client_adapters: bool = False
     keep_checkpoints: int = 2
     export: str | None = None
+    export_format: str | None = None
+    export_dtype: str = "fp32"
+    allow_inexact: bool = False
+
+    @property
+    def side_branch(self) -> bool:
+        """Whether residuals live in an fp32 side branch (half-precision or quantized base)."""
+        return self.dtype != "fp32" or self.quantization is not None
+
+    @property
+    def resolved_export_format(self) -> str:
+        """``export_format``, or its default: ``merged`` for fp32 bases, else ``adapter``."""
+        return self.export_format or ("adapter" if self.side_branch else "merged")
 
     def errors(self) -> list[str]:
         """Every problem with the values, as one message each (empty when valid)."""
@@ -156,6 +175,49 @@ class RunConfig:
         need(self.engine in _ENGINES, f"`engine` must be one of {_ENGINES}, got {self.engine!r}")
         need(self.device in _DEVICES, f"`device` must be one of {_DEVICES}, got {self.device!r}")
         need(self.dtype in _DTYPES, f"`dtype` must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None:
+            need(
+                self.quantization in _QUANTIZATIONS,
+                f"`quantization` must be one of {_QUANTIZATIONS}, got {self.quantization!r}",
+            )
+            need(
+                self.quantization not in _QUANTIZATIONS
+                or importlib.util.find_spec("bitsandbytes") is not None,
+                f"`quantization` {self.quantization!r} needs bitsandbytes, which is not "
+                "installed; fix: pip install 'fedex-lora[quantization]'",
+            )
+        need(
+            not self.double_quant or self.quantization in ("nf4", "fp4"),
+            "`double_quant` applies to 4-bit quantization only; add --quantization nf4 "
+            "(or fp4), or drop --double-quant",
+        )
+        need(
+            self.side_rank is None or self.side_rank >= 1,
+            f"`side_rank` must be >= 1, got {self.side_rank}; fix: --side-rank 64 (or "
+            "leave it unset for the exact side branch)",
+        )
+        need(
+            self.side_rank is None or self.side_branch,
+            "`side_rank` caps the side branch, which only bf16/fp16 and quantized bases "
+            "have; fix: add --dtype bf16 or --quantization nf4, or drop --side-rank",
+        )
+        need(
+            self.export_format is None or self.export_format in _EXPORT_FORMATS,
+            f"`export_format` must be one of {_EXPORT_FORMATS}, got {self.export_format!r}",
+        )
+        need(
+            self.export_dtype in _DTYPES,
+            f"`export_dtype` must be one of {_DTYPES}, got {self.export_dtype!r}",
+        )
+        need(
+            self.export_dtype == "fp32"
+            or self.resolved_export_format != "merged"
+            or self.allow_inexact,
+            f"`export_dtype` {self.export_dtype!r}: a merged model in {self.export_dtype} "
+            "rounds the federated update away, so it cannot be exact; fix: keep "
+            "--export-dtype fp32, use --export-format adapter, or confirm with "
+            "--allow-inexact",
+        )
         need(
             self.keep_checkpoints >= 1,
             f"`keep_checkpoints` must be >= 1, got {self.keep_checkpoints}",

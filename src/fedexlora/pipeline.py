@@ -1,4 +1,4 @@
-"""A whole run: every method on identical partitions, the run directory, resume and export."""
+"""A whole run: every method on identical partitions, the run directory and resume."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .adapters import lora_layers, set_state
+from .adapters import folded_weights, load_side_state, set_state, side_state
 from .checkpoint import (
     CheckpointError,
     config_fingerprint,
@@ -17,7 +17,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .config import RunConfig, load_config
+from .config import RunConfig
 from .report import write_summary
 from .simulation import new_model, new_server, prepare, run_method
 
@@ -27,7 +27,6 @@ __all__ = [
     "append_row",
     "apply_base_deltas",
     "base_deltas",
-    "export_model",
     "load_task_for",
     "restore_model",
     "run_experiment",
@@ -40,25 +39,41 @@ class RunError(ValueError):
 
 
 def adapted_weights(model) -> dict[str, torch.Tensor]:
-    """The base weight of every LoRA-adapted layer, by module name."""
-    return {n: layer.get_base_layer().weight for n, layer in lora_layers(model).items()}
+    """The base weights residuals are folded into (fp32 layers), by module name.
+
+    Half-precision and quantized layers are left out: their residuals live in side
+    branches (:func:`fedexlora.adapters.side_state`).
+    """
+    return folded_weights(model)
 
 
 def base_deltas(model, w0: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``W - W0`` of each adapted layer in fp64, so that ``W0 + delta`` restores W exactly."""
-    return {n: (w.detach().double() - w0[n].double()) for n, w in adapted_weights(model).items()}
+    """What folding changed: ``W - W0`` of each fp32 layer in fp64, plus the side branches.
+
+    ``W0 + delta`` restores W exactly; side branches are stored as they are
+    (``side.<module>.U|V|dense``).
+    """
+    deltas = {n: (w.detach().double() - w0[n].double()) for n, w in adapted_weights(model).items()}
+    deltas.update(side_state(model))
+    return deltas
 
 
 @torch.no_grad()
 def apply_base_deltas(model, deltas: dict[str, torch.Tensor]) -> None:
-    """Adds checkpointed fp64 deltas to the adapted base weights (``W0 + delta -> W``)."""
+    """Restores :func:`base_deltas` onto a fresh model (``W0 + delta -> W``, side branches)."""
     weights = adapted_weights(model)
-    if set(deltas) != set(weights):
+    side = {k: v for k, v in deltas.items() if k.startswith("side.")}
+    plain = {k: v for k, v in deltas.items() if not k.startswith("side.")}
+    if set(plain) != set(weights):
         raise CheckpointError("checkpoint base deltas cover other modules than the model")
     for n, w in weights.items():
-        if tuple(deltas[n].shape) != tuple(w.shape):
+        if tuple(plain[n].shape) != tuple(w.shape):
             raise CheckpointError(f"checkpoint base delta for {n!r} has the wrong shape")
-        w.copy_((w.double() + deltas[n]).to(w.dtype))
+        w.copy_((w.double() + plain[n]).to(w.dtype))
+    try:
+        load_side_state(model, side)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint side branches do not match the model: {exc}") from None
 
 
 def append_row(path: Path, row: dict) -> None:
@@ -238,32 +253,3 @@ def load_task_for(cfg: RunConfig):
         max_train=cfg.max_train,
         max_test=cfg.max_test,
     )
-
-
-def export_model(run_dir: str | Path, dest: str | Path, method: str | None = None) -> Path:
-    """Writes the final global model of a run as a merged Hugging Face model directory.
-
-    The result loads with plain ``transformers`` (``AutoModelFor*.from_pretrained``).
-
-    Raises:
-        RunError: If the run directory has no config or no checkpoint for ``method``.
-    """
-    run = Path(run_dir)
-    if not (run / "config.toml").is_file():
-        raise RunError(f"{str(run)!r} is not a run directory (no config.toml)")
-    cfg = load_config(run / "config.toml")
-    method = method or cfg.methods[0]
-    if method not in cfg.methods:
-        raise RunError(f"method {method!r} is not in this run; it has {cfg.methods}")
-    ckpt = latest_checkpoint(run / "checkpoints" / method)
-    if ckpt is None:
-        raise RunError(f"run {str(run)!r} has no checkpoint for method {method!r}")
-    task = load_task_for(cfg)
-    model, tokenizer, _, _, _ = restore_model(
-        cfg, task, method, ckpt, config_fingerprint(cfg.to_dict())
-    )
-    merged = model.merge_and_unload()
-    dest = Path(dest)
-    merged.save_pretrained(str(dest))
-    tokenizer.save_pretrained(str(dest))
-    return dest

@@ -87,6 +87,8 @@ class RoundOutcome:
         deviation: Module -> relative deviation of the averaged-factor product.
         effective_deviation: Module -> relative deviation of the applied update.
         feedback_norm: Frobenius norm of the residual kept back (lossy mode), per module.
+        weights: Client id -> normalised weight, for the accepted uploads.
+        previous: The global adapter state before this round.
     """
 
     residuals: dict[str, Residual]
@@ -96,6 +98,7 @@ class RoundOutcome:
     effective_deviation: dict[str, float]
     feedback_norm: dict[str, float] = field(default_factory=dict)
     weights: dict[int, float] = field(default_factory=dict)
+    previous: AdapterState | None = None
 
 
 def validate_upload(
@@ -308,7 +311,7 @@ class Server:
             else:
                 rejected[up.client_id] = reason
         if not accepted:
-            return RoundOutcome({}, [], rejected, {}, {})
+            return RoundOutcome({}, [], rejected, {}, {}, previous=self.state)
         if self.weighting == "examples":
             weights = [float(u.num_examples) for u in accepted]
         else:
@@ -335,7 +338,7 @@ class Server:
                 },
                 extra=new_state.extra,
             )
-        self.state = new_state
+        previous, self.state = self.state, new_state
         nonzero = {k: r for k, r in residuals.items() if not r.is_zero}
         if nonzero:
             self.history[self.version] = nonzero
@@ -351,7 +354,33 @@ class Server:
             effective_deviation=agg.effective_deviation,
             feedback_norm=feedback_norm,
             weights={u.client_id: float(w) for u, w in zip(accepted, agg.weights)},
+            previous=previous,
         )
+
+    def ideal_update(
+        self, name: str, uploads: Sequence[ClientUpload], outcome: RoundOutcome
+    ) -> torch.Tensor:
+        """The ideal update of module ``name`` in this round, dense fp64 ``(d, n)``.
+
+        ``sum_i p_i (T_i + s_i B_i A_i)`` over the accepted uploads, in weight space (the
+        LoRA scale applied): the average of the clients' effective models minus the base
+        they started from. ``T_i`` is what a client of another rank held folded
+        (heterogeneous ranks); FFA-LoRA clients use the frozen global A. Call it after
+        :meth:`aggregate` and before the next :meth:`payload_for`.
+        """
+        info = self.layers[name]
+        by_id = {u.client_id: u for u in uploads}
+        d, n = info.shape
+        total = torch.zeros(d, n, dtype=torch.float64)
+        for cid, p in outcome.weights.items():
+            A, B = self._to_global(by_id[cid]).factors[name]
+            if A is None:
+                A = self.state.factors[name][0]
+            total += (p * info.scale) * (B.double() @ A.double())
+            T = self.remainder.get(cid, {}).get(name)
+            if T is not None:
+                total += p * T.to_dense().double()
+        return total
 
     def _to_global(self, up: ClientUpload) -> AdapterState:
         if up.client_id not in self.client_layers:

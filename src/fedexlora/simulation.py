@@ -18,7 +18,16 @@ from pathlib import Path
 
 import torch
 
-from .adapters import fold_residuals, get_state, layer_info, lora_layers, set_state
+from .adapters import (
+    effective_weight,
+    fold_residuals,
+    get_state,
+    layer_info,
+    lora_layers,
+    restore_base,
+    set_state,
+    snapshot_base,
+)
 from .config import RunConfig
 from .server import ClientUpload, RoundOutcome, Server
 from .training import Encoded, encode, evaluate, train_local
@@ -27,6 +36,7 @@ __all__ = [
     "Prepared",
     "apply_round",
     "client_seed",
+    "fold_and_measure",
     "local_update",
     "prepare",
     "round_row",
@@ -74,7 +84,9 @@ def new_model(cfg: RunConfig, task, method: str):
     """A freshly loaded LoRA model on the run's device; same seed, same head and adapters.
 
     With ``dtype`` bf16/fp16 the frozen base weights are stored in that dtype while the
-    adapters stay fp32 (peft's adapter autocast); residuals are folded through fp32.
+    adapters stay fp32 (peft's adapter autocast); with ``quantization`` the base is
+    quantized by bitsandbytes. Either way residuals go to an fp32 side branch, never into
+    the base weights (:func:`fedexlora.adapters.fold_residuals`).
     """
     from .models import load_model
 
@@ -90,6 +102,8 @@ def new_model(cfg: RunConfig, task, method: str):
         seed=cfg.seed,
         freeze_A=method == "ffa",
         dtype=torch_dtype(cfg.dtype),
+        quantization=cfg.quantization,
+        double_quant=cfg.double_quant,
     )
     for r in sorted(set(cfg.client_ranks or [])):
         if method in ("fedex", "flora") and r != cfg.lora_r:  # heterogeneous client ranks
@@ -173,8 +187,13 @@ def round_row(
     approximate: bool,
     sampled: list[int],
     dropped: list[int] | None = None,
+    effective: dict[str, float] | None = None,
 ) -> dict:
-    """One ``metrics.jsonl`` row (one method, one round)."""
+    """One ``metrics.jsonl`` row (one method, one round).
+
+    ``effective`` is the per-layer deviation measured on the model
+    (:func:`fold_and_measure`); without it the server's own figure is used.
+    """
     losses = [u.train_loss for u in uploads if u.client_id in outcome.accepted]
     row = {
         "method": method,
@@ -186,7 +205,11 @@ def round_row(
         "bytes_down": bytes_down,
         "deviation": _summ(outcome.deviation),
         "effective_deviation": {
-            k: v for k, v in _summ(outcome.effective_deviation).items() if k != "per_layer"
+            k: v
+            for k, v in _summ(
+                outcome.effective_deviation if effective is None else effective
+            ).items()
+            if k != "per_layer"
         },
         "residual_rank": {
             k.removeprefix("base_model.model."): r.rank for k, r in outcome.residuals.items()
@@ -319,7 +342,7 @@ def run_method(
             for c, w in outcome.weights.items():
                 meta = Path(out_dir) / "clients" / f"round-{rnd}" / f"client-{c}" / "meta.json"
                 meta.write_text(json.dumps({**json.loads(meta.read_text()), "weight": w}))
-        metrics = apply_round(cfg, method, rnd, model, server, outcome, prep, bool(uploads))
+        metrics, measured = apply_round(cfg, method, rnd, model, server, outcome, prep, uploads)
         if centralized:
             bytes_up = bytes_down = 0
         row = round_row(
@@ -333,6 +356,7 @@ def run_method(
             bytes_down=bytes_down,
             approximate=cfg.residual_rank is not None and not centralized,
             sampled=sampled,
+            effective=measured,
         )
         rows.append(row)
         if on_row is not None:
@@ -350,23 +374,27 @@ def apply_round(
     server: Server,
     outcome: RoundOutcome,
     prep: Prepared,
-    any_uploads: bool = True,
-) -> dict[str, float]:
+    uploads: list[ClientUpload],
+) -> tuple[dict[str, float], dict[str, float]]:
     """Brings the server's model to the new global state and evaluates it (every engine).
 
-    Folds the round's residuals into the base, loads the global factors, warns about
-    rejected uploads, and returns the task metrics on the test split.
+    Folds the round's residuals into the base, loads the global factors, measures how far
+    the model is from the ideal (:func:`fold_and_measure`), warns about rejected uploads,
+    and evaluates on the test split.
+
+    Returns:
+        ``(metrics, deviation)``: the task metrics, and per layer the measured relative
+        deviation of the model from the ideal average of the clients' models.
     """
-    fold_residuals(model, outcome.residuals)
-    set_state(model, server.state)
+    measured = fold_and_measure(model, server, outcome, uploads)
     for cid, why in outcome.rejected.items():
         warnings.warn(f"{method} round {rnd}: rejected client {cid}: {why}", stacklevel=2)
-    if any_uploads and not outcome.accepted:
+    if uploads and not outcome.accepted:
         warnings.warn(
             f"{method} round {rnd}: every upload was rejected; the global model is unchanged",
             stacklevel=2,
         )
-    return evaluate(
+    metrics = evaluate(
         model,
         prep.test,
         prep.task,
@@ -376,6 +404,45 @@ def apply_round(
         device=next(model.parameters()).device,
         autocast=autocast_dtype(cfg),
     )
+    return metrics, measured
+
+
+@torch.no_grad()
+def fold_and_measure(
+    model, server: Server, outcome: RoundOutcome, uploads: list[ClientUpload]
+) -> dict[str, float]:
+    """Applies a round's outcome to ``model`` and measures its exactness on the model.
+
+    Loads the new global factors, folds each layer's residual (into the base weight, or
+    its side branch), and compares the layer's effective weight afterwards (base, side
+    branch and adapter, as the forward pass applies them) with the ideal
+    ``W + sum_i p_i (T_i + s_i B_i A_i)`` computed in fp64 from the accepted uploads
+    (:meth:`Server.ideal_update`). One layer at a time, so at most three dense fp64
+    copies of one layer exist at once.
+
+    Returns:
+        Per layer ``||W_model - W_ideal|| / ||W_ideal - W_previous||``: the error relative
+        to the round's update (empty when no upload was accepted). This is what the
+        lossy modes really apply, not what the server meant to.
+    """
+    set_state(model, server.state)
+    measure = bool(outcome.weights) and outcome.previous is not None
+    out = {}
+    for name, layer in lora_layers(model).items():
+        before = effective_weight(layer, lora=False) if measure else None
+        if name in outcome.residuals:
+            fold_residuals(model, {name: outcome.residuals[name]})
+        if before is None:
+            continue
+        after = effective_weight(layer)
+        ideal = before + server.ideal_update(name, uploads, outcome).to(before.device)
+        A0, B0 = outcome.previous.factors[name]
+        move = (ideal - before) - server.layers[name].scale * (B0.double() @ A0.double()).to(
+            before.device
+        )
+        den = float(torch.linalg.norm(move))
+        out[name] = float(torch.linalg.norm(after - ideal)) / den if den > 0 else 0.0
+    return out
 
 
 @contextlib.contextmanager
@@ -388,8 +455,7 @@ def _client_view(model, server: Server, client: int, adapter: str | None):
     if adapter is None:
         yield
         return
-    weights = {n: layer.get_base_layer().weight for n, layer in lora_layers(model).items()}
-    snapshot = {n: w.detach().clone() for n, w in weights.items()}
+    snapshot = snapshot_base(model)
     info = layer_info(model, adapter)
     remainder = server.remainder.get(client, {})
     fold_residuals(
@@ -400,9 +466,7 @@ def _client_view(model, server: Server, client: int, adapter: str | None):
     try:
         yield
     finally:
-        with torch.no_grad():
-            for n, w in weights.items():
-                w.copy_(snapshot[n])
+        restore_base(model, snapshot)
         model.set_adapter("default")
 
 

@@ -6,8 +6,9 @@ loads the global factors with :func:`fedexlora.adapters.set_state`), trains with
 :func:`fedexlora.simulation.local_update` (seeded by :func:`fedexlora.simulation.client_seed`
 exactly as in-process) and replies with its upload.
 
-What a client must remember between rounds (the base weights of its adapted layers and
-its adapter) lives in the Flower ``Context`` (``context.state``): in a deployment each
+What a client must remember between rounds (what was folded into its base: the fp32
+weights of its adapted layers, or their side branches for a half-precision or quantized
+base, and its adapter) lives in the Flower ``Context`` (``context.state``): in a deployment each
 message runs in a fresh ClientApp process, and in a simulation a partition may land on
 another Ray actor. A small per-process cache skips rebuilding the model when the same
 process serves the same partition again.
@@ -31,7 +32,7 @@ from .records import from_array_record, resolve_run_config, to_array_record
 __all__ = ["app", "make_client_app"]
 
 _META = "fedexlora.meta"  # ConfigRecord: method, version (of the base held), token
-_BASE = "fedexlora.base"  # ArrayRecord: base weight of every adapted layer
+_BASE = "fedexlora.base"  # ArrayRecord: folded fp32 base weights and side branches
 _ADAPTER = "fedexlora.adapter"  # ArrayRecord: AdapterState.to_flat() after training
 
 _DATA: dict[str, tuple] = {}  # config fingerprint -> (task, Prepared), one entry
@@ -88,7 +89,7 @@ def _client_model(cfg, task, method: str, context: Context, pid: int, since: int
     """The client's model holding base version ``since`` (``-1``: the pretrained W0)."""
     import torch
 
-    from ..adapters import lora_layers, set_state
+    from ..adapters import folded_weights, load_side_state, set_state
     from ..simulation import new_model
     from ..state import AdapterState
 
@@ -109,20 +110,19 @@ def _client_model(cfg, task, method: str, context: Context, pid: int, since: int
     model = spare if spare is not None else new_model(cfg, task, method)[0]
     base = from_array_record(context.state[_BASE])
     with torch.no_grad():
-        for name, layer in lora_layers(model).items():
-            w = layer.get_base_layer().weight
-            w.copy_(base[name].to(w.dtype))
+        for name, w in folded_weights(model).items():
+            w.copy_(base[f"weight.{name}"].to(w.dtype))
+    load_side_state(model, {k: v for k, v in base.items() if k.startswith("side.")})
     set_state(model, AdapterState.from_flat(from_array_record(context.state[_ADAPTER])))
     return model
 
 
 def _remember(context: Context, model, method: str, version: int, pid: int) -> None:
-    from ..adapters import get_state, lora_layers
+    from ..adapters import folded_weights, get_state, side_state
 
     token = uuid.uuid4().hex
-    context.state[_BASE] = to_array_record(
-        {n: layer.get_base_layer().weight for n, layer in lora_layers(model).items()}
-    )
+    base = {f"weight.{n}": w for n, w in folded_weights(model).items()}
+    context.state[_BASE] = to_array_record({**base, **side_state(model)})
     context.state[_ADAPTER] = to_array_record(get_state(model).to_flat())
     context.state[_META] = ConfigRecord({"method": method, "version": version, "token": token})
     key = (context.run_id, pid)

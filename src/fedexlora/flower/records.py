@@ -30,7 +30,7 @@ __all__ = [
 # Run-config keys that are not RunConfig fields.
 FLOWER_KEYS = ("run-dir", "min-train-nodes", "min-available-nodes", "round-timeout", "wait-timeout")
 # RunConfig fields that never travel in a Flower run config.
-_LOCAL_ONLY = ("engine", "export")
+_LOCAL_ONLY = ("engine", "export", "export_format", "export_dtype", "allow_inexact")
 _TYPES = {f.name: str(f.type) for f in fields(RunConfig)}
 _LISTS = tuple(k for k, t in _TYPES.items() if t.startswith("list"))
 _INT_FIELDS = {k for k, t in _TYPES.items() if t.startswith("int")}

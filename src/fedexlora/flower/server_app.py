@@ -112,7 +112,7 @@ def run_server(
             if rnd == 0:
                 return None  # the in-process engine does not evaluate before round 1
             rec = st.current
-            metrics = apply_round(cfg, m, rnd, mdl, srv, rec.outcome, prep)
+            metrics, measured = apply_round(cfg, m, rnd, mdl, srv, rec.outcome, prep, rec.uploads)
             row = round_row(
                 m,
                 rnd,
@@ -125,6 +125,7 @@ def run_server(
                 approximate=cfg.residual_rank is not None,
                 sampled=rec.sampled,
                 dropped=rec.dropped,
+                effective=measured,
             )
             rs.append(row)
             append_row(metrics_path, row)

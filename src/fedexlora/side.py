@@ -1,0 +1,125 @@
+"""The fp32 side branch: where folded residuals live when the base cannot hold them.
+
+A bf16/fp16 weight rounds away most of a small update (bf16 keeps 8 bits of mantissa: an
+update 1e-3 the size of the weight loses about 80% of itself), and a 4-bit or 8-bit
+weight cannot be changed at all without re-quantizing. So for such a layer the
+accumulated ``scale * residual`` is kept beside it in fp32, factored ``U @ V`` or dense,
+whichever is smaller, and added to the layer's output in the forward pass:
+``y = base(x) + lora(x) + x @ (U V)^T``.
+
+Pure torch: no peft. :mod:`fedexlora.adapters` attaches one to each LoRA layer that
+needs it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .aggregation import Residual
+
+__all__ = ["SideBranch"]
+
+
+class SideBranch(torch.nn.Module):
+    """An fp32 correction ``delta`` of shape ``(d, n)`` added to a layer's output.
+
+    ``forward(x, out)`` returns ``out + x @ delta.T``, computed in fp32 with autocast
+    off and rounded once to ``out``'s dtype, exactly as peft treats the LoRA branch of a
+    half-precision layer. The tensors are non-persistent buffers: they follow the model
+    across devices but never enter its ``state_dict``.
+
+    Args:
+        d: Output features.
+        n: Input features.
+        max_rank: Keep at most this rank (the best rank-``max_rank`` part, by SVD); the
+            caller keeps what is cut off (see :meth:`add`). ``None`` keeps everything.
+    """
+
+    def __init__(self, d: int, n: int, *, max_rank: int | None = None, device=None):
+        super().__init__()
+        self.shape = (d, n)
+        self.max_rank = max_rank
+        self.register_buffer("U", torch.zeros(d, 0, device=device), persistent=False)
+        self.register_buffer("V", torch.zeros(0, n, device=device), persistent=False)
+        self.register_buffer("dense", None, persistent=False)
+
+    @property
+    def residual(self) -> Residual:
+        """The correction held, as a :class:`~fedexlora.aggregation.Residual` (fp32)."""
+        if self.dense is not None:
+            return Residual(self.shape, dense=self.dense)
+        return Residual(self.shape, U=self.U, V=self.V)
+
+    @property
+    def rank(self) -> int:
+        """Columns of ``U`` (factored) or ``min(d, n)`` (dense)."""
+        return min(self.shape) if self.dense is not None else int(self.U.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return self.residual.nbytes
+
+    @torch.no_grad()
+    def set(self, residual: Residual) -> None:
+        """Replaces the correction with ``residual`` (stored fp32 on this branch's device)."""
+        if tuple(residual.shape) != self.shape:
+            raise ValueError(f"side branch is {self.shape}, got a residual of {residual.shape}")
+        dev = self.U.device
+        if residual.dense is not None:
+            self.dense = residual.dense.to(dev, torch.float32).contiguous()
+            self.U = torch.zeros(self.shape[0], 0, device=dev)
+            self.V = torch.zeros(0, self.shape[1], device=dev)
+        else:
+            self.dense = None
+            self.U = residual.U.to(dev, torch.float32).contiguous()
+            self.V = residual.V.to(dev, torch.float32).contiguous()
+
+    @torch.no_grad()
+    def add(self, residual: Residual) -> Residual | None:
+        """Adds ``residual`` (already scaled) and re-factors the sum to numerical rank.
+
+        The sum is formed and reduced in fp64 (QR and a small SVD, never the ``(d, n)``
+        product while factors are smaller), then stored in fp32, dense only where that
+        is smaller.
+
+        Returns:
+            With ``max_rank``: what was cut off beyond it (``None`` if nothing was).
+        """
+        if residual.is_zero:
+            return None
+        cur = self.residual
+        dev = self.U.device
+        if residual.dense is not None or cur.dense is not None:
+            total = Residual(
+                self.shape,
+                dense=cur.to_dense().to(dev, torch.float64)
+                + residual.to_dense().to(dev, torch.float64),
+            )
+        else:
+            U = torch.cat([cur.U.to(dev, torch.float64), residual.U.to(dev, torch.float64)], 1)
+            V = torch.cat([cur.V.to(dev, torch.float64), residual.V.to(dev, torch.float64)], 0)
+            total = Residual.from_factors(U, V)
+        rest = None
+        if self.max_rank is not None and total.rank > self.max_rank:
+            total, rest = total.truncate(self.max_rank)
+        self.set(total)
+        return rest
+
+    def to_dense(self) -> torch.Tensor:
+        """The ``(d, n)`` correction in fp64."""
+        if self.dense is not None:
+            return self.dense.double()
+        return self.U.double() @ self.V.double()
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out + x @ delta.T`` in fp32, rounded once to ``out.dtype``."""
+        if self.dense is None and self.U.shape[1] == 0:
+            return out
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            x32 = x.to(torch.float32)
+            if self.dense is not None:
+                delta = x32 @ self.dense.T
+            else:
+                delta = (x32 @ self.V.T) @ self.U.T
+            return (out.to(torch.float32) + delta).to(out.dtype)

@@ -1,0 +1,159 @@
+"""Exactness at every precision, measured on the model against a hand-computed ideal.
+
+The ideal is rebuilt from the saved client adapters alone (their factors and weights) and
+the pristine base weights, never from the server's own report:
+``M_t = M_{t-1} - s B̄_{t-1} Ā_{t-1} + sum_i p_i s B_i^t A_i^t`` with ``M_0 = W0``.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from peft.utils.integrations import dequantize_bnb_weight
+from safetensors.torch import load_file
+
+from fedexlora.adapters import effective_weight, lora_layers
+from fedexlora.checkpoint import config_fingerprint, latest_checkpoint
+from fedexlora.export import export_model
+from fedexlora.models import load_model
+from fedexlora.pipeline import load_task_for, restore_model, run_experiment
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _w0(layer):
+    """The pristine base weight (d, n) in fp64, read without fedex-lora's helpers."""
+    base = layer.get_base_layer()
+    if type(base).__module__.startswith("bitsandbytes"):
+        return dequantize_bnb_weight(base.weight, state=getattr(base, "state", None)).double()
+    return base.weight.detach().double()
+
+
+def _fresh(cfg):
+    task = load_task_for(cfg)
+    model, _ = load_model(
+        cfg.model,
+        causal=False,
+        num_labels=task.num_labels,
+        r=cfg.lora_r,
+        alpha=cfg.lora_alpha,
+        dropout=cfg.lora_dropout,
+        target_modules=cfg.target_modules,
+        seed=cfg.seed,
+        dtype=DTYPES[cfg.dtype],
+        quantization=cfg.quantization,
+    )
+    return model
+
+
+def ideal_from_client_adapters(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
+    """The exact global model's adapted weights, from W0 and the saved client adapters."""
+    model = _fresh(cfg)
+    layers = lora_layers(model)
+    scale = cfg.lora_alpha / cfg.lora_r
+    M = {n: _w0(layer) for n, layer in layers.items()}
+    W0 = {n: w.clone() for n, w in M.items()}
+    prev_global = {n: 0.0 for n in layers}
+    for rnd in range(1, cfg.rounds + 1):
+        clients = sorted((run_dir / "clients" / f"round-{rnd}").iterdir())
+        metas = [json.loads((c / "meta.json").read_text()) for c in clients]
+        tensors = [load_file(str(c / "adapter_model.safetensors")) for c in clients]
+        total = sum(m["num_examples"] for m in metas)
+        p = [m["num_examples"] / total for m in metas]
+        assert [m["weight"] for m in metas] == pytest.approx(p)
+        for n in layers:
+            As = [t[f"{n}.lora_A.weight"].double() for t in tensors]
+            Bs = [t[f"{n}.lora_B.weight"].double() for t in tensors]
+            avg = sum(pi * scale * B @ A for pi, A, B in zip(p, As, Bs))
+            M[n] = M[n] - prev_global[n] + avg
+            A_bar = sum(pi * A for pi, A in zip(p, As))
+            B_bar = sum(pi * B for pi, B in zip(p, Bs))
+            prev_global[n] = scale * B_bar @ A_bar
+    return M, W0
+
+
+def _rel(got: dict, want: dict, w0: dict) -> float:
+    """max over layers of ||got - want|| / ||want - W0|| (relative to the total update)."""
+    return max(
+        float(torch.linalg.norm(got[n] - want[n]) / torch.linalg.norm(want[n] - w0[n]))
+        for n in want
+    )
+
+
+def _cfg(tiny_cfg, **kw):
+    return tiny_cfg.replace(methods=["fedex"], save_client_adapters=True, lr=2e-2, **kw)
+
+
+PRECISIONS = [
+    dict(dtype="fp32"),
+    dict(dtype="bf16"),
+    dict(dtype="fp16"),
+    dict(quantization="nf4"),
+    dict(quantization="int8"),
+]
+
+
+@pytest.mark.parametrize("prec", PRECISIONS, ids=lambda p: next(iter(p.values())))
+def test_local_engine_model_equals_hand_computed_ideal(tiny_cfg, tmp_path, prec):
+    cfg = _cfg(tiny_cfg, **prec)
+    rows = run_experiment(cfg, tmp_path, progress=False)
+    ideal, w0 = ideal_from_client_adapters(tmp_path, cfg)
+    task = load_task_for(cfg)
+    ckpt = latest_checkpoint(tmp_path / "checkpoints" / "fedex")
+    model = restore_model(cfg, task, "fedex", ckpt, config_fingerprint(cfg.to_dict()))[0]
+    layers = lora_layers(model)
+    got = {n: effective_weight(layer) for n, layer in layers.items()}
+    assert _rel(got, ideal, w0) <= 1e-5
+    # the model's own report agrees, every round
+    assert all(r["effective_deviation"]["max"] <= 1e-5 for r in rows)
+    if cfg.side_branch:  # the residual never went into the half-precision/quantized weight
+        for n, layer in layers.items():
+            assert torch.equal(_w0(layer), w0[n]), n
+    # the default export (merged for fp32, adapter otherwise), applied with plain peft
+    res = export_model(tmp_path, tmp_path / "export")
+    assert res.format == ("adapter" if cfg.side_branch else "merged")
+    assert _rel(_exported(res.path, cfg), ideal, w0) <= 1e-5
+
+
+def _exported(path: Path, cfg) -> dict[str, torch.Tensor]:
+    """Effective adapted weights of an export, loaded the way a user would."""
+    from transformers import AutoModelForSequenceClassification
+
+    fresh = _fresh(cfg)
+    names = list(lora_layers(fresh))
+    if (path / "adapter_config.json").is_file():
+        base = fresh.unload()  # the unchanged base, loaded as in the run
+        model = PeftModel.from_pretrained(base, str(path))
+        layers = dict(model.named_modules())
+        out = {}
+        for n in names:
+            layer = layers[n]
+            A = layer.lora_A["default"].weight.double()
+            B = layer.lora_B["default"].weight.double()
+            out[n] = _w0(layer) + float(layer.scaling["default"]) * B @ A
+        return out
+    model = AutoModelForSequenceClassification.from_pretrained(str(path))
+    mods = dict(model.named_modules())
+    return {n: mods[n.removeprefix("base_model.model.")].weight.double() for n in names}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("prec", PRECISIONS[:2] + PRECISIONS[3:4], ids=["fp32", "bf16", "nf4"])
+def test_flower_engine_model_equals_hand_computed_ideal(tiny_cfg, tmp_path, prec):
+    """The Flower engine trains the same clients: its model equals the same ideal."""
+    from fedexlora.flower.simulation import run_flower_experiment
+
+    cfg = _cfg(tiny_cfg, **prec)
+    run_experiment(cfg, tmp_path / "local", progress=False)  # the clients' adapters
+    ideal, w0 = ideal_from_client_adapters(tmp_path / "local", cfg)
+    fcfg = cfg.replace(engine="flower", save_client_adapters=False)
+    rows = run_flower_experiment(fcfg, tmp_path / "flower")
+    assert all(r["accepted"] == [0, 1, 2] for r in rows)
+    assert all(r["effective_deviation"]["max"] <= 1e-5 for r in rows)
+    task = load_task_for(fcfg)
+    ckpt = latest_checkpoint(tmp_path / "flower" / "checkpoints" / "fedex")
+    model = restore_model(fcfg, task, "fedex", ckpt, config_fingerprint(fcfg.to_dict()))[0]
+    got = {n: effective_weight(layer) for n, layer in lora_layers(model).items()}
+    assert _rel(got, ideal, w0) <= 1e-5
