@@ -20,6 +20,11 @@ def _run(*args):
         (["--fraction", "1.5"], "`fraction` must be in (0, 1], got 1.5"),
         (["--method", "ffa", "--residual-rank", "2"], "`residual_rank` applies to fedex only"),
         (["--device", "tpu"], "`device` must be one of"),
+        (["--dtype", "bf16", "--side-rank", "0"], "`side_rank` must be >= 1, got 0; fix"),
+        (["--side-rank", "4"], "`side_rank` caps the side branch"),
+        (["--quantization", "nf3"], "`quantization` must be one of ('nf4', 'fp4', 'int8')"),
+        (["--double-quant"], "`double_quant` applies to 4-bit quantization only"),
+        (["--export-format", "merged", "--export-dtype", "bf16"], "so it cannot be exact; fix"),
     ],
 )
 def test_user_mistakes_get_one_line_errors(args, match, tmp_path):
@@ -178,3 +183,36 @@ def test_compare_best_of_a_loss_is_its_minimum():
     assert "| fedex | 1.7000 ± 0.0000 | 1.5000 ± 0.0000 |" in md and "best loss" in md
     # a lower loss is ahead: seed 0 (1.7 vs 1.8) ahead, seed 1 (1.7 vs 1.6) behind
     assert "(1 ahead, 0 tied, 1 behind)" in md
+
+
+def test_quantization_without_bitsandbytes_is_one_clear_error(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "bitsandbytes" else real(n, *a)
+    )
+    res = _run("run", "--out", str(tmp_path / "o"), "--quantization", "nf4", "--no-progress")
+    assert res.exit_code == 2, res.output
+    out = " ".join(res.output.split())
+    assert "needs bitsandbytes, which is not installed; fix: pip install" in out
+    assert "'fedex-lora[quantization]'" in out
+    assert "Traceback" not in res.output
+
+
+def test_model_bitsandbytes_cannot_quantize_is_one_clear_error(
+    tiny_bert_dir, tiny_csv, tmp_path, monkeypatch
+):
+    from transformers import AutoModelForSequenceClassification
+
+    def refuse(*args, quantization_config=None, **kwargs):
+        if quantization_config is not None:  # what transformers says for such a model
+            raise ValueError("this model cannot be quantized with bitsandbytes")
+        raise AssertionError("an unquantized load was not expected")
+
+    monkeypatch.setattr(AutoModelForSequenceClassification, "from_pretrained", refuse)
+    res = _run_tiny(tiny_bert_dir, tiny_csv, tmp_path, "--quantization", "int8")
+    assert res.exit_code == 2, res.output
+    assert "--quantization int8: bitsandbytes cannot quantize model" in res.output
+    assert "run it without --quantization" in res.output
+    assert "Traceback" not in res.output

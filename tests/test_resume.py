@@ -113,3 +113,33 @@ def test_checkpoint_from_other_config_is_refused(tiny_cfg, tmp_path):
         run_experiment(cfg.replace(lora_r=2, rounds=2), tmp_path, resume=True, progress=False)
     assert meta_path.read_text() == before
     assert json.loads(before)["round"] == 1
+
+
+def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tiny_cfg, tmp_path, monkeypatch):
+    """Everything of a checkpoint lands before it is renamed into place and older ones pruned."""
+    import fedexlora.checkpoint as checkpoint
+    from fedexlora.pipeline import restore_model
+
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=1, keep_checkpoints=1)
+    run_experiment(cfg, tmp_path, progress=False)
+    real = checkpoint.save_file
+
+    def crash_on_base(tensors, path, *a, **kw):
+        if path.endswith("base_deltas.safetensors"):
+            raise KeyboardInterrupt("killed while writing the base deltas")
+        return real(tensors, path, *a, **kw)
+
+    monkeypatch.setattr(checkpoint, "save_file", crash_on_base)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(cfg.replace(rounds=2), tmp_path, resume=True, progress=False)
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    ckpt = latest_checkpoint(tmp_path / "checkpoints" / "fedex")
+    assert ckpt.name == "round-0001"
+    from fedexlora.checkpoint import config_fingerprint
+    from fedexlora.pipeline import load_task_for
+
+    task = load_task_for(cfg)
+    server = restore_model(cfg, task, "fedex", ckpt, config_fingerprint(cfg.to_dict()))[2]
+    assert server.round == 1
+    rows = run_experiment(cfg.replace(rounds=2), tmp_path, resume=True, progress=False)
+    assert [r["round"] for r in rows] == [1, 2]

@@ -374,7 +374,11 @@ def restore_base(model: torch.nn.Module, snapshot: dict) -> None:
 
 @torch.no_grad()
 def fold_residuals(
-    model: torch.nn.Module, residuals: Mapping[str, Residual], adapter: str | None = None
+    model: torch.nn.Module,
+    residuals: Mapping[str, Residual],
+    adapter: str | None = None,
+    *,
+    side_rank: int | None = None,
 ) -> None:
     """Applies ``scale * residual`` to each layer's frozen base, in place.
 
@@ -382,7 +386,9 @@ def fold_residuals(
     fp32 (or fp64) the residual is folded into it, a factored one with one ``addmm_``.
     Where it is bf16/fp16 or quantized (bitsandbytes), it is never rounded into the
     weight: it is added to the layer's fp32 side branch (:class:`SideBranch`), which the
-    forward pass applies.
+    forward pass applies. ``side_rank`` caps each side branch's rank (the server's
+    ``side_rank`` mode sends residuals that keep it there; the cap only drops the float
+    noise of their cancellation).
 
     Raises:
         ValueError: If a residual names an unknown module or has the wrong shape.
@@ -400,7 +406,9 @@ def fold_residuals(
             continue
         scale = float(layer.scaling[adapter])
         if not _holds_in_weight(layer):
-            _side(layer, create=True).add(R.scaled(scale))
+            side = _side(layer, create=True)
+            side.max_rank = side_rank
+            side.add(R.scaled(scale))
             continue
         target = layer.get_base_layer().weight.data
         fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))

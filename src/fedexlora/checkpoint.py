@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -24,6 +25,7 @@ __all__ = [
 ]
 
 _FORMAT = 1
+_BASE = "base_deltas.safetensors"
 
 
 class CheckpointError(ValueError):
@@ -59,8 +61,14 @@ def save_checkpoint(
     *,
     meta: dict,
     keep: int = 2,
+    base: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Writes ``directory/round-XXXX`` atomically and keeps the last ``keep`` of them.
+
+    Everything, ``base`` included (``base_deltas.safetensors``: what was folded into the
+    model, see :func:`fedexlora.pipeline.base_deltas`), is written into a temporary
+    directory that is renamed into place only when complete, and older checkpoints are
+    pruned only after that, so a crash at any moment leaves the previous one intact.
 
     The tensors hold the global state, the accumulated base-weight deltas of the adapted
     layers (never a full model), the residual history and the lossy-mode feedback.
@@ -83,6 +91,8 @@ def save_checkpoint(
         flat.update(residuals_to_flat(f"remainder{c}", res))
     flat = {k: t.detach().contiguous().clone() for k, t in flat.items()}
     save_file(flat, str(tmp / "tensors.safetensors"))
+    if base is not None:
+        save_file({k: v.detach().contiguous() for k, v in base.items()}, str(tmp / _BASE))
     info = {
         "format": _FORMAT,
         "round": server.round,

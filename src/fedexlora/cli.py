@@ -74,7 +74,10 @@ _RUN_FLAGS = {
 
 
 def _fail(message: str, code: int = 2) -> None:
-    err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False)
+    from rich.markup import escape
+
+    # escaped: a message may hold brackets (pip extras, lists) that rich would eat
+    err_console.print(f"[bold red]error:[/bold red] {escape(message)}", highlight=False)
     raise typer.Exit(code)
 
 

@@ -96,6 +96,11 @@ class RunConfig:
         return self.dtype != "fp32" or self.quantization is not None
 
     @property
+    def approximate(self) -> bool:
+        """Whether a lossy mode is on (``residual_rank`` or ``side_rank``)."""
+        return self.residual_rank is not None or self.side_rank is not None
+
+    @property
     def resolved_export_format(self) -> str:
         """``export_format``, or its default: ``merged`` for fp32 bases, else ``adapter``."""
         return self.export_format or ("adapter" if self.side_branch else "merged")
@@ -244,6 +249,10 @@ class RunConfig:
                 f"combined with methods {other}",
             )
             need(self.engine == "local", "`client_ranks` needs `engine` 'local'")
+        need(
+            self.residual_rank is None or self.side_rank is None,
+            "`residual_rank` and `side_rank` are two lossy modes; choose one",
+        )
         if self.residual_rank is not None:
             lossless = [m for m in self.methods if m in ("ffa", "fedit", "centralized", "flora")]
             need(

@@ -30,7 +30,6 @@ __all__ = [
     "load_task_for",
     "restore_model",
     "run_experiment",
-    "save_base_deltas",
 ]
 
 
@@ -82,17 +81,6 @@ def append_row(path: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
         f.flush()
         os.fsync(f.fileno())
-
-
-def save_base_deltas(ckpt: Path, deltas: dict[str, torch.Tensor]) -> None:
-    """Writes ``base_deltas.safetensors`` into a checkpoint directory, atomically."""
-    from safetensors.torch import save_file
-
-    tmp = ckpt / ".base_deltas.tmp"
-    save_file({k: v.contiguous() for k, v in deltas.items()}, str(tmp))
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, ckpt / "base_deltas.safetensors")
 
 
 def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: str | None):
@@ -206,7 +194,7 @@ def run_experiment(
         def after_round(row, srv, mdl, _rows=rows, _method=method, _w0=w0):
             _rows.append(row)
             append_row(metrics_path, row)
-            ckpt = save_checkpoint(
+            save_checkpoint(
                 out / "checkpoints" / _method,
                 srv,
                 meta={
@@ -216,8 +204,8 @@ def run_experiment(
                     "config": cfg.to_dict(),
                 },
                 keep=cfg.keep_checkpoints,
+                base=base_deltas(mdl, _w0),
             )
-            save_base_deltas(ckpt, base_deltas(mdl, _w0))
 
         if server.round < cfg.rounds:
             t0 = time.perf_counter()

@@ -152,6 +152,9 @@ class Server:
         weighting: ``examples`` or ``uniform``.
         seed: Seed for sampling and FLoRA's re-initialisation.
         residual_rank: Truncate residuals to this rank (lossy, with error feedback).
+        side_rank: Keep the accumulated base delta (what side branches hold) at this rank
+            at most (lossy, with error feedback): each round's residual moves it to the
+            best rank-``side_rank`` approximation of the exact accumulated delta.
         max_update_norm: Reject uploads whose change from the global state is larger.
         client_layers: Per client, the LoRA layer info of the adapter it trains when it
             differs from the global one (heterogeneous ranks; see
@@ -169,6 +172,7 @@ class Server:
         weighting: str = "examples",
         seed: int = 0,
         residual_rank: int | None = None,
+        side_rank: int | None = None,
         max_update_norm: float | None = None,
         client_layers: Mapping[int, Mapping[str, LayerInfo]] | None = None,
     ):
@@ -180,6 +184,7 @@ class Server:
         self.weighting = weighting
         self.seed = seed
         self.residual_rank = residual_rank
+        self.side_rank = side_rank
         self.max_update_norm = max_update_norm
         self.round = 0
         self.version = 0
@@ -328,8 +333,11 @@ class Server:
         )
         residuals = self._add_remainders(agg.residuals, accepted, agg.weights)
         feedback_norm = {}
+        capped: dict[str, Residual] = {}
         if self.residual_rank is not None:
             residuals, feedback_norm = self._truncate(residuals)
+        elif self.side_rank is not None:
+            residuals, capped, feedback_norm = self._cap_side(residuals)
         new_state = agg.state
         if self.method == "ffa":  # keep the frozen global A
             new_state = AdapterState(
@@ -344,7 +352,10 @@ class Server:
             self.history[self.version] = nonzero
             for k, r in nonzero.items():
                 prev = self.base_delta.get(k)
-                self.base_delta[k] = r if prev is None else Residual.concat([prev, r])
+                if k in capped:  # side_rank: the capped delta itself, not a growing sum
+                    self.base_delta[k] = capped[k]
+                else:
+                    self.base_delta[k] = r if prev is None else Residual.concat([prev, r])
             self.version += 1
         return RoundOutcome(
             residuals=nonzero,
@@ -402,6 +413,33 @@ class Server:
                 base = [out[name]] if name in out and not out[name].is_zero else []
                 out[name] = Residual.concat(base + parts)
         return out
+
+    def _cap_side(self, residuals: dict[str, Residual]):
+        """``side_rank``: the residual that moves each base delta ``S`` to ``trunc(S + R + F)``.
+
+        ``F`` is what earlier caps cut off (error feedback). Returns the residuals to fold,
+        the new capped deltas, and the norm of what is kept back.
+        """
+        out, capped, norms = {}, {}, {}
+        for name in sorted(set(residuals) | set(self.feedback)):
+            old = self.base_delta.get(name)
+            parts = [
+                p
+                for p in (old, residuals.get(name), self.feedback.get(name))
+                if p is not None and not p.is_zero
+            ]
+            if not parts:
+                continue
+            total = parts[0] if len(parts) == 1 else Residual.concat(parts)
+            target, rest = total.truncate(self.side_rank)
+            self.feedback[name] = rest
+            norms[name] = 0.0 if rest.is_zero else float(torch.linalg.norm(rest.to_dense()))
+            capped[name] = target
+            if old is None or old.is_zero:
+                out[name] = target
+            else:
+                out[name] = Residual.concat([target, old.scaled(-1.0)])
+        return out, capped, norms
 
     def _truncate(self, residuals: dict[str, Residual]):
         kept, norms = {}, {}

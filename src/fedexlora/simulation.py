@@ -139,6 +139,7 @@ def new_server(cfg: RunConfig, method: str, model) -> Server:
         weighting=cfg.weighting,
         seed=cfg.seed,
         residual_rank=None if centralized else cfg.residual_rank,
+        side_rank=None if centralized else cfg.side_rank,
         max_update_norm=None if centralized else cfg.max_update_norm,
         client_layers=client_layers,
     )
@@ -354,7 +355,7 @@ def run_method(
             seconds=time.perf_counter() - t0,
             bytes_up=bytes_up,
             bytes_down=bytes_down,
-            approximate=cfg.residual_rank is not None and not centralized,
+            approximate=cfg.approximate and not centralized,
             sampled=sampled,
             effective=measured,
         )
@@ -431,7 +432,7 @@ def fold_and_measure(
     for name, layer in lora_layers(model).items():
         before = effective_weight(layer, lora=False) if measure else None
         if name in outcome.residuals:
-            fold_residuals(model, {name: outcome.residuals[name]})
+            fold_residuals(model, {name: outcome.residuals[name]}, side_rank=server.side_rank)
         if before is None:
             continue
         after = effective_weight(layer)

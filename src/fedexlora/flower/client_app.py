@@ -161,7 +161,7 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     payload = Payload.from_flat(
         from_array_record(msg.content["arrays"]), round=rnd, version=version
     )
-    fold_residuals(model, payload.residuals)
+    fold_residuals(model, payload.residuals, side_rank=cfg.side_rank)
     set_state(model, payload.state)
     up = local_update(cfg, method, model, prep.train.subset(prep.parts[pid]), rnd, pid)
     _remember(context, model, method, version, pid)

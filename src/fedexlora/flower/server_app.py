@@ -64,7 +64,6 @@ def run_server(
         append_row,
         base_deltas,
         load_task_for,
-        save_base_deltas,
     )
     from ..report import write_summary
     from ..simulation import apply_round, new_model, new_server, prepare, round_row
@@ -122,7 +121,7 @@ def run_server(
                 seconds=time.perf_counter() - rec.started,
                 bytes_up=rec.bytes_up,
                 bytes_down=rec.bytes_down,
-                approximate=cfg.residual_rank is not None,
+                approximate=cfg.approximate,
                 sampled=rec.sampled,
                 dropped=rec.dropped,
                 effective=measured,
@@ -131,10 +130,13 @@ def run_server(
             append_row(metrics_path, row)
             meta = {"rows": rs, "fingerprint": fingerprint, "parts": prep.parts}
             meta["config"] = cfg.to_dict()
-            ckpt = save_checkpoint(
-                out / "checkpoints" / m, srv, meta=meta, keep=cfg.keep_checkpoints
+            save_checkpoint(
+                out / "checkpoints" / m,
+                srv,
+                meta=meta,
+                keep=cfg.keep_checkpoints,
+                base=base_deltas(mdl, w0),
             )
-            save_base_deltas(ckpt, base_deltas(mdl, w0))
             return MetricRecord({k: float(v) for k, v in metrics.items() if _is_number(v)})
 
         t0 = time.perf_counter()
