@@ -19,6 +19,7 @@ from the node config (``partition-id``, ``num-partitions``).
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -37,7 +38,9 @@ _ADAPTER = "fedexlora.adapter"  # ArrayRecord: AdapterState.to_flat() after trai
 
 _DATA: dict[str, tuple] = {}  # config fingerprint -> (task, Prepared), one entry
 _MODELS: OrderedDict[tuple, tuple] = OrderedDict()  # (run, partition) -> (token, model)
-_MAX_MODELS = 4
+# Models kept per process (FEDEXLORA_CLIENT_MODEL_CACHE; 0 rebuilds every round from the
+# Context, as a deployment's fresh ClientApp process does).
+_MAX_MODELS = int(os.environ.get("FEDEXLORA_CLIENT_MODEL_CACHE", "4"))
 
 
 def _resolve(defaults: Mapping[str, Any], context: Context):
@@ -128,7 +131,7 @@ def _remember(context: Context, model, method: str, version: int, pid: int) -> N
     key = (context.run_id, pid)
     _MODELS[key] = (token, model)
     _MODELS.move_to_end(key)
-    while len(_MODELS) > _MAX_MODELS:
+    while len(_MODELS) > max(_MAX_MODELS, 0):
         _MODELS.popitem(last=False)
 
 
