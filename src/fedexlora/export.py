@@ -26,6 +26,7 @@ from .adapters import _side, effective_weight, lora_layers
 from .aggregation import Residual
 from .checkpoint import config_fingerprint, latest_checkpoint
 from .config import load_config
+from .models import resolve_model
 from .pipeline import RunError, load_task_for, restore_model
 
 __all__ = ["ExportResult", "export_model"]
@@ -95,7 +96,7 @@ def export_model(
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     if fmt == "adapter":
-        note = _write_adapter(model, server, dest)
+        note = _write_adapter(cfg, model, server, dest)
     else:
         note = _write_merged(cfg, task, method, model, dest, _DTYPES[dtype])
     tokenizer.save_pretrained(str(dest))
@@ -123,7 +124,7 @@ def _as_factors(r: Residual) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def _write_adapter(model, server, dest: Path) -> str:
+def _write_adapter(cfg, model, server, dest: Path) -> str:
     """One PEFT adapter of rank ``r + q`` per layer: ``[s B | U] @ [A ; V]``, scale 1."""
     from safetensors.torch import load_file, save_file
 
@@ -156,6 +157,7 @@ def _write_adapter(model, server, dest: Path) -> str:
         tensors[ka], tensors[kb] = A_new.contiguous(), B_new.contiguous()
         ranks[re.escape(key)] = int(A_new.shape[0])
     config.update(
+        base_model_name_or_path=resolve_model(cfg.model).path,
         r=max(ranks.values()),
         lora_alpha=max(ranks.values()),
         rank_pattern=ranks,

@@ -260,10 +260,15 @@ def _load_quantized(cls, spec: ModelSpec, name, quantization, double_quant, dtyp
             with tempfile.TemporaryDirectory(prefix="fedexlora-gguf-") as tmp:
                 gguf = {"gguf_file": spec.gguf_file}
                 full = cls.from_pretrained(spec.path, dtype=dtype, **gguf, **extra)
+                # the weights are plain tensors now; drop the GGUF marker so they save
+                full.hf_quantizer = None
+                if hasattr(full.config, "quantization_config"):
+                    del full.config.quantization_config
                 full.save_pretrained(tmp)
                 del full
                 torch.manual_seed(seed)
                 model = cls.from_pretrained(tmp, dtype=dtype, quantization_config=qcfg, **extra)
+                model.name_or_path = model.config._name_or_path = spec.path  # not the tmp
         else:
             model = cls.from_pretrained(spec.path, dtype=dtype, quantization_config=qcfg, **extra)
     except (ValueError, RuntimeError, ImportError, TypeError) as exc:
