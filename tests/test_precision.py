@@ -5,14 +5,11 @@ the pristine base weights, never from the server's own report:
 ``M_t = M_{t-1} - s B̄_{t-1} Ā_{t-1} + sum_i p_i s B_i^t A_i^t`` with ``M_0 = W0``.
 """
 
-import json
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
-from peft import PeftModel
-from peft.utils.integrations import dequantize_bnb_weight
-from safetensors.torch import load_file
 
 from fedexlora.adapters import effective_weight, lora_layers
 from fedexlora.checkpoint import config_fingerprint, latest_checkpoint
@@ -20,66 +17,13 @@ from fedexlora.export import export_model
 from fedexlora.models import load_model
 from fedexlora.pipeline import load_task_for, restore_model, run_experiment
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _w0(layer):
-    """The pristine base weight (d, n) in fp64, read without fedex-lora's helpers."""
-    base = layer.get_base_layer()
-    if type(base).__module__.startswith("bitsandbytes"):
-        return dequantize_bnb_weight(base.weight, state=getattr(base, "state", None)).double()
-    return base.weight.detach().double()
-
-
-def _fresh(cfg):
-    task = load_task_for(cfg)
-    model, _ = load_model(
-        cfg.model,
-        causal=False,
-        num_labels=task.num_labels,
-        r=cfg.lora_r,
-        alpha=cfg.lora_alpha,
-        dropout=cfg.lora_dropout,
-        target_modules=cfg.target_modules,
-        seed=cfg.seed,
-        dtype=DTYPES[cfg.dtype],
-        quantization=cfg.quantization,
-    )
-    return model
-
-
-def ideal_from_client_adapters(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
-    """The exact global model's adapted weights, from W0 and the saved client adapters."""
-    model = _fresh(cfg)
-    layers = lora_layers(model)
-    scale = cfg.lora_alpha / cfg.lora_r
-    M = {n: _w0(layer) for n, layer in layers.items()}
-    W0 = {n: w.clone() for n, w in M.items()}
-    prev_global = {n: 0.0 for n in layers}
-    for rnd in range(1, cfg.rounds + 1):
-        clients = sorted((run_dir / "clients" / f"round-{rnd}").iterdir())
-        metas = [json.loads((c / "meta.json").read_text()) for c in clients]
-        tensors = [load_file(str(c / "adapter_model.safetensors")) for c in clients]
-        total = sum(m["num_examples"] for m in metas)
-        p = [m["num_examples"] / total for m in metas]
-        assert [m["weight"] for m in metas] == pytest.approx(p)
-        for n in layers:
-            As = [t[f"{n}.lora_A.weight"].double() for t in tensors]
-            Bs = [t[f"{n}.lora_B.weight"].double() for t in tensors]
-            avg = sum(pi * scale * B @ A for pi, A, B in zip(p, As, Bs))
-            M[n] = M[n] - prev_global[n] + avg
-            A_bar = sum(pi * A for pi, A in zip(p, As))
-            B_bar = sum(pi * B for pi, B in zip(p, Bs))
-            prev_global[n] = scale * B_bar @ A_bar
-    return M, W0
-
-
-def _rel(got: dict, want: dict, w0: dict) -> float:
-    """max over layers of ||got - want|| / ||want - W0|| (relative to the total update)."""
-    return max(
-        float(torch.linalg.norm(got[n] - want[n]) / torch.linalg.norm(want[n] - w0[n]))
-        for n in want
-    )
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "verify_export.py"
+_spec = importlib.util.spec_from_file_location("verify_export", SCRIPT)
+verify = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(verify)
+_w0, _rel, ideal_from_client_adapters = verify.w0, verify.rel, verify.ideal_from_client_adapters
+_exported = verify.exported
+_fresh = verify.fresh
 
 
 def _cfg(tiny_cfg, **kw):
@@ -115,28 +59,6 @@ def test_local_engine_model_equals_hand_computed_ideal(tiny_cfg, tmp_path, prec)
     res = export_model(tmp_path, tmp_path / "export")
     assert res.format == ("adapter" if cfg.side_branch else "merged")
     assert _rel(_exported(res.path, cfg), ideal, w0) <= 1e-5
-
-
-def _exported(path: Path, cfg) -> dict[str, torch.Tensor]:
-    """Effective adapted weights of an export, loaded the way a user would."""
-    from transformers import AutoModelForSequenceClassification
-
-    fresh = _fresh(cfg)
-    names = list(lora_layers(fresh))
-    if (path / "adapter_config.json").is_file():
-        base = fresh.unload()  # the unchanged base, loaded as in the run
-        model = PeftModel.from_pretrained(base, str(path))
-        layers = dict(model.named_modules())
-        out = {}
-        for n in names:
-            layer = layers[n]
-            A = layer.lora_A["default"].weight.double()
-            B = layer.lora_B["default"].weight.double()
-            out[n] = _w0(layer) + float(layer.scaling["default"]) * B @ A
-        return out
-    model = AutoModelForSequenceClassification.from_pretrained(str(path))
-    mods = dict(model.named_modules())
-    return {n: mods[n.removeprefix("base_model.model.")].weight.double() for n in names}
 
 
 @pytest.mark.integration

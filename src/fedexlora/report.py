@@ -119,15 +119,18 @@ def write_summary(out_dir: str | Path, rows: list[dict], config_text: str = "") 
         "- *deviation*: relative Frobenius deviation of the averaged-factor product "
         "`B̄Ā` from the ideal update `Σ p_i B_i A_i`, per layer, averaged over layers and "
         "rounds: what plain factor averaging (FedIT) loses.",
-        "- *effective deviation*: the same measure for the update actually applied "
-        "(averaged factors plus residual). FedEx-LoRA, FFA-LoRA and FLoRA are exact "
-        "(float rounding only); FedIT's equals its deviation.",
+        "- *effective deviation*: measured on the model after each round: its effective "
+        "weights (base, side branch and adapter, as the forward pass applies them) "
+        "against the ideal average of the clients' models, relative to the round's "
+        "update. FedEx-LoRA, FFA-LoRA and FLoRA are exact (float rounding only); "
+        "FedIT's is what plain factor averaging loses.",
         "- Bytes are counted from the tensors sent; `centralized` sends nothing.",
     ]
     if any(r.get("approximate") for r in rows):
         parts.append(
-            "- Methods marked *(approximate)* truncated the residual (`residual_rank`); "
-            "the remainder is kept on the server as error feedback."
+            "- Methods marked *(approximate)* truncated the residual (`residual_rank`) or "
+            "capped the side branch (`side_rank`); the remainder is kept on the server as "
+            "error feedback."
         )
     rejected = [(r["method"], r["round"], r["rejected"]) for r in rows if r.get("rejected")]
     for method, rnd, rej in rejected:

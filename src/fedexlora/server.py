@@ -379,15 +379,15 @@ class Server:
         (heterogeneous ranks); FFA-LoRA clients use the frozen global A. Call it after
         :meth:`aggregate` and before the next :meth:`payload_for`.
         """
-        info = self.layers[name]
         by_id = {u.client_id: u for u in uploads}
-        d, n = info.shape
+        d, n = self.layers[name].shape
         total = torch.zeros(d, n, dtype=torch.float64)
         for cid, p in outcome.weights.items():
-            A, B = self._to_global(by_id[cid]).factors[name]
+            A, B = by_id[cid].state.factors[name]
             if A is None:
                 A = self.state.factors[name][0]
-            total += (p * info.scale) * (B.double() @ A.double())
+            scale = self.client_layers.get(cid, self.layers)[name].scale  # the client's own
+            total += (p * scale) * (B.double() @ A.double())
             T = self.remainder.get(cid, {}).get(name)
             if T is not None:
                 total += p * T.to_dense().double()
