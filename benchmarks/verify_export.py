@@ -94,11 +94,12 @@ def ideal_from_client_adapters(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
 def rel(got: dict, want: dict, w0: dict) -> float:
     """max over layers of ||got - want|| / ||want - W0|| (relative to the total update)."""
     return max(
-        float(torch.linalg.norm(got[n] - want[n]) / torch.linalg.norm(want[n] - w0[n]))
+        float(torch.linalg.norm(got[n] - want[n]) / torch.linalg.norm(want[n] - w0[n]).detach())
         for n in want
     )
 
 
+@torch.no_grad()
 def exported(path: Path, cfg) -> dict[str, torch.Tensor]:
     """Effective adapted weights of an export, loaded the way a user would."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -129,6 +130,10 @@ def main() -> None:
     ap.add_argument("export", type=Path, help="what fedexlora export wrote")
     ap.add_argument("--tol", type=float, default=1e-5)
     args = ap.parse_args()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     cfg = load_config(args.run / "config.toml")
     if cfg.methods[0] != "fedex" or not (args.run / "clients").is_dir():
         sys.exit("needs a fedex run with --save-client-adapters")
