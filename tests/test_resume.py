@@ -56,11 +56,13 @@ def test_sigkill_in_round_3_then_resume_is_identical(tmp_path, tiny_bert_dir, ti
     )
     metrics = crashed / "metrics.jsonl"
     deadline = time.monotonic() + 600
+    ckpts = crashed / "checkpoints" / "fedex"
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.05)
-    time.sleep(0.3)  # into round 3
+        done = latest_checkpoint(ckpts) if ckpts.is_dir() else None
+        if done is not None and done.name == "round-0002":
+            break  # round 2 fully written: round 3 (90 local steps) starts now
+        time.sleep(0.02)
+    time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert len(metrics.read_text().splitlines()) == 2, "the kill must land during round 3"
