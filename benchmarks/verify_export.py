@@ -30,10 +30,9 @@ from safetensors.torch import load_file
 
 from fedexlora.adapters import lora_layers
 from fedexlora.config import load_config
-from fedexlora.models import load_model
 from fedexlora.pipeline import load_task_for
+from fedexlora.simulation import new_model
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def w0(layer):
@@ -45,20 +44,8 @@ def w0(layer):
 
 
 def fresh(cfg):
-    task = load_task_for(cfg)
-    model, _ = load_model(
-        cfg.model,
-        causal=task.kind == "causal_lm",
-        num_labels=task.num_labels,
-        r=cfg.lora_r,
-        alpha=cfg.lora_alpha,
-        dropout=cfg.lora_dropout,
-        target_modules=cfg.target_modules,
-        seed=cfg.seed,
-        dtype=DTYPES[cfg.dtype],
-        quantization=cfg.quantization,
-    )
-    return model
+    """The pristine LoRA model of a run, loaded as the run loaded it (dtype, quantization)."""
+    return new_model(cfg, load_task_for(cfg), "fedex")[0]
 
 
 def ideal_from_client_adapters(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
