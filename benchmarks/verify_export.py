@@ -34,7 +34,6 @@ from fedexlora.pipeline import load_task_for
 from fedexlora.simulation import new_model
 
 
-
 def w0(layer):
     """The pristine base weight (d, n) in fp64, read without fedex-lora's helpers."""
     base = layer.get_base_layer()
