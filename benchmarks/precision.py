@@ -41,8 +41,9 @@ def child(args) -> dict:
 
     from fedexlora.adapters import lora_layers, side_nbytes
     from fedexlora.config import RunConfig
+    from fedexlora.engine import autocast_dtype, new_model, prepare
     from fedexlora.pipeline import load_task_for
-    from fedexlora.simulation import autocast_dtype, new_model, prepare, run_method
+    from fedexlora.simulation import run_method
     from fedexlora.training import train_local
 
     torch.set_num_threads(args.threads)

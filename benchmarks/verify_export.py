@@ -30,8 +30,8 @@ from safetensors.torch import load_file
 
 from fedexlora.adapters import lora_layers
 from fedexlora.config import load_config
+from fedexlora.engine import new_model
 from fedexlora.pipeline import load_task_for
-from fedexlora.simulation import new_model
 
 
 def w0(layer):

@@ -280,10 +280,11 @@ def test_dropout_then_resync_stays_exact(tiny_cfg, tmp_path, task_identity):
 
     Reference: the in-process engine where client 1 simply is not sampled in round 2.
     """
+    from fedexlora.engine import new_model, new_server, prepare
     from fedexlora.flower.client_app import make_client_app
     from fedexlora.flower.records import resolve_run_config, to_run_config
     from fedexlora.flower.server_app import run_server
-    from fedexlora.simulation import new_model, new_server, prepare, run_method
+    from fedexlora.simulation import run_method
 
     method = "fedex"
     cfg = tiny_cfg.replace(methods=[method], rounds=3)

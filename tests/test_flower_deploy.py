@@ -296,7 +296,8 @@ def deployed(tiny_bert_dir, tmp_path_factory):
     only when the node's heartbeat lapses). While the run finishes, the in-process
     reference is computed: the same job where client 1 is not sampled in round 3.
     """
-    from fedexlora.simulation import new_model, new_server, prepare, run_method
+    from fedexlora.engine import new_model, new_server, prepare
+    from fedexlora.simulation import run_method
 
     root = tmp_path_factory.mktemp("deployment")
     cfg = _deploy_cfg(tiny_bert_dir)

@@ -195,11 +195,12 @@ def test_merged_export_of_bf16_run_is_fp32_and_exact(tiny_cfg, tmp_path):
 def test_hetero_clients_on_the_shared_model_start_from_the_global_model(tiny_cfg, monkeypatch):
     """Each client of another rank holds the exact global model when it starts training."""
     import fedexlora.simulation as sim
+    from fedexlora.engine import new_model, prepare
 
     cfg = tiny_cfg.replace(methods=["fedex"], client_ranks=[2, 4, 4], rounds=3, lr=2e-2)
     task = load_task_for(cfg)
-    model, tok = sim.new_model(cfg, task, "fedex")
-    prep = sim.prepare(cfg, tok, task)
+    model, tok = new_model(cfg, task, "fedex")
+    prep = prepare(cfg, tok, task)
     glob, gaps = {}, []
     real = sim.local_update
 

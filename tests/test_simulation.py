@@ -90,7 +90,7 @@ def test_all_methods_and_centralized(tiny_cfg, tmp_path):
 def test_export_reproduces_global_model_logits(tiny_cfg, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from fedexlora.simulation import prepare
+    from fedexlora.engine import prepare
     from fedexlora.training import predict
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=2)

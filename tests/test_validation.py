@@ -62,6 +62,9 @@ CASES = [
     ("huge norm", 10, "exceeds max_update_norm 100"),
     ("zero examples", 0, "num_examples must be a positive integer, got 0"),
     ("negative examples", -4, "num_examples must be a positive integer, got -4"),
+    ("bool examples", True, "got True \\(a bool\\)"),
+    ("fraction examples", 2.5, "got 2.5 \\(a fraction\\)"),
+    ("nan examples", float("nan"), "got nan \\(not finite\\)"),
 ]
 
 
@@ -81,11 +84,22 @@ def test_bad_upload_is_rejected_and_aggregation_is_exact_over_the_rest(kind, n_e
     assert torch.equal(server.state.extra["head.weight"], ref.state.extra["head.weight"])
 
 
+@pytest.mark.parametrize(
+    "count", [40, __import__("numpy").int64(40), 40.0, torch.tensor(40)], ids=str
+)
+def test_integer_valued_counts_are_accepted_and_weigh_as_integers(count):
+    server = _server()
+    outcome = server.aggregate([ClientUpload(0, _state(1), 10), ClientUpload(1, _state(2), count)])
+    assert outcome.accepted == [0, 1] and not outcome.unchanged
+    assert outcome.weights == pytest.approx({0: 0.2, 1: 0.8})
+
+
 def test_all_rejected_changes_nothing():
     server = _server()
     before = server.state.clone()
     outcome = server.aggregate([ClientUpload(0, _bad("nan"), 5), ClientUpload(1, _state(3), 0)])
     assert outcome.accepted == [] and len(outcome.rejected) == 2
+    assert outcome.unchanged  # the outcome says so itself, not only the CLI
     assert outcome.residuals == {}
     for k, v in before.to_flat().items():
         assert torch.equal(server.state.to_flat()[k], v)

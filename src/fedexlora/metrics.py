@@ -8,15 +8,24 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .data import Task
+__all__ = ["MetricTask", "compute_metrics", "exact_match", "extract_final_number"]
 
-__all__ = ["compute_metrics", "exact_match", "extract_final_number"]
+
+class MetricTask(Protocol):
+    """What metrics need of a task (:class:`fedexlora.data.Task` is one); no import of it.
+
+    Attributes:
+        kind: ``classification``, ``regression`` or ``causal_lm``.
+        metric_names: The metrics to report, primary first.
+    """
+
+    kind: str
+    metric_names: Sequence[str]
 
 
 # --------------------------------------------------------------------------------------
@@ -158,7 +167,7 @@ _CLASSIFICATION_METRICS = ("accuracy", "f1", "f1_macro", "matthews")
 _REGRESSION_METRICS = ("pearson",)
 
 
-def compute_metrics(task: Task, predictions: Any, labels: Any) -> dict[str, float]:
+def compute_metrics(task: MetricTask, predictions: Any, labels: Any) -> dict[str, float]:
     """Compute the metrics that ``task.metric_names`` lists for a classification/regression task.
 
     For classification, ``predictions`` may be class ids of shape ``(n,)`` or logits of

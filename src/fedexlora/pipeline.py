@@ -18,8 +18,9 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .config import RunConfig
+from .engine import new_model, new_server, prepare
 from .report import write_summary
-from .simulation import new_model, new_server, prepare, run_method
+from .simulation import run_method
 
 __all__ = [
     "RunError",

@@ -18,7 +18,14 @@ from .adapters import LayerInfo
 from .aggregation import Residual, residuals_from_flat, residuals_to_flat
 from .state import AdapterState, aggregate_states
 
-__all__ = ["ClientUpload", "Payload", "RoundOutcome", "Server", "validate_upload"]
+__all__ = [
+    "ClientUpload",
+    "Payload",
+    "RoundOutcome",
+    "Server",
+    "example_count",
+    "validate_upload",
+]
 
 
 @dataclass
@@ -60,6 +67,17 @@ class Payload:
         residuals = residuals_from_flat("residual", dict(flat))
         return cls(round=round, version=version, state=state, residuals=residuals)
 
+    def to_bytes(self) -> bytes:
+        """Safetensors bytes of :meth:`to_flat`, with ``round`` and ``version``."""
+        meta = {"round": self.round, "version": self.version}
+        return _to_bytes(self.to_flat(), meta)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Payload:
+        """Inverse of :meth:`to_bytes`."""
+        flat, meta = _from_bytes(data, ("round", "version"))
+        return cls.from_flat(flat, round=meta["round"], version=meta["version"])
+
 
 @dataclass
 class ClientUpload:
@@ -75,6 +93,67 @@ class ClientUpload:
         """Bytes of every tensor uploaded."""
         return self.state.nbytes
 
+    def to_flat(self) -> dict[str, torch.Tensor]:
+        """The factors and extras as one flat map (:meth:`AdapterState.to_flat`)."""
+        return self.state.to_flat()
+
+    @classmethod
+    def from_flat(
+        cls,
+        flat: Mapping[str, torch.Tensor],
+        *,
+        client_id: int,
+        num_examples,
+        train_loss: float = float("nan"),
+    ) -> ClientUpload:
+        """Inverse of :meth:`to_flat`."""
+        return cls(client_id, AdapterState.from_flat(dict(flat)), num_examples, train_loss)
+
+    def to_bytes(self) -> bytes:
+        """Safetensors bytes of the upload, with its client id, count and loss."""
+        meta = {"client_id": self.client_id, "num_examples": self.num_examples}
+        meta["train_loss"] = self.train_loss
+        return _to_bytes(self.to_flat(), meta)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ClientUpload:
+        """Inverse of :meth:`to_bytes`."""
+        flat, meta = _from_bytes(data, ("client_id", "num_examples", "train_loss"))
+        return cls.from_flat(
+            flat,
+            client_id=int(meta["client_id"]),
+            num_examples=meta["num_examples"],
+            train_loss=float(meta["train_loss"]),
+        )
+
+
+_META = "__meta__."
+
+
+def _to_bytes(flat: Mapping[str, torch.Tensor], meta: dict) -> bytes:
+    """Safetensors bytes; scalars travel as 0-d fp64 tensors under ``__meta__.<key>``."""
+    from safetensors.torch import save
+
+    out = {k: v.detach().contiguous().cpu() for k, v in flat.items()}
+    out.update({_META + k: torch.tensor(float(v), dtype=torch.float64) for k, v in meta.items()})
+    return save(out)
+
+
+def _from_bytes(data: bytes, keys: tuple[str, ...]) -> tuple[dict, dict]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        flat = load(data)
+    except (SafetensorError, ValueError) as exc:
+        raise ValueError(f"not a fedex-lora message (safetensors bytes): {exc}") from None
+    meta = {k[len(_META) :]: v.item() for k, v in flat.items() if k.startswith(_META)}
+    missing = [k for k in keys if k not in meta]
+    if missing:
+        raise ValueError(f"message lacks {missing}")
+    ints = {k: int(v) if float(v).is_integer() else v for k, v in meta.items()}
+    return {k: v for k, v in flat.items() if not k.startswith(_META)}, ints
+
 
 @dataclass
 class RoundOutcome:
@@ -89,6 +168,7 @@ class RoundOutcome:
         feedback_norm: Frobenius norm of the residual kept back (lossy mode), per module.
         weights: Client id -> normalised weight, for the accepted uploads.
         previous: The global adapter state before this round.
+        unchanged: True when no upload was accepted: the global model did not change.
     """
 
     residuals: dict[str, Residual]
@@ -99,6 +179,33 @@ class RoundOutcome:
     feedback_norm: dict[str, float] = field(default_factory=dict)
     weights: dict[int, float] = field(default_factory=dict)
     previous: AdapterState | None = None
+    unchanged: bool = False
+
+
+def example_count(value) -> tuple[int | None, str]:
+    """``(n, "")`` for a positive integer-valued count, else ``(None, reason)``.
+
+    Python ints, numpy and torch integers, and integral floats (``100.0``) are accepted;
+    a bool, zero, a negative number, a fraction, NaN or infinity is not.
+    """
+    bad = f"num_examples must be a positive integer, got {value!r}"
+    if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:
+        return None, f"{bad} (a bool)"
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return None, bad
+        value = value.item()
+    try:
+        as_float = float(value)
+    except (TypeError, ValueError):
+        return None, bad
+    if not math.isfinite(as_float):
+        return None, f"{bad} (not finite)"
+    if as_float != int(as_float):
+        return None, f"{bad} (a fraction)"
+    if as_float <= 0:
+        return None, bad
+    return int(as_float), ""
 
 
 def validate_upload(
@@ -113,8 +220,9 @@ def validate_upload(
     Checks the example count, the key set against ``template``, shapes, dtypes, finiteness
     and, when ``max_update_norm`` is set, the norm of the change from ``reference``.
     """
-    if not isinstance(upload.num_examples, int) or upload.num_examples <= 0:
-        return f"num_examples must be a positive integer, got {upload.num_examples!r}"
+    count, why = example_count(upload.num_examples)
+    if count is None:
+        return why
     got, want = upload.state.to_flat(), template.to_flat()
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing:
@@ -316,9 +424,9 @@ class Server:
             else:
                 rejected[up.client_id] = reason
         if not accepted:
-            return RoundOutcome({}, [], rejected, {}, {}, previous=self.state)
+            return RoundOutcome({}, [], rejected, {}, {}, previous=self.state, unchanged=True)
         if self.weighting == "examples":
-            weights = [float(u.num_examples) for u in accepted]
+            weights = [float(example_count(u.num_examples)[0]) for u in accepted]
         else:
             weights = None
         if generator is None and self.method == "flora":

@@ -1,17 +1,17 @@
 """The Flower ClientApp: one client's local step, over the shared training code.
 
-Every client really holds its own model. It applies each payload to it (folds the
-residual into its own base weights with :func:`fedexlora.adapters.fold_residuals`, then
-loads the global factors with :func:`fedexlora.adapters.set_state`), trains with
-:func:`fedexlora.simulation.local_update` (seeded by :func:`fedexlora.simulation.client_seed`
+Every client really holds its own model. It applies each payload to it with
+:func:`fedexlora.steps.apply_payload` (the residual folded into its own base, or its side
+branch, then the global factors loaded), trains with
+:func:`fedexlora.engine.local_update` (seeded by :func:`fedexlora.engine.client_seed`
 exactly as in-process) and replies with its upload.
 
 What a client must remember between rounds (what was folded into its base: the fp32
 weights of its adapted layers, or their side branches for a half-precision or quantized
-base, and its adapter) lives in the Flower ``Context`` (``context.state``): in a deployment each
-message runs in a fresh ClientApp process, and in a simulation a partition may land on
-another Ray actor. A small per-process cache skips rebuilding the model when the same
-process serves the same partition again.
+base, and its adapter) lives in the Flower ``Context`` (``context.state``): in a
+deployment each message runs in a fresh ClientApp process, and in a simulation a partition
+may land on another Ray actor. A small per-process cache skips rebuilding the model when
+the same process serves the same partition again.
 
 Configuration comes from the run config (``context.run_config``); the partition comes
 from the node config (``partition-id``, ``num-partitions``).
@@ -67,8 +67,8 @@ def _partition(context: Context, num_clients: int) -> int:
 
 def _task_and_data(cfg, fingerprint: str, method: str):
     """The task and prepared data (cached per process); a fresh model when just loaded."""
+    from ..engine import new_model, prepare
     from ..pipeline import load_task_for
-    from ..simulation import new_model, prepare
 
     hit = _DATA.get(fingerprint)
     if hit is not None:
@@ -93,7 +93,7 @@ def _client_model(cfg, task, method: str, context: Context, pid: int, since: int
     import torch
 
     from ..adapters import folded_weights, load_side_state, set_state
-    from ..simulation import new_model
+    from ..engine import new_model
     from ..state import AdapterState
 
     if since < 0:  # a new (or re-synced) client starts from the pretrained weights
@@ -142,9 +142,9 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
         ValueError: If the client's configuration or partition does not match the
             server's, or it does not hold the base version the payload builds on.
     """
-    from ..adapters import fold_residuals, set_state
+    from ..engine import local_update
     from ..server import Payload
-    from ..simulation import local_update
+    from ..steps import apply_payload
 
     cfg, fingerprint = _resolve(defaults, context)
     conf = msg.content["config"]
@@ -164,8 +164,7 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     payload = Payload.from_flat(
         from_array_record(msg.content["arrays"]), round=rnd, version=version
     )
-    fold_residuals(model, payload.residuals, side_rank=cfg.side_rank)
-    set_state(model, payload.state)
+    apply_payload(model, payload, side_rank=cfg.side_rank)
     up = local_update(cfg, method, model, prep.train.subset(prep.parts[pid]), rnd, pid)
     _remember(context, model, method, version, pid)
     content = RecordDict(

@@ -5,7 +5,7 @@ in-process engine builds (:func:`fedexlora.pipeline`'s helpers), drives it with 
 :class:`fedexlora.flower.strategy.FedExLoRA` strategy, and after each round evaluates the
 global model it holds (residuals folded into its base, global factors loaded) exactly as
 the in-process engine does. It writes the same run directory: ``config.toml``,
-``metrics.jsonl`` (rows from :func:`fedexlora.simulation.round_row`, with ``dropped``
+``metrics.jsonl`` (rows from :func:`fedexlora.engine.round_row`, with ``dropped``
 filled in), checkpoints, ``summary.md`` and the plots.
 
 The run directory is the run config's ``run-dir`` (give an absolute path when the
@@ -58,6 +58,7 @@ def run_server(
             or the run directory already holds a run.
     """
     from ..checkpoint import config_fingerprint, save_checkpoint
+    from ..engine import apply_round, new_model, new_server, prepare, round_row
     from ..pipeline import (
         RunError,
         adapted_weights,
@@ -66,7 +67,6 @@ def run_server(
         load_task_for,
     )
     from ..report import write_summary
-    from ..simulation import apply_round, new_model, new_server, prepare, round_row
     from .strategy import FedExLoRA, NodeDirectory
 
     check_flower_config(cfg)

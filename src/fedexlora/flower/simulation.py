@@ -45,7 +45,7 @@ def client_resources(
     """
     import torch
 
-    from ..simulation import resolve_device
+    from ..engine import resolve_device
 
     cpus = client_cpus if client_cpus is not None else _env_float("FEDEXLORA_CLIENT_CPUS")
     gpus = client_gpus if client_gpus is not None else _env_float("FEDEXLORA_CLIENT_GPUS")
