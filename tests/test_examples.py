@@ -1,8 +1,11 @@
 """The examples run, and their global model equals the ideal computed by hand."""
 
 import importlib.util
+import json
+import os
 from pathlib import Path
 
+import pytest
 import torch
 from datasets import Dataset
 
@@ -60,6 +63,61 @@ def test_hf_trainer_example_is_exact(tiny_bert_dir, tiny_csv, tmp_path):
     )
     assert [len(h[1]) for h in history] == [3, 3, 3]
     got, want = _weights(glob), hand_ideal(w0, history, scale=8 / 4)
+    err = max(
+        float(torch.linalg.norm(got[n] - want[n]) / torch.linalg.norm(want[n] - w0[n]))
+        for n in want
+    )
+    assert err < 1e-5, err
+
+
+@pytest.mark.integration
+def test_flower_app_example_is_exact(tiny_bert_dir, tiny_csv, monkeypatch):
+    """The user's own ClientApp under fedex-lora's strategy, in Flower's simulation."""
+    from flwr.simulation import run_simulation
+
+    app_dir = ROOT / "examples" / "flower_app"
+    monkeypatch.syspath_prepend(str(app_dir))
+    # Ray's ClientApp workers import the app and read its settings from the environment
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(app_dir), os.environ.get("PYTHONPATH", "")])
+    )
+    settings = {"model": tiny_bert_dir, "task": tiny_csv, "num-rounds": 3, "local-steps": 4}
+    monkeypatch.setenv("FLOWER_APP_CONFIG", json.dumps(settings))
+    from fedexlora_flower_app import client_app, server_app, task
+
+    w0 = _weights(task.new_model(task.settings({})))
+    run_simulation(
+        server_app=server_app.app,
+        client_app=client_app.app,
+        num_supernodes=3,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0},
+                        "init_args": {"include_dashboard": False}},
+    )  # fmt: skip
+    run = server_app.LAST_RUN
+    assert [sorted(o.accepted) for o, _ in run["rounds"]] == [[0, 1, 2]] * 3
+    got, want = _weights(run["model"]), hand_ideal(w0, run["rounds"], scale=8 / 4)
+    err = max(
+        float(torch.linalg.norm(got[n] - want[n]) / torch.linalg.norm(want[n] - w0[n]))
+        for n in want
+    )
+    assert err < 1e-5, err
+    # and every client really started from the global model: the same clients, trained
+    # in-process by the API loop on models we hold, give the same global model
+    from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_info, make_upload
+
+    cfg = task.settings({})
+    ref = task.new_model(cfg)
+    server = Server(get_state(ref), layer_info(ref), num_clients=3)
+    clients = [task.new_model(cfg) for _ in range(3)]
+    shards = [task.load_shard(cfg, i, 3) for i in range(3)]
+    for rnd in range(1, 4):
+        uploads = []
+        for i in server.sample(rnd):
+            apply_payload(clients[i], server.payload_for(i))
+            task.train(clients[i], shards[i], 4, float(cfg["lr"]), seed=1000 * rnd + i)
+            uploads.append(make_upload(clients[i], len(shards[i][2]), client_id=i))
+        apply_outcome(ref, server, server.aggregate(uploads), uploads)
+    want = _weights(ref)
     err = max(
         float(torch.linalg.norm(got[n] - want[n]) / torch.linalg.norm(want[n] - w0[n]))
         for n in want

@@ -33,8 +33,7 @@ from .records import from_array_record, resolve_run_config, to_array_record
 __all__ = ["app", "make_client_app"]
 
 _META = "fedexlora.meta"  # ConfigRecord: method, version (of the base held), token
-_BASE = "fedexlora.base"  # ArrayRecord: folded fp32 base weights and side branches
-_ADAPTER = "fedexlora.adapter"  # ArrayRecord: AdapterState.to_flat() after training
+_BASE = "fedexlora.client"  # ArrayRecord: fedexlora.steps.client_state(model)
 
 _DATA: dict[str, tuple] = {}  # config fingerprint -> (task, Prepared), one entry
 _MODELS: OrderedDict[tuple, tuple] = OrderedDict()  # (run, partition) -> (token, model)
@@ -90,11 +89,8 @@ def _held(context: Context, method: str) -> int | None:
 
 def _client_model(cfg, task, method: str, context: Context, pid: int, since: int, spare):
     """The client's model holding base version ``since`` (``-1``: the pretrained W0)."""
-    import torch
-
-    from ..adapters import folded_weights, load_side_state, set_state
     from ..engine import new_model
-    from ..state import AdapterState
+    from ..steps import load_client_state
 
     if since < 0:  # a new (or re-synced) client starts from the pretrained weights
         return spare if spare is not None else new_model(cfg, task, method)[0]
@@ -111,22 +107,15 @@ def _client_model(cfg, task, method: str, context: Context, pid: int, since: int
     if cached is not None and cached[0] == token:
         return cached[1]
     model = spare if spare is not None else new_model(cfg, task, method)[0]
-    base = from_array_record(context.state[_BASE])
-    with torch.no_grad():
-        for name, w in folded_weights(model).items():
-            w.copy_(base[f"weight.{name}"].to(w.dtype))
-    load_side_state(model, {k: v for k, v in base.items() if k.startswith("side.")})
-    set_state(model, AdapterState.from_flat(from_array_record(context.state[_ADAPTER])))
+    load_client_state(model, from_array_record(context.state[_BASE]))
     return model
 
 
 def _remember(context: Context, model, method: str, version: int, pid: int) -> None:
-    from ..adapters import folded_weights, get_state, side_state
+    from ..steps import client_state
 
     token = uuid.uuid4().hex
-    base = {f"weight.{n}": w for n, w in folded_weights(model).items()}
-    context.state[_BASE] = to_array_record({**base, **side_state(model)})
-    context.state[_ADAPTER] = to_array_record(get_state(model).to_flat())
+    context.state[_BASE] = to_array_record(client_state(model))
     context.state[_META] = ConfigRecord({"method": method, "version": version, "token": token})
     key = (context.run_id, pid)
     _MODELS[key] = (token, model)

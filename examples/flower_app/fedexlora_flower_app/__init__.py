@@ -1,0 +1,1 @@
+"""Your own Flower app, federated with FedEx-LoRA (see docs/API.md, 'Flower')."""
