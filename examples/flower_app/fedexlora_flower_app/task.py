@@ -44,7 +44,8 @@ def load_shard(cfg, partition: int, num_partitions: int):
     task = load_task(cfg["task"], seed=0, test_fraction=0.2)
     shard = task.train.shard(num_partitions, partition)
     tok = AutoTokenizer.from_pretrained(model_path(cfg["model"]))
-    enc = tok(list(shard["text"]), truncation=True, max_length=32, padding=True, return_tensors="pt")
+    texts = list(shard["text"])
+    enc = tok(texts, truncation=True, max_length=32, padding=True, return_tensors="pt")
     return enc["input_ids"], enc["attention_mask"], torch.tensor(list(shard["label"]))
 
 
