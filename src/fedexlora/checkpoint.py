@@ -44,6 +44,8 @@ def config_fingerprint(cfg_dict: dict) -> str:
         "save_client_adapters",
     }
     stable = {k: v for k, v in sorted(cfg_dict.items()) if k not in volatile}
+    if stable.get("double_quant") is False:  # added later: runs from before still resume
+        del stable["double_quant"]
     return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -82,7 +82,12 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _quiet_libraries() -> None:
+    import logging
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # bitsandbytes on AVX512-BF16 CPUs looks for an optional inference kernel on the hub
+    # and warns when it is absent; fedex-lora turns that code path off (models.py)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*")
     try:
