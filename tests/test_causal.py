@@ -36,3 +36,31 @@ def test_causal_lm_run_reports_loss_perplexity_exact_match(tiny_llama_dir, tiny_
     names = set(fedex[0]["deviation"]["per_layer"])
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
         assert any(n.endswith(proj) for n in names), proj
+
+
+def test_causal_lm_on_a_4bit_base_is_exact_and_exports_exactly(
+    tiny_llama_dir, tiny_qa_jsonl, tmp_path
+):
+    """The QLoRA setting (a decoder in NF4), as `--model smollm2-135m --quantization nf4`."""
+    import importlib.util
+    from pathlib import Path
+
+    from fedexlora.config import RunConfig
+    from fedexlora.export import export_model
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "verify_export.py"
+    spec = importlib.util.spec_from_file_location("verify_export", script)
+    verify = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(verify)
+    cfg = RunConfig(
+        model=tiny_llama_dir, task=tiny_qa_jsonl, methods=["fedex"], num_clients=2,
+        min_partition_size=4, rounds=2, local_steps=3, batch_size=4, max_length=32,
+        lora_r=2, lora_dropout=0.0, max_new_tokens=2, lr=2e-2, quantization="nf4",
+        save_client_adapters=True,
+    )  # fmt: skip
+    rows = run_experiment(cfg, tmp_path / "run", progress=False)
+    assert all(r["effective_deviation"]["max"] < 1e-5 for r in rows)
+    res = export_model(tmp_path / "run", tmp_path / "export")
+    assert res.format == "adapter"
+    ideal, w0 = verify.ideal_from_client_adapters(tmp_path / "run", cfg)
+    assert verify.rel(verify.exported(res.path, cfg), ideal, w0) <= 1e-5
