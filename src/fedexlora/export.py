@@ -191,11 +191,9 @@ def _write_merged(cfg, task, method, model, dest: Path, dtype: torch.dtype) -> s
         eff = effective_weight(layer).float()
         base = dst_layers[name].get_base_layer()
         base.weight.copy_(eff.T if isinstance(base, Conv1D) else eff)
-    merged = plain.unload()  # adapters dropped, not merged: the weights already hold them
-    for mod in merged.modules():  # side branches of an fp32 base never exist; be sure
-        if hasattr(mod, "fedex_side"):
-            delattr(mod, "fedex_side")
-    merged = merged.to(dtype)
+    # adapters dropped, not merged: the weights already hold them (an fp32 model never
+    # has side branches, so nothing else is left)
+    merged = plain.unload().to(dtype)
     merged.save_pretrained(str(dest))
     what = "dequantized fp32 weights" if quantized else f"{cfg.dtype} base upcast to fp32"
     if cfg.dtype == "fp32" and not quantized:
