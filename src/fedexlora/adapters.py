@@ -27,6 +27,7 @@ __all__ = [
     "base_weight",
     "check_compatible",
     "effective_weight",
+    "fold_layer",
     "fold_residuals",
     "folded_weights",
     "get_state",
@@ -398,26 +399,38 @@ def fold_residuals(
     for name, R in residuals.items():
         if name not in layers:
             raise ValueError(f"residual for unknown module {name!r}")
-        layer = layers[name]
-        d, n = layer.lora_B[adapter].weight.shape[0], layer.lora_A[adapter].weight.shape[1]
-        if tuple(R.shape) != (d, n):
-            raise ValueError(f"module {name!r}: residual is {R.shape}, expected {(d, n)}")
-        if R.is_zero:
-            continue
-        scale = float(layer.scaling[adapter])
-        if not _holds_in_weight(layer):
-            side = _side(layer, create=True)
-            side.max_rank = side_rank
-            side.add(R.scaled(scale))
-            continue
-        target = layer.get_base_layer().weight.data
-        fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))
-        if R.is_factored:
-            U, V = R.U.to(target), R.V.to(target)
-            if fan_in_fan_out:  # weight (n, d): add (U V)^T = V^T U^T
-                target.addmm_(V.T, U.T, alpha=scale)
-            else:  # weight (d, n)
-                target.addmm_(U, V, alpha=scale)
-        else:
-            dense = R.dense.to(target)
-            target.add_(dense.T if fan_in_fan_out else dense, alpha=scale)
+        fold_layer(layers[name], R, adapter, side_rank=side_rank, name=name)
+
+
+@torch.no_grad()
+def fold_layer(
+    layer: LoraLayer,
+    R: Residual,
+    adapter: str = "default",
+    *,
+    side_rank: int | None = None,
+    name: str = "",
+) -> None:
+    """:func:`fold_residuals` for one LoRA layer (``name`` only for error messages)."""
+    d, n = layer.lora_B[adapter].weight.shape[0], layer.lora_A[adapter].weight.shape[1]
+    if tuple(R.shape) != (d, n):
+        raise ValueError(f"module {name!r}: residual is {R.shape}, expected {(d, n)}")
+    if R.is_zero:
+        return
+    scale = float(layer.scaling[adapter])
+    if not _holds_in_weight(layer):
+        side = _side(layer, create=True)
+        side.max_rank = side_rank
+        side.add(R.scaled(scale))
+        return
+    target = layer.get_base_layer().weight.data
+    fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))
+    if R.is_factored:
+        U, V = R.U.to(target), R.V.to(target)
+        if fan_in_fan_out:  # weight (n, d): add (U V)^T = V^T U^T
+            target.addmm_(V.T, U.T, alpha=scale)
+        else:  # weight (d, n)
+            target.addmm_(U, V, alpha=scale)
+    else:
+        dense = R.dense.to(target)
+        target.add_(dense.T if fan_in_fan_out else dense, alpha=scale)

@@ -24,7 +24,6 @@ from .simulation import run_method
 
 __all__ = [
     "RunError",
-    "adapted_weights",
     "append_row",
     "apply_base_deltas",
     "base_deltas",
@@ -38,22 +37,13 @@ class RunError(ValueError):
     """A run that cannot start or continue, for a reason the user can fix."""
 
 
-def adapted_weights(model) -> dict[str, torch.Tensor]:
-    """The base weights residuals are folded into (fp32 layers), by module name.
-
-    Half-precision and quantized layers are left out: their residuals live in side
-    branches (:func:`fedexlora.adapters.side_state`).
-    """
-    return folded_weights(model)
-
-
 def base_deltas(model, w0: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What folding changed: ``W - W0`` of each fp32 layer in fp64, plus the side branches.
 
     ``W0 + delta`` restores W exactly; side branches are stored as they are
     (``side.<module>.U|V|dense``).
     """
-    deltas = {n: (w.detach().double() - w0[n].double()) for n, w in adapted_weights(model).items()}
+    deltas = {n: (w.detach().double() - w0[n].double()) for n, w in folded_weights(model).items()}
     deltas.update(side_state(model))
     return deltas
 
@@ -61,7 +51,7 @@ def base_deltas(model, w0: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def apply_base_deltas(model, deltas: dict[str, torch.Tensor]) -> None:
     """Restores :func:`base_deltas` onto a fresh model (``W0 + delta -> W``, side branches)."""
-    weights = adapted_weights(model)
+    weights = folded_weights(model)
     side = {k: v for k, v in deltas.items() if k.startswith("side.")}
     plain = {k: v for k, v in deltas.items() if not k.startswith("side.")}
     if set(plain) != set(weights):
@@ -96,7 +86,7 @@ def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: st
         deltas = load_file(str(ckpt / "base_deltas.safetensors"))
     except (OSError, SafetensorError) as exc:
         raise CheckpointError(f"checkpoint {str(ckpt)!r}: base deltas unreadable: {exc}") from None
-    w0 = {n: w.detach().clone() for n, w in adapted_weights(model).items()}
+    w0 = {n: w.detach().clone() for n, w in folded_weights(model).items()}
     apply_base_deltas(model, deltas)
     set_state(model, server.state)
     return model, tokenizer, server, info, w0
@@ -189,7 +179,7 @@ def run_experiment(
                 else new_model(cfg, task, method)[0]
             )
             server = new_server(cfg, method, model)
-            w0 = {n: w.detach().clone() for n, w in adapted_weights(model).items()}
+            w0 = {n: w.detach().clone() for n, w in folded_weights(model).items()}
         first_model = None
 
         def after_round(row, srv, mdl, _rows=rows, _method=method, _w0=w0):

@@ -488,17 +488,20 @@ class Server:
         :meth:`aggregate` and before the next :meth:`payload_for`.
         """
         by_id = {u.client_id: u for u in uploads}
-        d, n = self.layers[name].shape
-        total = torch.zeros(d, n, dtype=torch.float64)
+        Us, Vs, remainders = [], [], []
         for cid, p in outcome.weights.items():
             A, B = by_id[cid].state.factors[name]
             if A is None:
                 A = self.state.factors[name][0]
             scale = self.client_layers.get(cid, self.layers)[name].scale  # the client's own
-            total += (p * scale) * (B.double() @ A.double())
+            Us.append(B.double() * (p * scale))  # (d, r_i)
+            Vs.append(A.double())  # (r_i, n)
             T = self.remainder.get(cid, {}).get(name)
             if T is not None:
-                total += p * T.to_dense().double()
+                remainders.append(T.scaled(p))
+        total = torch.cat(Us, 1) @ torch.cat(Vs, 0)  # one matmul: (d, sum r_i) @ (sum r_i, n)
+        for T in remainders:
+            total += T.to_dense().double()
         return total
 
     def _to_global(self, up: ClientUpload) -> AdapterState:

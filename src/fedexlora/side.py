@@ -31,8 +31,9 @@ class SideBranch(torch.nn.Module):
     Args:
         d: Output features.
         n: Input features.
-        max_rank: Keep at most this rank (the best rank-``max_rank`` part, by SVD); the
-            caller keeps what is cut off (see :meth:`add`). ``None`` keeps everything.
+        max_rank: Keep at most this rank (the best rank-``max_rank`` part, by SVD). The
+            server's ``side_rank`` mode keeps the error feedback; here the cap only drops
+            the float noise of cancelling updates. ``None`` keeps everything.
     """
 
     def __init__(self, d: int, n: int, *, max_rank: int | None = None, device=None):
@@ -76,18 +77,15 @@ class SideBranch(torch.nn.Module):
             self.V = residual.V.to(dev, torch.float32).contiguous()
 
     @torch.no_grad()
-    def add(self, residual: Residual) -> Residual | None:
+    def add(self, residual: Residual) -> None:
         """Adds ``residual`` (already scaled) and re-factors the sum to numerical rank.
 
         The sum is formed and reduced in fp64 (QR and a small SVD, never the ``(d, n)``
         product while factors are smaller), then stored in fp32, dense only where that
-        is smaller.
-
-        Returns:
-            With ``max_rank``: what was cut off beyond it (``None`` if nothing was).
+        is smaller, and cut to ``max_rank`` when set.
         """
         if residual.is_zero:
-            return None
+            return
         cur = self.residual
         dev = self.U.device
         if residual.dense is not None or cur.dense is not None:
@@ -100,11 +98,9 @@ class SideBranch(torch.nn.Module):
             U = torch.cat([cur.U.to(dev, torch.float64), residual.U.to(dev, torch.float64)], 1)
             V = torch.cat([cur.V.to(dev, torch.float64), residual.V.to(dev, torch.float64)], 0)
             total = Residual.from_factors(U, V)
-        rest = None
         if self.max_rank is not None and total.rank > self.max_rank:
-            total, rest = total.truncate(self.max_rank)
+            total, _ = total.truncate(self.max_rank)
         self.set(total)
-        return rest
 
     def to_dense(self) -> torch.Tensor:
         """The ``(d, n)`` correction in fp64."""

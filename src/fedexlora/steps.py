@@ -27,6 +27,7 @@ import torch
 
 from .adapters import (
     effective_weight,
+    fold_layer,
     fold_residuals,
     folded_weights,
     get_state,
@@ -151,8 +152,8 @@ def apply_outcome(
     out = {}
     for name, layer in lora_layers(model).items():
         before = effective_weight(layer, lora=False) if measure else None
-        if name in outcome.residuals:
-            fold_residuals(model, {name: outcome.residuals[name]}, side_rank=server.side_rank)
+        if name in outcome.residuals:  # one layer at a time: no rescan of the model
+            fold_layer(layer, outcome.residuals[name], side_rank=server.side_rank, name=name)
         if before is None:
             continue
         after = effective_weight(layer)

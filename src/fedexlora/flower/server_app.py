@@ -57,11 +57,11 @@ def run_server(
         ValueError: If the configuration asks for something the Flower engine cannot do,
             or the run directory already holds a run.
     """
+    from ..adapters import folded_weights
     from ..checkpoint import config_fingerprint, save_checkpoint
     from ..engine import apply_round, new_model, new_server, prepare, round_row
     from ..pipeline import (
         RunError,
-        adapted_weights,
         append_row,
         base_deltas,
         load_task_for,
@@ -94,7 +94,7 @@ def run_server(
         model = first_model if i == 0 else new_model(cfg, task, method)[0]
         first_model = None
         server = new_server(cfg, method, model)
-        w0 = {n: w.detach().clone() for n, w in adapted_weights(model).items()}
+        w0 = {n: w.detach().clone() for n, w in folded_weights(model).items()}
         strategy = FedExLoRA(
             server,
             nodes,
