@@ -58,7 +58,7 @@ def test_hf_trainer_example_is_exact(tiny_bert_dir, tiny_csv, tmp_path):
     full = Dataset.from_pandas(df)
     shards = [full.shard(3, i) for i in range(3)]
     w0 = _weights(ex.lora_model(tiny_bert_dir, 3))
-    glob, history = ex.federate(
+    glob, server, clients, history = ex.federate(
         tiny_bert_dir, shards, 3, rounds=3, steps=4, out=str(tmp_path / "out")
     )
     assert [len(h[1]) for h in history] == [3, 3, 3]
@@ -69,6 +69,16 @@ def test_hf_trainer_example_is_exact(tiny_bert_dir, tiny_csv, tmp_path):
     )
     print(f"max relative error {err:.2e} of the total update")
     assert err < 1e-5, err
+    # and each party's own model, given its next payload, is that same global model
+    from fedexlora import apply_payload
+
+    for c, model in enumerate(clients):
+        apply_payload(model, server.payload_for(c))
+        mine = _weights(model)
+        gap = max(
+            float(torch.linalg.norm(mine[n] - want[n]) / torch.linalg.norm(want[n])) for n in want
+        )
+        assert gap < 1e-6, (c, gap)
 
 
 @pytest.mark.integration

@@ -56,7 +56,7 @@ def federate(path, shards, num_labels, rounds=2, steps=10, out="runs/hf_trainer"
         deviation = apply_outcome(glob, server, outcome, uploads)
         history.append((outcome, uploads))
         print(f"round {rnd}: model vs ideal, max deviation {max(deviation.values()):.1e}")
-    return glob, history
+    return glob, server, clients, history
 
 
 def main():
