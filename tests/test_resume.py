@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from fedexlora.checkpoint import CheckpointError, latest_checkpoint
@@ -145,3 +146,104 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tiny_cfg, tmp_p
     assert server.round == 1
     rows = run_experiment(cfg.replace(rounds=2), tmp_path, resume=True, progress=False)
     assert [r["round"] for r in rows] == [1, 2]
+
+
+class _Crash(BaseException):
+    """Stands for a SIGKILL: nothing after it runs, no ``except Exception`` catches it."""
+
+
+SAVE_STEPS = ["tensors", "base", "meta", "fsync", "rename", "prune"]
+
+
+def _tensors_of(ckpt):
+    out = load_file(str(ckpt / "tensors.safetensors"))
+    out.update(
+        {f"delta.{k}": v for k, v in load_file(str(ckpt / "base_deltas.safetensors")).items()}
+    )
+    return out
+
+
+@pytest.fixture()
+def clean_run(tiny_cfg, tmp_path_factory):
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=3, keep_checkpoints=1)
+    out = tmp_path_factory.mktemp("clean")
+    run_experiment(cfg, out, progress=False)
+    return cfg, out
+
+
+@pytest.mark.parametrize("step", SAVE_STEPS)
+def test_crash_at_each_step_of_a_save_resumes_identically(clean_run, tmp_path, monkeypatch, step):
+    """keep_checkpoints=1: a crash anywhere in round 2's save loses nothing."""
+    import fedexlora.checkpoint as checkpoint
+
+    cfg, clean = clean_run
+    seen = []
+
+    def crash(name):
+        seen.append(name)
+        if name == step and seen.count("tensors") == 2:  # in round 2's save
+            raise _Crash(step)
+
+    monkeypatch.setattr(checkpoint, "_crash_point", crash)
+    with pytest.raises(_Crash):
+        run_experiment(cfg, tmp_path, progress=False)
+    assert step in seen
+    monkeypatch.setattr(checkpoint, "_crash_point", lambda name: None)
+    left = checkpoint.latest_checkpoint(tmp_path / "checkpoints" / "fedex")
+    # before the rename the round-1 checkpoint is the newest complete one; after, round 2's
+    assert left.name == ("round-0002" if step in ("rename", "prune") else "round-0001")
+    rows = run_experiment(cfg, tmp_path, resume=True, progress=False)
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert _rows_without_timing(tmp_path / "metrics.jsonl") == _rows_without_timing(
+        clean / "metrics.jsonl"
+    )
+    ours = checkpoint.checkpoints(tmp_path / "checkpoints" / "fedex")
+    assert [p.name for p in ours] == ["round-0003"]  # keep_checkpoints=1, strays pruned
+    a, b = _tensors_of(ours[0]), _tensors_of(clean / "checkpoints" / "fedex" / "round-0003")
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tiny_cfg, tmp_path):
+    """A truncated file in the newest checkpoint: resume warns, uses the previous one."""
+    from fedexlora.checkpoint import checkpoints
+
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=2, keep_checkpoints=2)
+    run_experiment(cfg, tmp_path, progress=False)
+    ck = tmp_path / "checkpoints" / "fedex"
+    newest = ck / "round-0002" / "base_deltas.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])  # a disk error, a half-copied backup
+    assert [p.name for p in checkpoints(ck)] == ["round-0001"]
+    with pytest.warns(UserWarning, match="skipping incomplete checkpoint"):
+        rows = run_experiment(cfg.replace(rounds=3), tmp_path, resume=True, progress=False)
+    assert [r["round"] for r in rows] == [1, 2, 3]
+
+    # the same damage that keeps the sizes (bit rot): found when loading, then the fallback
+    bad = ck / "round-0003" / "tensors.safetensors"
+    bad.write_bytes(b"\0" * bad.stat().st_size)
+    with pytest.warns(UserWarning, match="falling back"):
+        rows = run_experiment(cfg.replace(rounds=4), tmp_path, resume=True, progress=False)
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+
+
+def test_load_checkpoint_restores_all_or_nothing(tiny_cfg, tmp_path):
+    """A checkpoint missing one of its parts raises CheckpointError; the server is untouched."""
+    from fedexlora.checkpoint import load_checkpoint
+    from fedexlora.engine import new_model, new_server
+    from fedexlora.pipeline import load_task_for
+
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=1)
+    run_experiment(cfg, tmp_path, progress=False)
+    ckpt = latest_checkpoint(tmp_path / "checkpoints" / "fedex")
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["client_version"]
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    task = load_task_for(cfg)
+    server = new_server(cfg, "fedex", new_model(cfg, task, "fedex")[0])
+    before = {k: v.clone() for k, v in server.state.to_flat().items()}
+    with pytest.raises(CheckpointError, match="KeyError") as err:
+        load_checkpoint(ckpt, server)
+    assert err.value.corrupt
+    assert server.round == 0 and server.version == 0 and not server.base_delta
+    assert all(torch.equal(before[k], v) for k, v in server.state.to_flat().items())

@@ -19,6 +19,7 @@ from .state import AdapterState
 __all__ = [
     "CheckpointError",
     "config_fingerprint",
+    "checkpoints",
     "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
@@ -26,10 +27,24 @@ __all__ = [
 
 _FORMAT = 1
 _BASE = "base_deltas.safetensors"
+_TENSORS = "tensors.safetensors"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that is missing, corrupt, or does not match the run."""
+    """A checkpoint that is missing, corrupt, or does not match the run.
+
+    ``corrupt`` is true when the checkpoint itself is damaged (unreadable, incomplete),
+    as opposed to intact but from another configuration: only then may a resume fall
+    back to an older checkpoint.
+    """
+
+    def __init__(self, message: str, *, corrupt: bool = False):
+        super().__init__(message)
+        self.corrupt = corrupt
+
+
+def _crash_point(step: str) -> None:
+    """Called between the steps of :func:`save_checkpoint`; tests inject failures here."""
 
 
 def config_fingerprint(cfg_dict: dict) -> str:
@@ -92,9 +107,11 @@ def save_checkpoint(
     for c, res in server.remainder.items():  # heterogeneous ranks: T_c each client holds
         flat.update(residuals_to_flat(f"remainder{c}", res))
     flat = {k: t.detach().contiguous().clone() for k, t in flat.items()}
-    save_file(flat, str(tmp / "tensors.safetensors"))
+    save_file(flat, str(tmp / _TENSORS))
+    _crash_point("tensors")
     if base is not None:
         save_file({k: v.detach().contiguous() for k, v in base.items()}, str(tmp / _BASE))
+        _crash_point("base")
     info = {
         "format": _FORMAT,
         "round": server.round,
@@ -103,44 +120,87 @@ def save_checkpoint(
         "client_version": {str(k): v for k, v in server.client_version.items()},
         "history_versions": sorted(server.history),
         "remainder_clients": sorted(server.remainder),
+        # what a complete checkpoint holds: checked by latest_checkpoint and the loader
+        "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())},
         **meta,
     }
     (tmp / "meta.json").write_text(json.dumps(info, indent=1))
+    _crash_point("meta")
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-    if final.exists():
+    _fsync_dir(tmp)
+    _crash_point("fsync")
+    if final.exists():  # only an incomplete one: resume always continues the newest
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
-    done = sorted(p for p in root.glob("round-*") if p.is_dir())
-    for old in done[:-keep]:
+    _crash_point("rename")
+    done = [p for p in checkpoints(root) if p != final]
+    for old in done[: max(len(done) - (keep - 1), 0)]:
         shutil.rmtree(old)
+        _crash_point("prune")
     return final
+
+
+def checkpoints(directory: str | Path) -> list[Path]:
+    """The complete ``round-XXXX`` checkpoints in ``directory``, oldest first.
+
+    Complete means that ``meta.json`` parses and every file it lists is there with its
+    size; a directory a crash or a disk error left half-written is skipped.
+    """
+    root = Path(directory)
+    return sorted(p for p in root.glob("round-*") if p.is_dir() and _complete(p))
+
+
+def _complete(path: Path) -> bool:
+    try:
+        info = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    files = info.get("files") if isinstance(info, dict) else None
+    if not isinstance(files, dict):  # written before manifests: needs its tensors at least
+        return (path / _TENSORS).is_file()
+    try:
+        return all((path / n).stat().st_size == size for n, size in files.items())
+    except OSError:
+        return False
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
     """The newest complete ``round-XXXX`` checkpoint in ``directory``, or ``None``."""
-    root = Path(directory)
-    done = sorted(p for p in root.glob("round-*") if (p / "meta.json").is_file())
+    done = checkpoints(directory)
     return done[-1] if done else None
 
 
 def load_checkpoint(path: str | Path, server: Server, *, fingerprint: str | None = None) -> dict:
     """Restores ``server`` from a checkpoint directory and returns its ``meta``.
 
+    Everything is read and checked before the server is touched: it is restored
+    completely or not at all.
+
     Raises:
-        CheckpointError: If the checkpoint is unreadable, from another configuration, or
-            does not match the server's modules and shapes. ``server`` is then untouched.
+        CheckpointError: If the checkpoint is unreadable or incomplete (``corrupt``), from
+            another configuration, or does not match the server's modules and shapes.
+            ``server`` is then untouched.
     """
     p = Path(path)
+
+    def corrupt(why) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint {str(p)!r} is unreadable or corrupt: {why}", corrupt=True
+        )
+
     try:
         info = json.loads((p / "meta.json").read_text())
-        flat = load_file(str(p / "tensors.safetensors"))
+        flat = load_file(str(p / _TENSORS))
     except (OSError, json.JSONDecodeError, SafetensorError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {str(p)!r} is unreadable or corrupt: {exc}") from None
-    if info.get("format") != _FORMAT:
-        raise CheckpointError(f"checkpoint {str(p)!r} has unknown format {info.get('format')!r}")
+        raise corrupt(exc) from None
+    if not isinstance(info, dict) or info.get("format") != _FORMAT:
+        got = info.get("format") if isinstance(info, dict) else info
+        raise CheckpointError(f"checkpoint {str(p)!r} has unknown format {got!r}", corrupt=True)
+    if not _complete(p):
+        raise corrupt("a file it lists is missing or has the wrong size")
     if fingerprint is not None and info.get("fingerprint") != fingerprint:
         raise CheckpointError(
             f"checkpoint {str(p)!r} was written with another configuration or model "
@@ -154,28 +214,31 @@ def load_checkpoint(path: str | Path, server: Server, *, fingerprint: str | None
         state = AdapterState.from_flat(
             {k[6:]: v for k, v in flat.items() if k.startswith("state.")}
         )
-    except ValueError as exc:
-        raise CheckpointError(f"checkpoint {str(p)!r}: {exc}") from None
+        restored = {
+            "base_delta": residuals_from_flat("base_delta", flat),
+            "feedback": residuals_from_flat("feedback", flat),
+            "history": {
+                int(v): residuals_from_flat(f"history{v}", flat) for v in info["history_versions"]
+            },
+            "remainder": {
+                int(c): residuals_from_flat(f"remainder{c}", flat)
+                for c in info.get("remainder_clients", [])
+            },
+            "round": int(info["round"]),
+            "version": int(info["version"]),
+            "client_version": {int(k): int(v) for k, v in info["client_version"].items()},
+        }
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise corrupt(f"{type(exc).__name__}: {exc}") from None
     want = server.state.to_flat()
     got = state.to_flat()
     if set(want) != set(got) or any(tuple(want[k].shape) != tuple(got[k].shape) for k in want):
         raise CheckpointError(
             f"checkpoint {str(p)!r} does not match the model: its modules or shapes differ"
         )
-    base_delta = residuals_from_flat("base_delta", flat)
-    if set(base_delta) - set(server.layers):
+    if set(restored["base_delta"]) - set(server.layers):
         raise CheckpointError(f"checkpoint {str(p)!r} has base deltas for unknown modules")
     server.state = state
-    server.base_delta = base_delta
-    server.feedback = residuals_from_flat("feedback", flat)
-    server.history = {
-        int(v): residuals_from_flat(f"history{v}", flat) for v in info["history_versions"]
-    }
-    server.remainder = {
-        int(c): residuals_from_flat(f"remainder{c}", flat)
-        for c in info.get("remainder_clients", [])
-    }
-    server.round = int(info["round"])
-    server.version = int(info["version"])
-    server.client_version = {int(k): int(v) for k, v in info["client_version"].items()}
+    for key, value in restored.items():
+        setattr(server, key, value)
     return info

@@ -13,7 +13,6 @@ from .adapters import folded_weights, load_side_state, set_state, side_state
 from .checkpoint import (
     CheckpointError,
     config_fingerprint,
-    latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
@@ -28,6 +27,7 @@ __all__ = [
     "apply_base_deltas",
     "base_deltas",
     "load_task_for",
+    "restore_latest",
     "restore_model",
     "run_experiment",
 ]
@@ -85,11 +85,54 @@ def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: st
     try:
         deltas = load_file(str(ckpt / "base_deltas.safetensors"))
     except (OSError, SafetensorError) as exc:
-        raise CheckpointError(f"checkpoint {str(ckpt)!r}: base deltas unreadable: {exc}") from None
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r}: base deltas unreadable: {exc}", corrupt=True
+        ) from None
     w0 = {n: w.detach().clone() for n, w in folded_weights(model).items()}
     apply_base_deltas(model, deltas)
     set_state(model, server.state)
     return model, tokenizer, server, info, w0
+
+
+def restore_latest(cfg: RunConfig, task, method: str, directory: Path, fingerprint, say=print):
+    """:func:`restore_model` from the newest checkpoint in ``directory`` that is intact.
+
+    A damaged newest checkpoint (unreadable, or left incomplete by a crash) is skipped with
+    a warning and the one before it is used; one from another configuration is an error.
+    Returns ``None`` when there is no checkpoint at all.
+
+    Raises:
+        CheckpointError: If no checkpoint is intact, or the newest intact one does not
+            match the configuration.
+    """
+    import warnings
+
+    from .checkpoint import checkpoints
+
+    complete = checkpoints(directory)
+    broken = [
+        p for p in sorted(Path(directory).glob("round-*")) if p.is_dir() and p not in complete
+    ]
+    for p in broken:
+        warnings.warn(f"skipping incomplete checkpoint {str(p)!r}", stacklevel=2)
+    first_error = None
+    if broken and not complete:
+        raise CheckpointError(
+            f"checkpoint {str(broken[-1])!r} is unreadable or corrupt: a file it lists is "
+            "missing or has the wrong size, and no older checkpoint is intact",
+            corrupt=True,
+        )
+    for ckpt in reversed(complete):
+        try:
+            return restore_model(cfg, task, method, ckpt, fingerprint)
+        except CheckpointError as exc:
+            if not exc.corrupt:
+                raise
+            first_error = first_error or exc
+            warnings.warn(f"{exc}; falling back to the checkpoint before it", stacklevel=2)
+    if first_error is not None:
+        raise first_error
+    return None
 
 
 def run_experiment(
@@ -153,10 +196,10 @@ def run_experiment(
     restored: dict[str, tuple] = {}
     if resume:
         for method in cfg.methods:
-            ckpt = latest_checkpoint(out / "checkpoints" / method)
-            if ckpt is None:
+            found = restore_latest(cfg, task, method, out / "checkpoints" / method, fingerprint)
+            if found is None:
                 continue
-            model, _, server, info, w0 = restore_model(cfg, task, method, ckpt, fingerprint)
+            model, _, server, info, w0 = found
             done_rows[method] = info["rows"]
             restored[method] = (model, server, w0)
             say(f"resuming {method} after round {server.round}")
