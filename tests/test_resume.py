@@ -247,3 +247,57 @@ def test_load_checkpoint_restores_all_or_nothing(tiny_cfg, tmp_path):
     assert err.value.corrupt
     assert server.round == 0 and server.version == 0 and not server.base_delta
     assert all(torch.equal(before[k], v) for k, v in server.state.to_flat().items())
+
+
+@pytest.mark.integration
+def test_random_sigkills_then_resume_each_time_is_identical(tmp_path, tiny_bert_dir, tiny_csv):
+    """SIGKILL a run at random moments (seeded) many times, resume each time: same result."""
+    import random
+
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(
+        f'model = "{tiny_bert_dir}"\ntask = "{tiny_csv}"\nmethods = ["fedex"]\nrounds = 8\n'
+        "local_steps = 6\nbatch_size = 8\nnum_clients = 3\nmin_partition_size = 5\n"
+        'max_length = 16\nlora_r = 4\ntarget_modules = ["query", "value"]\n'
+        "keep_checkpoints = 1\n"
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    clean = tmp_path / "clean"
+    t0 = time.monotonic()
+    res = subprocess.run(
+        _cmd("--config", str(cfg), "--out", str(clean)), env=env, capture_output=True
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    whole = time.monotonic() - t0  # how long one run takes here: kills land anywhere in it
+
+    rng = random.Random(1234)
+    run = tmp_path / "killed"
+    kills, finished, progress = 0, False, []
+    for _ in range(40):
+        started = (run / "config.toml").is_file()
+        args = ("--resume", str(run)) if started else ("--config", str(cfg), "--out", str(run))
+        proc = subprocess.Popen(
+            _cmd(*args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        try:
+            _, err = proc.communicate(timeout=rng.uniform(0.1, 0.8) * whole if kills < 8 else None)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            kills += 1
+            done = latest_checkpoint(run / "checkpoints" / "fedex")
+            progress.append(done.name if done else None)
+            continue
+        assert proc.returncode == 0, err.decode()[-2000:]
+        finished = True
+        break
+    assert finished and kills == 8, (kills, progress)
+    assert len({p for p in progress if p}) >= 3, f"kills landed in too few rounds: {progress}"
+    assert _rows_without_timing(run / "metrics.jsonl") == _rows_without_timing(
+        clean / "metrics.jsonl"
+    )
+    a, b = _final_tensors(run), _final_tensors(clean)
+    assert a[0].name == b[0].name == "round-0008"
+    assert set(a[1]) == set(b[1])
+    for k in a[1]:
+        assert torch.equal(a[1][k], b[1][k]), k

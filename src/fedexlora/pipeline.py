@@ -26,6 +26,7 @@ __all__ = [
     "append_row",
     "apply_base_deltas",
     "base_deltas",
+    "write_atomic",
     "load_task_for",
     "restore_latest",
     "restore_model",
@@ -64,6 +65,16 @@ def apply_base_deltas(model, deltas: dict[str, torch.Tensor]) -> None:
         load_side_state(model, side)
     except ValueError as exc:
         raise CheckpointError(f"checkpoint side branches do not match the model: {exc}") from None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file and a rename: whole or not at all."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def append_row(path: Path, row: dict) -> None:
@@ -179,7 +190,7 @@ def run_experiment(
         )
     out.mkdir(parents=True, exist_ok=True)
     if not resume:
-        (out / "config.toml").write_text(cfg.to_toml())
+        write_atomic(out / "config.toml", cfg.to_toml())
 
     task = load_task_for(cfg)
     first_model, tokenizer = new_model(cfg, task, cfg.methods[0])
