@@ -216,3 +216,39 @@ def test_model_bitsandbytes_cannot_quantize_is_one_clear_error(
     assert "--quantization int8: bitsandbytes cannot quantize model" in res.output
     assert "run it without --quantization" in res.output
     assert "Traceback" not in res.output
+
+
+def test_resume_refuses_result_changing_flags_and_applies_safe_ones(
+    tiny_bert_dir, tiny_csv, tmp_path
+):
+    """No flag is ignored on --resume: a result-changing one is refused, naming it."""
+    from fedexlora.report import read_metrics
+
+    base = ("--max-length", "16", "--rank", "2", "--local-steps", "2", "--batch-size", "8")
+    res = _run_tiny(tiny_bert_dir, tiny_csv, tmp_path, "--rounds", "1", *base)
+    assert res.exit_code == 0, res.output
+    run_dir = str(tmp_path / "o")
+    for args, flag in [
+        (["--lr", "0.5"], "--lr 0.5"),
+        (["--method", "fedit"], "--method ['fedit']"),
+        (["--rank", "4"], "--rank 4"),
+        (["--seed", "3"], "--seed 3"),
+        (["--engine", "flower"], "--engine 'flower'"),
+    ]:
+        res = _run("run", "--resume", run_dir, "--no-progress", *args)
+        assert res.exit_code == 2, (args, res.output)
+        assert f"{flag} would change the results" in res.output
+        assert "Traceback" not in res.output
+    res = _run("run", "--resume", run_dir, "--config", "x.toml")
+    assert res.exit_code == 2 and "--config cannot be combined with --resume" in res.output
+    # a flag equal to the stored value changes nothing and is accepted; safe ones apply
+    res = _run(
+        "run", "--resume", run_dir, "--no-progress", "--rank", "2", "--rounds", "2",
+        "--device", "cpu", "--keep-checkpoints", "1", "--export", str(tmp_path / "exp"),
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert [r["round"] for r in read_metrics(tmp_path / "o" / "metrics.jsonl")] == [1, 2]
+    assert (tmp_path / "exp" / "fedexlora_export.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "o" / "checkpoints" / "fedex").iterdir()) == [
+        "round-0002"
+    ]

@@ -223,12 +223,7 @@ def run(
         overrides[key] = value
     try:
         if resume is not None:
-            if not (resume / "config.toml").is_file():
-                _fail(f"--resume {str(resume)!r}: no run there (no config.toml)")
-            cfg = load_config(
-                resume / "config.toml",
-                {k: v for k, v in overrides.items() if k in ("rounds", "export")},
-            )
+            cfg = _resumed_config(resume, overrides, config, out)
             out = resume
         elif config is not None:
             cfg = load_config(config, overrides)
@@ -244,6 +239,55 @@ def run(
 
         out = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     _execute(cfg, out, resume=resume is not None, progress=not no_progress)
+
+
+# What a resumed run may change: how far it goes and what it writes, never its results.
+RESUME_SAFE = (
+    "rounds",
+    "export",
+    "export_format",
+    "export_dtype",
+    "allow_inexact",
+    "device",
+    "keep_checkpoints",
+    "save_client_adapters",
+)
+
+
+def _resumed_config(resume: Path, overrides: dict, config: Path | None, out: Path | None):
+    """The stored config of the run in ``resume`` with the safe flags applied.
+
+    A flag that would change the run's results is refused, naming it; none is ignored.
+    """
+    from .config import load_config
+
+    if not (resume / "config.toml").is_file():
+        _fail(f"--resume {str(resume)!r}: no run there (no config.toml)")
+    if config is not None:
+        _fail("--config cannot be combined with --resume: the run's own config.toml is used")
+    if out is not None and Path(out).resolve() != Path(resume).resolve():
+        _fail(f"--out {str(out)!r} differs from --resume {str(resume)!r}: a run resumes in place")
+    stored = load_config(resume / "config.toml")
+    flag_of = {key: flag for flag, key in _RUN_FLAGS.items()}
+    for key, value in overrides.items():
+        if key in RESUME_SAFE:
+            continue
+        before = getattr(stored, key)
+        try:
+            same = stored.replace(**{key: value}).to_dict()[key] == stored.to_dict()[key]
+        except (TypeError, ValueError):
+            same = False
+        if not same:
+            flag = "--" + flag_of.get(key, key).replace("_", "-")
+            safe = ", ".join("--" + k.replace("_", "-") for k in RESUME_SAFE)
+            _fail(
+                f"{flag} {value!r} would change the results of the run being resumed "
+                f"(it was started with {before!r}); start a new run with --out instead. "
+                f"A resume may change only {safe} and --no-progress"
+            )
+    return load_config(
+        resume / "config.toml", {k: v for k, v in overrides.items() if k in RESUME_SAFE}
+    )
 
 
 def _execute(cfg, out: Path, *, resume: bool, progress: bool) -> None:
