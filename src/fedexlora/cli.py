@@ -300,7 +300,9 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool) -> None:
         if cfg.engine == "flower":
             from .flower.simulation import run_flower_experiment
 
-            rows = run_flower_experiment(cfg, out, progress=progress, console=console)
+            rows = run_flower_experiment(
+                cfg, out, progress=progress, console=console, resume=resume
+            )
         else:
             rows = run_experiment(cfg, out, resume=resume, progress=progress, console=console)
         _print_final_table(rows)

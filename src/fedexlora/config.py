@@ -248,7 +248,11 @@ class RunConfig:
                 f"`client_ranks` works with fedex and flora (exact); it cannot be "
                 f"combined with methods {other}",
             )
-            need(self.engine == "local", "`client_ranks` needs `engine` 'local'")
+        need(
+            not (self.engine == "flower" and "centralized" in self.methods),
+            "method 'centralized' has no clients to federate and runs in-process only; "
+            "use --engine local for it (or drop it from the methods of a Flower run)",
+        )
         need(
             self.residual_rank is None or self.side_rank is None,
             "`residual_rank` and `side_rank` are two lossy modes; choose one",

@@ -44,7 +44,11 @@ __all__ = ["apply_outcome", "apply_payload", "client_state", "load_client_state"
 
 @torch.no_grad()
 def apply_payload(
-    model: torch.nn.Module, payload: Payload, *, side_rank: int | None = None
+    model: torch.nn.Module,
+    payload: Payload,
+    *,
+    side_rank: int | None = None,
+    adapter: str | None = None,
 ) -> None:
     """Brings a client's model to the global model the payload describes.
 
@@ -59,12 +63,14 @@ def apply_payload(
         payload: From :meth:`~fedexlora.server.Server.payload_for` (or
             :meth:`~fedexlora.server.Payload.from_bytes` on the client's side).
         side_rank: The run's ``side_rank`` cap, if any.
+        adapter: The peft adapter the client trains (heterogeneous ranks: the payload is
+            in that adapter's rank and scale); default: the active one.
 
     Raises:
         ValueError: If the payload's modules or shapes do not match the model.
     """
-    fold_residuals(model, payload.residuals, side_rank=side_rank)
-    set_state(model, payload.state)
+    fold_residuals(model, payload.residuals, adapter, side_rank=side_rank)
+    set_state(model, payload.state, adapter=adapter)
 
 
 def client_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

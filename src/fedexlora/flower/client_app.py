@@ -13,16 +13,26 @@ deployment each message runs in a fresh ClientApp process, and in a simulation a
 may land on another Ray actor. A small per-process cache skips rebuilding the model when
 the same process serves the same partition again.
 
+A ``Context`` dies with its run. So that a resumed run (a new Flower run) finds its
+clients where they were, a client also writes its state to disk when it has a state
+directory: the node config's ``state-dir`` (a deployment's SuperNode) or the run config's
+``client-state-dir`` (``fedexlora run --engine flower`` sets it inside the run
+directory). It keeps the last two base versions, under the run's token, and tells the
+server which it holds when asked; the server re-syncs from W0 a client that holds none
+of what it expects.
+
 Configuration comes from the run config (``context.run_config``); the partition comes
 from the node config (``partition-id``, ``num-partitions``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -40,13 +50,64 @@ _MODELS: OrderedDict[tuple, tuple] = OrderedDict()  # (run, partition) -> (token
 # Models kept per process (FEDEXLORA_CLIENT_MODEL_CACHE; 0 rebuilds every round from the
 # Context, as a deployment's fresh ClientApp process does).
 _MAX_MODELS = int(os.environ.get("FEDEXLORA_CLIENT_MODEL_CACHE", "4"))
+_KEEP_ON_DISK = 2  # base versions a client keeps on disk: a crash loses at most one round
 
 
 def _resolve(defaults: Mapping[str, Any], context: Context):
     from ..checkpoint import config_fingerprint
 
-    cfg, _ = resolve_run_config({**defaults, **dict(context.run_config)})
-    return cfg, config_fingerprint(cfg.to_dict())
+    cfg, settings = resolve_run_config({**defaults, **dict(context.run_config)})
+    return cfg, config_fingerprint(cfg.to_dict()), settings
+
+
+def _state_root(context: Context, settings, token: str) -> Path | None:
+    """This node's state directory for the run ``token``, if it has one."""
+    root = str(context.node_config.get("state-dir", "") or settings.client_state_dir)
+    return Path(root) / token if root and token else None
+
+
+def _disk(context: Context, settings, token: str, method: str, pid: int) -> Path | None:
+    """Where this client keeps its state on disk for this run and method, if anywhere."""
+    root = _state_root(context, settings, token)
+    return None if root is None else root / method / f"partition-{pid}"
+
+
+def _on_disk(folder: Path | None) -> list[int]:
+    if folder is None or not folder.is_dir():
+        return []
+    return sorted(int(p.stem[1:]) for p in folder.glob("v*.safetensors") if p.stem[1:].isdigit())
+
+
+def _save_to_disk(folder: Path, model, version: int) -> None:
+    """Writes the client's state for base ``version`` atomically; keeps the last two."""
+    from safetensors.torch import save_file
+
+    from ..steps import client_state
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".v{version}.tmp"
+    flat = {k: v.detach().contiguous().cpu() for k, v in client_state(model).items()}
+    save_file(flat, str(tmp))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / f"v{version}.safetensors")
+    for old in _on_disk(folder)[:-_KEEP_ON_DISK]:
+        (folder / f"v{old}.safetensors").unlink(missing_ok=True)
+
+
+def held_versions(context: Context, settings, token: str, pid: int) -> dict[str, list[int]]:
+    """Method -> base versions this client can continue from (its Context and its disk)."""
+    out: dict[str, set[int]] = {}
+    meta = context.state.get(_META)
+    if isinstance(meta, ConfigRecord) and meta.get("run-token", "") == token:
+        out.setdefault(str(meta["method"]), set()).add(int(meta["version"]))
+    root = _state_root(context, settings, token)
+    if root is not None and root.is_dir():
+        for folder in root.iterdir():
+            versions = _on_disk(folder / f"partition-{pid}")
+            if versions:
+                out.setdefault(folder.name, set()).update(versions)
+    return {m: sorted(v) for m, v in out.items()}
 
 
 def _partition(context: Context, num_clients: int) -> int:
@@ -80,43 +141,68 @@ def _task_and_data(cfg, fingerprint: str, method: str):
     return task, prep, model
 
 
-def _held(context: Context, method: str) -> int | None:
+def _held(context: Context, method: str, run_token: str) -> int | None:
     meta = context.state.get(_META)
     if not isinstance(meta, ConfigRecord) or meta.get("method") != method:
+        return None
+    if meta.get("run-token", "") != run_token:
         return None
     return int(meta["version"])
 
 
-def _client_model(cfg, task, method: str, context: Context, pid: int, since: int, spare):
-    """The client's model holding base version ``since`` (``-1``: the pretrained W0)."""
+def _client_model(cfg, task, method, context, pid: int, since: int, spare, disk, run_token):
+    """The client's model holding base version ``since`` (``-1``: the pretrained W0).
+
+    From the process cache, the Context, or the client's state directory, in that order.
+    """
+    from safetensors.torch import load_file
+
     from ..engine import new_model
     from ..steps import load_client_state
 
+    adapter = client_adapter_name(cfg, method, pid)
     if since < 0:  # a new (or re-synced) client starts from the pretrained weights
-        return spare if spare is not None else new_model(cfg, task, method)[0]
-    held = _held(context, method)
-    if held != since:
+        model = spare if spare is not None else new_model(cfg, task, method)[0]
+        model.set_adapter(adapter)
+        return model
+    held = _held(context, method, run_token)
+    if held == since:
+        token = context.state[_META]["token"]
+        cached = _MODELS.pop((context.run_id, pid), None)  # taken: a failed round drops it
+        if cached is not None and cached[0] == token:
+            return cached[1]
+        flat = from_array_record(context.state[_BASE])
+    elif since in _on_disk(disk):
+        flat = load_file(str(disk / f"v{since}.safetensors"))
+    else:
         raise ValueError(
             f"partition {pid} holds base version {held} for {method}, but the payload "
             f"is relative to version {since}; the server re-syncs this client from W0 "
             "next time it is sampled"
         )
-    token = context.state[_META]["token"]
-    key = (context.run_id, pid)
-    cached = _MODELS.pop(key, None)  # taken: if training fails, it is not reused
-    if cached is not None and cached[0] == token:
-        return cached[1]
     model = spare if spare is not None else new_model(cfg, task, method)[0]
-    load_client_state(model, from_array_record(context.state[_BASE]))
+    model.set_adapter(adapter)
+    load_client_state(model, flat)
     return model
 
 
-def _remember(context: Context, model, method: str, version: int, pid: int) -> None:
+def client_adapter_name(cfg, method: str, pid: int) -> str:
+    """The peft adapter partition ``pid`` trains (its own rank under ``client_ranks``)."""
+    from ..engine import client_adapter
+
+    return client_adapter(cfg, method, pid) or "default"
+
+
+def _remember(context, model, method: str, version: int, pid: int, disk, run_token) -> None:
     from ..steps import client_state
 
     token = uuid.uuid4().hex
     context.state[_BASE] = to_array_record(client_state(model))
-    context.state[_META] = ConfigRecord({"method": method, "version": version, "token": token})
+    context.state[_META] = ConfigRecord(
+        {"method": method, "version": version, "token": token, "run-token": run_token}
+    )
+    if disk is not None:
+        _save_to_disk(disk, model, version)
     key = (context.run_id, pid)
     _MODELS[key] = (token, model)
     _MODELS.move_to_end(key)
@@ -135,7 +221,7 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     from ..server import Payload
     from ..steps import apply_payload
 
-    cfg, fingerprint = _resolve(defaults, context)
+    cfg, fingerprint, settings = _resolve(defaults, context)
     conf = msg.content["config"]
     theirs = str(conf.get("fingerprint", ""))
     if theirs and theirs != fingerprint:
@@ -148,14 +234,18 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
         raise ValueError(f"payload for partition {conf['partition-id']}, this node holds {pid}")
     method, rnd = str(conf["method"]), int(conf["server-round"])
     version, since = int(conf["version"]), int(conf["base-version"])
+    run_token = str(conf.get("run-token", ""))
+    disk = _disk(context, settings, run_token, method, pid)
     task, prep, spare = _task_and_data(cfg, fingerprint, method)
-    model = _client_model(cfg, task, method, context, pid, since, spare)
+    model = _client_model(cfg, task, method, context, pid, since, spare, disk, run_token)
     payload = Payload.from_flat(
         from_array_record(msg.content["arrays"]), round=rnd, version=version
     )
-    apply_payload(model, payload, side_rank=cfg.side_rank)
+    apply_payload(
+        model, payload, side_rank=cfg.side_rank, adapter=client_adapter_name(cfg, method, pid)
+    )
     up = local_update(cfg, method, model, prep.train.subset(prep.parts[pid]), rnd, pid)
-    _remember(context, model, method, version, pid)
+    _remember(context, model, method, version, pid, disk, run_token)
     content = RecordDict(
         {
             "arrays": to_array_record(up.state.to_flat()),
@@ -191,11 +281,14 @@ def make_client_app(defaults: Mapping[str, Any] | None = None) -> ClientApp:
                 "num-partitions": int(conf.get("num-partitions", -1)),
                 "fingerprint": "",
                 "error": "",
+                "held": "{}",
             }
         )
         try:
-            cfg, record["fingerprint"] = _resolve(base, context)
-            _partition(context, cfg.num_clients)
+            cfg, record["fingerprint"], settings = _resolve(base, context)
+            pid = _partition(context, cfg.num_clients)
+            token = str(msg.content["config"].get("run-token", ""))
+            record["held"] = json.dumps(held_versions(context, settings, token, pid))
         except ValueError as exc:  # ConfigError included
             record["error"] = str(exc)
         return Message(RecordDict({"config": record}), reply_to=msg)

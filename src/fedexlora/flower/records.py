@@ -28,7 +28,15 @@ __all__ = [
 ]
 
 # Run-config keys that are not RunConfig fields.
-FLOWER_KEYS = ("run-dir", "min-train-nodes", "min-available-nodes", "round-timeout", "wait-timeout")
+FLOWER_KEYS = (
+    "run-dir",
+    "min-train-nodes",
+    "min-available-nodes",
+    "round-timeout",
+    "wait-timeout",
+    "resume",
+    "client-state-dir",
+)
 # RunConfig fields that never travel in a Flower run config.
 _LOCAL_ONLY = ("engine", "export", "export_format", "export_dtype", "allow_inexact")
 _TYPES = {f.name: str(f.type) for f in fields(RunConfig)}
@@ -49,6 +57,11 @@ class FlowerSettings:
             (``0``: every partition, i.e. ``num_clients``).
         round_timeout: Seconds to wait for the replies of one round.
         wait_timeout: Seconds to wait for ``min_available_nodes`` nodes to connect.
+        resume: A run directory to continue from its last checkpoint (``""``: a new run
+            in ``run_dir``). Its ``config.toml`` must match this run config.
+        client_state_dir: Where every client also keeps its state on disk, so that a
+            resumed run finds it (``""``: only in the Flower Context, which dies with
+            the run; a SuperNode's node config ``state-dir`` takes precedence).
     """
 
     run_dir: str = ""
@@ -56,6 +69,8 @@ class FlowerSettings:
     min_available_nodes: int = 0
     round_timeout: float = 3600.0
     wait_timeout: float = 600.0
+    resume: str = ""
+    client_state_dir: str = ""
 
     def errors(self) -> list[str]:
         """Every problem with the values (empty when valid)."""
@@ -126,7 +141,7 @@ def resolve_run_config(run_config: Mapping[str, Any]) -> tuple[RunConfig, Flower
             continue
         norm = key.replace("-", "_")
         if norm in _LOCAL_ONLY:
-            continue
+            continue  # the engine is flower, whatever the config says
         if isinstance(value, str) and value.strip() == "":
             continue  # unset
         if norm in _LISTS and norm != "methods" and isinstance(value, str):
@@ -137,6 +152,7 @@ def resolve_run_config(run_config: Mapping[str, Any]) -> tuple[RunConfig, Flower
             if value.is_integer():  # TOML `3.0` for an integer field
                 value = int(value)
         data[key] = value
+    data["engine"] = "flower"  # validated as the Flower engine runs it
     cfg, cfg_errs = validate_mapping(data)
     errs.extend(cfg_errs)
     settings = None
@@ -147,7 +163,7 @@ def resolve_run_config(run_config: Mapping[str, Any]) -> tuple[RunConfig, Flower
         errs.append(f"Flower settings: {exc}")
     if errs or cfg is None or settings is None:
         raise ConfigError(errs)
-    return cfg.replace(engine="flower"), settings
+    return cfg, settings
 
 
 def _coerce(name: str, value: Any) -> Any:

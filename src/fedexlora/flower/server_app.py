@@ -27,20 +27,6 @@ from .records import FlowerSettings, resolve_run_config, to_array_record
 __all__ = ["app", "make_server_app", "run_server"]
 
 
-def check_flower_config(cfg) -> None:
-    """Raises ``ValueError`` for settings the Flower engine does not support."""
-    if "centralized" in cfg.methods:
-        raise ValueError(
-            "method 'centralized' has no clients to federate and runs in-process only; "
-            "use --engine local for it (or drop it from the methods of a Flower run)"
-        )
-    if cfg.save_client_adapters:
-        raise ValueError(
-            "`save_client_adapters` needs the clients' models in the server's run "
-            "directory and is supported by --engine local only"
-        )
-
-
 def run_server(
     grid: Grid,
     cfg,
@@ -50,51 +36,103 @@ def run_server(
 ) -> list[dict]:
     """Runs every method of ``cfg`` over ``grid`` and writes the run directory.
 
+    With ``settings.resume`` it continues the run in that directory from each method's
+    last intact checkpoint (as ``fedexlora run --resume`` does in-process).
+
     Returns:
         All metrics rows.
 
     Raises:
-        ValueError: If the configuration asks for something the Flower engine cannot do,
-            or the run directory already holds a run.
+        ValueError: If the configuration is invalid or asks for something the Flower
+            engine cannot do, the run directory already holds a run (without
+            ``resume``), or the run to resume has another configuration.
     """
-    from ..adapters import folded_weights
+    import json
+    import uuid
+
+    from ..adapters import folded_weights, set_state
     from ..checkpoint import config_fingerprint, save_checkpoint
-    from ..engine import apply_round, new_model, new_server, prepare, round_row
+    from ..engine import (
+        apply_round,
+        client_adapter,
+        new_model,
+        new_server,
+        prepare,
+        round_row,
+        save_client_adapter,
+    )
     from ..pipeline import (
         RunError,
         append_row,
         base_deltas,
         load_task_for,
+        restore_latest,
+        write_atomic,
     )
     from ..report import write_summary
     from .strategy import FedExLoRA, NodeDirectory
 
-    check_flower_config(cfg)
-    out = Path(settings.run_dir or Path("runs") / time.strftime("flower-%Y%m%d-%H%M%S"))
+    cfg = cfg.replace(engine="flower").validate()  # one validation for every entry point
+    fingerprint = config_fingerprint(cfg.to_dict())
+    if settings.resume:
+        out = Path(settings.resume)
+        if not (out / "config.toml").is_file():
+            raise RunError(f"resume {str(out)!r}: no run there (no config.toml)")
+    else:
+        out = Path(settings.run_dir or Path("runs") / time.strftime("flower-%Y%m%d-%H%M%S"))
     metrics_path = out / "metrics.jsonl"
-    if metrics_path.exists() and metrics_path.stat().st_size > 0:
+    if not settings.resume and metrics_path.exists() and metrics_path.stat().st_size > 0:
         raise RunError(
-            f"run directory {str(out)!r} already holds a run; the Flower engine does not "
-            "resume, choose another directory"
+            f"run directory {str(out)!r} already holds a run; resume it (`resume` in the "
+            "run config, or fedexlora run --resume) or choose another directory"
         )
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(cfg.to_toml())
-    metrics_path.write_text("")
-    fingerprint = config_fingerprint(cfg.to_dict())
+    token_path = out / "run-token"
+    if settings.resume and token_path.is_file():
+        run_token = token_path.read_text().strip()
+    else:
+        run_token = uuid.uuid4().hex
+        write_atomic(token_path, run_token)
+    if not settings.resume:
+        write_atomic(out / "config.toml", cfg.to_toml())
 
     task = load_task_for(cfg)
     first_model, tokenizer = new_model(cfg, task, cfg.methods[0])
     prep = prepare(cfg, tokenizer, task)
     say(f"task {cfg.task}: {len(task.train)} train / {len(task.test)} test")
     say(prep.partition_table)
-    nodes = NodeDirectory(cfg.num_clients, fingerprint, timeout=settings.round_timeout)
+    nodes = NodeDirectory(
+        cfg.num_clients, fingerprint, timeout=settings.round_timeout, run_token=run_token
+    )
+
+    restored: dict[str, tuple] = {}
+    done_rows: dict[str, list[dict]] = {}
+    if settings.resume:
+        for method in cfg.methods:
+            found = restore_latest(cfg, task, method, out / "checkpoints" / method, fingerprint)
+            if found is not None:
+                model, _, server, info, w0 = found
+                restored[method] = (model, server, w0)
+                done_rows[method] = info["rows"]
+                say(f"resuming {method} after round {server.round}")
+        lines = [json.dumps(r) for m in cfg.methods for r in done_rows.get(m, [])]
+        write_atomic(metrics_path, "".join(line + "\n" for line in lines))
+    else:
+        metrics_path.write_text("")
 
     all_rows: list[dict] = []
-    for i, method in enumerate(cfg.methods):
-        model = first_model if i == 0 else new_model(cfg, task, method)[0]
+    for method in cfg.methods:
+        if method in restored:
+            model, server, w0 = restored.pop(method)
+        else:
+            model = first_model if first_model is not None else new_model(cfg, task, method)[0]
+            server = new_server(cfg, method, model)
+            w0 = {n: w.detach().clone() for n, w in folded_weights(model).items()}
         first_model = None
-        server = new_server(cfg, method, model)
-        w0 = {n: w.detach().clone() for n, w in folded_weights(model).items()}
+        rows: list[dict] = list(done_rows.get(method, []))
+        if server.round >= cfg.rounds:
+            all_rows.extend(rows)
+            continue
         strategy = FedExLoRA(
             server,
             nodes,
@@ -104,14 +142,16 @@ def run_server(
             wait_timeout=settings.wait_timeout,
             fingerprint=fingerprint,
         )
-        rows: list[dict] = []
 
         def evaluate_fn(rnd, _arrays, m=method, mdl=model, srv=server, st=strategy, rs=rows, w0=w0):
             """After each round: fold, evaluate, write the row and a checkpoint."""
             if rnd == 0:
                 return None  # the in-process engine does not evaluate before round 1
             rec = st.current
+            rnd = rec.round
             metrics, measured = apply_round(cfg, m, rnd, mdl, srv, rec.outcome, prep, rec.uploads)
+            if cfg.save_client_adapters:
+                _save_uploads(mdl, srv, rec, out, m)
             row = round_row(
                 m,
                 rnd,
@@ -139,17 +179,31 @@ def run_server(
             )
             return MetricRecord({k: float(v) for k, v in metrics.items() if _is_number(v)})
 
+        def _save_uploads(mdl, srv, rec, out_dir, m):
+            """``save_client_adapters``: each upload as the PEFT adapter its client trained."""
+            for up in rec.uploads:
+                adapter = client_adapter(cfg, m, up.client_id) or "default"
+                set_state(mdl, up.state, adapter=adapter)
+                mdl.set_adapter(adapter)
+                weight = rec.outcome.weights.get(up.client_id)
+                save_client_adapter(
+                    mdl, out_dir, rec.round, up.client_id, int(up.num_examples), weight
+                )
+            mdl.set_adapter("default")
+            set_state(mdl, srv.state)
+
         t0 = time.perf_counter()
         strategy.start(
             grid,
             initial_arrays=to_array_record(server.state.to_flat()),
-            num_rounds=cfg.rounds,
+            num_rounds=cfg.rounds - server.round,
             timeout=settings.round_timeout,
             evaluate_fn=evaluate_fn,
         )
         dropped = sorted({c for r in rows for c in r["dropped"]})
         say(
-            f"{method}: {len(rows)} rounds in {time.perf_counter() - t0:.1f}s"
+            f"{method}: {len(rows) - len(done_rows.get(method, []))} rounds in "
+            f"{time.perf_counter() - t0:.1f}s"
             + (f" (clients dropped at some round: {dropped})" if dropped else "")
         )
         all_rows.extend(rows)

@@ -68,6 +68,7 @@ def run_flower_experiment(
     client_cpus: float | None = None,
     client_gpus: float | None = None,
     backend_config: dict[str, Any] | None = None,
+    resume: bool = False,
 ) -> list[dict]:
     """Runs every method of ``cfg`` through Flower's simulation runtime.
 
@@ -79,13 +80,17 @@ def run_flower_experiment(
         client_cpus: Ray CPUs per ClientApp actor (see :func:`client_resources`).
         client_gpus: Ray GPUs per ClientApp actor (fractions share a GPU).
         backend_config: A full Flower backend config, replacing the above.
+        resume: Continue the run in ``out_dir`` from each method's last intact
+            checkpoint. Clients find their state in ``out_dir/client-state`` (every
+            client writes it there each round); one that cannot is re-synced from W0.
 
     Returns:
         All metrics rows, as written to ``metrics.jsonl``.
 
     Raises:
-        ValueError: For a configuration the Flower engine cannot run (``centralized``,
-            ``save_client_adapters``), or a run directory that holds a run already.
+        ValueError: For a configuration the Flower engine cannot run (``centralized``),
+            a run directory that holds a run already (without ``resume``), or none to
+            resume.
     """
     del progress
     from flwr.simulation import run_simulation
@@ -93,18 +98,25 @@ def run_flower_experiment(
     from ..pipeline import RunError
     from ..report import read_metrics
     from .client_app import make_client_app
-    from .server_app import check_flower_config, make_server_app
+    from .server_app import make_server_app
 
-    cfg.validate()
-    check_flower_config(cfg)
+    cfg = cfg.replace(engine="flower").validate()
     out = Path(out_dir).resolve()
-    if (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0:
+    held = (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0
+    if held and not resume:
         raise RunError(
-            f"--out {str(out)!r} already holds a run; the Flower engine does not resume "
-            "(--resume is for --engine local), choose another directory"
+            f"--out {str(out)!r} already holds a run; pass --resume to continue it or "
+            "choose another directory"
         )
+    if resume and not (out / "config.toml").is_file():
+        raise RunError(f"--resume: {str(out)!r} holds no run (no config.toml)")
     run_config = to_run_config(
-        cfg, run_dir=str(out), min_train_nodes=1, min_available_nodes=cfg.num_clients
+        cfg,
+        run_dir=str(out),
+        min_train_nodes=1,
+        min_available_nodes=cfg.num_clients,
+        resume=str(out) if resume else "",
+        client_state_dir=str(out / "client-state"),
     )
     say = console.print if console is not None else print
     backend = backend_config or {

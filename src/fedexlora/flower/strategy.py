@@ -16,6 +16,7 @@ Records, both ways: ``arrays`` (an ``ArrayRecord`` of ``Payload.to_flat()`` down
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from collections.abc import Iterable
@@ -76,12 +77,22 @@ class NodeDirectory:
         fingerprint: The server's configuration fingerprint; a node whose ClientApp
             resolved another configuration is refused.
         timeout: Seconds to wait for the replies to one round of questions.
+        run_token: The run's token (kept across resumes); clients report which base
+            versions they hold under it.
     """
 
-    def __init__(self, num_partitions: int, fingerprint: str = "", timeout: float = 600.0):
+    def __init__(
+        self,
+        num_partitions: int,
+        fingerprint: str = "",
+        timeout: float = 600.0,
+        run_token: str = "",
+    ):
         self.num_partitions = num_partitions
         self.fingerprint = fingerprint
         self.timeout = timeout
+        self.run_token = run_token
+        self.held: dict[int, dict[str, list[int]]] = {}  # partition -> method -> versions
         self.partition_of: dict[int, int] = {}  # node id -> partition id
         self.refused: dict[int, str] = {}  # node id -> why its ClientApp cannot take part
         self.assigned: dict[int, int] = {}  # partition -> the node last used for it
@@ -115,7 +126,13 @@ class NodeDirectory:
         if new:
             questions = [
                 Message(
-                    RecordDict({"config": ConfigRecord({"fingerprint": self.fingerprint})}),
+                    RecordDict(
+                        {
+                            "config": ConfigRecord(
+                                {"fingerprint": self.fingerprint, "run-token": self.run_token}
+                            )
+                        }
+                    ),
                     message_type=MessageType.QUERY,
                     dst_node_id=n,
                 )
@@ -150,6 +167,10 @@ class NodeDirectory:
                         "ClientApp and the ServerApp must share one run config"
                     )
                 self.partition_of[node] = pid
+                try:
+                    self.held[pid] = json.loads(str(conf.get("held", "{}")))
+                except ValueError:
+                    self.held[pid] = {}
                 log(INFO, "node %s holds partition %s", node, pid)
         now = self.node_of(online)
         self.changed = [p for p, n in now.items() if p in self.assigned and self.assigned[p] != n]
@@ -177,6 +198,11 @@ class FedExLoRA(FedAvg):
             goes on if at least ``min_train_nodes`` nodes are there, else fails.
         fingerprint: Configuration fingerprint sent along; clients check it.
         weighted_by_key: The ``MetricRecord`` key holding each upload's example count.
+
+    A ``server`` restored from a checkpoint continues after its round: Flower's round 1
+    is then the server's round ``server.round + 1``. Before its first round the strategy
+    re-syncs from W0 every client that does not hold the base version the server
+    expects (a client that lost its state with the run that crashed).
     """
 
     def __init__(
@@ -214,6 +240,7 @@ class FedExLoRA(FedAvg):
         self.wait_timeout = wait_timeout
         self.fingerprint = fingerprint
         self.current: RoundRecord | None = None
+        self.offset = server.round  # rounds done before this strategy started
         self._waited = False
 
     @property
@@ -260,11 +287,18 @@ class FedExLoRA(FedAvg):
         """One message per sampled, connected partition, each with its own payload."""
         started = time.perf_counter()
         rnd = self.server.round + 1
-        if server_round != rnd:
+        if server_round + self.offset != rnd:
             raise RuntimeError(f"Flower round {server_round} but server round {rnd}")
         if not self._waited:
             by_partition = self._wait_for_nodes(grid)
             self._waited = True
+            for p in by_partition:
+                expected = self.server.client_version.get(p)
+                if expected is not None and expected not in self.nodes.held.get(p, {}).get(
+                    self.method, []
+                ):
+                    log(INFO, "partition %s lost base version %s: re-sync from W0", p, expected)
+                    self.server.forget_client(p)
         else:
             by_partition = self.nodes.refresh(grid)
         for p in self.nodes.changed:  # a new node (fresh state) now holds partition p
@@ -289,6 +323,7 @@ class FedExLoRA(FedAvg):
                     "version": payload.version,
                     "base-version": -1 if since is None else since,
                     "fingerprint": self.fingerprint,
+                    "run-token": self.nodes.run_token,
                 }
             )
             content = RecordDict(
@@ -333,7 +368,7 @@ class FedExLoRA(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Unpacks the replies and calls ``Server.aggregate``; returns the global state."""
         rec = self.current
-        if rec is None or rec.round != server_round:
+        if rec is None or rec.round != server_round + self.offset:
             raise RuntimeError(f"aggregate_train for round {server_round} was not configured")
         valid, failed = self._check_and_log_replies(replies, is_train=True, validate=False)
         uploads: dict[int, ClientUpload] = {}
@@ -366,7 +401,7 @@ class FedExLoRA(FedAvg):
         rec.dropped.sort()
         for c, why in sorted(rec.errors.items()):
             warnings.warn(
-                f"{self.method} round {server_round}: client {c} dropped: {why}", stacklevel=1
+                f"{self.method} round {rec.round}: client {c} dropped: {why}", stacklevel=1
             )
         if len(ups) < self.min_train_nodes:
             outcome = self.server.aggregate([])

@@ -1,0 +1,109 @@
+"""The Flower engine against the in-process engine, feature by feature, and its resume.
+
+Over the in-process Flower grid of ``test_flower.py`` (the real ClientApp and strategy,
+one Context per node, no Ray): heterogeneous client ranks, saved client adapters, a
+4-bit base, and a run resumed after its server died, with and without client state on
+disk. The Ray and SuperLink versions are in ``test_flower_crash.py``.
+"""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_flower import InProcessGrid, _final_model, _state_dict_rel_diff, task_identity  # noqa: F401
+
+from fedexlora.pipeline import run_experiment
+from fedexlora.report import read_metrics
+
+
+def _flower(cfg, run_dir, *, grid=None, **settings):
+    from fedexlora.flower.client_app import make_client_app
+    from fedexlora.flower.records import resolve_run_config, to_run_config
+    from fedexlora.flower.server_app import run_server
+
+    rc = to_run_config(cfg, run_dir=str(run_dir), **settings)
+    grid = grid or InProcessGrid(make_client_app(rc), cfg.num_clients)
+    grid.app = make_client_app(rc)
+    return run_server(grid, *resolve_run_config(rc), say=lambda *_: None), grid
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+
+def _close(rows_a, rows_b):
+    assert [(r["method"], r["round"]) for r in rows_a] == [
+        (r["method"], r["round"]) for r in rows_b
+    ]
+    for a, b in zip(rows_a, rows_b):
+        for key in ("sampled", "accepted", "rejected", "dropped", "num_examples"):
+            assert a[key] == b[key], key
+        assert a["metrics"] == pytest.approx(b["metrics"], rel=1e-5, abs=1e-6)
+
+
+def test_client_ranks_and_saved_adapters_match_the_local_engine(tiny_cfg, tmp_path, task_identity):
+    cfg = tiny_cfg.replace(
+        methods=["fedex"], rounds=2, lora_r=4, client_ranks=[2, 4, 3], save_client_adapters=True
+    )
+    local = run_experiment(cfg, tmp_path / "local", progress=False)
+    flower, _ = _flower(cfg, tmp_path / "flower")
+    _close(flower, local)
+    assert max(r["effective_deviation"]["max"] for r in flower) < 1e-5
+    got, _ = _final_model(cfg, tmp_path / "flower", "fedex")
+    ref, _ = _final_model(cfg, tmp_path / "local", "fedex")
+    assert _state_dict_rel_diff(got, ref) < 1e-6
+    for rnd in (1, 2):
+        for c, sub in ((0, "rank2"), (1, ""), (2, "rank3")):
+            rel = f"clients/round-{rnd}/client-{c}/{sub}/adapter_model.safetensors".replace(
+                "//", "/"
+            )
+            a = load_file(str(tmp_path / "flower" / rel))
+            b = load_file(str(tmp_path / "local" / rel))
+            assert set(a) == set(b), rel
+            for k in a:
+                assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7), (rel, k)
+
+
+def test_nf4_base_with_side_branch_matches_the_local_engine(tiny_cfg, tmp_path, task_identity):
+    pytest.importorskip("bitsandbytes")
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=2, quantization="nf4")
+    local = run_experiment(cfg, tmp_path / "local", progress=False)
+    flower, _ = _flower(cfg, tmp_path / "flower")
+    _close(flower, local)
+    assert max(r["effective_deviation"]["max"] for r in flower) < 1e-5
+    a = load_file(str(tmp_path / "flower/checkpoints/fedex/round-0002/base_deltas.safetensors"))
+    b = load_file(str(tmp_path / "local/checkpoints/fedex/round-0002/base_deltas.safetensors"))
+    assert set(a) == set(b) and any(k.startswith("side.") for k in a)
+    for k in a:  # the side branches hold the same residuals
+        assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7), k
+
+
+@pytest.mark.parametrize("client_disk", [True, False])
+def test_resume_after_the_server_died(tiny_cfg, tmp_path, task_identity, client_disk):
+    """Rounds 1-2, then the server and every Context are lost; a new run resumes.
+
+    With client state on disk the clients continue where they were, and the result is
+    bit-identical to an uninterrupted run. Without it (a deployment whose SuperNodes
+    restarted too), every client is re-synced from W0: the same model within 1e-6.
+    """
+    cfg = tiny_cfg.replace(methods=["fedex", "fedit"], rounds=4)
+    extra = {"client_state_dir": str(tmp_path / "state")} if client_disk else {}
+    clean, _ = _flower(cfg, tmp_path / "clean", **extra)
+    run = tmp_path / "run"
+    _flower(cfg.replace(rounds=2), run, **extra)  # as if killed after round 2's checkpoint
+    (run / "config.toml").write_text(cfg.to_toml())  # (a kill leaves rounds = 4 in it)
+    rows, grid = _flower(cfg, run, resume=str(run), **extra)  # fresh Contexts: state lost
+    assert [(r["method"], r["round"]) for r in rows] == [
+        (m, r) for m in ("fedex", "fedit") for r in (1, 2, 3, 4)
+    ]
+    order = lambda r: (cfg.methods.index(r["method"]), r["round"])  # noqa: E731
+    assert sorted(read_metrics(run / "metrics.jsonl"), key=order) == rows
+    assert sorted(set(grid.trained)) == [(r, c) for r in (3, 4) for c in (0, 1, 2)]
+    if client_disk:
+        assert _strip(rows) == _strip(clean)
+    else:
+        _close(rows, clean)
+    for method in cfg.methods:
+        got, _ = _final_model(cfg, run, method)
+        ref, _ = _final_model(cfg, tmp_path / "clean", method)
+        diff = _state_dict_rel_diff(got, ref)
+        assert diff == 0.0 if client_disk else diff < 1e-6, (method, diff)
