@@ -130,3 +130,12 @@ def tiny_qa_jsonl(tmp_path_factory):
                 + "\n"
             )
     return str(path)
+
+
+@pytest.fixture()
+def task_identity(monkeypatch):
+    """What a Flower runtime sets before apps create messages."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
+        monkeypatch.setattr(TaskIdentity, attr, value)

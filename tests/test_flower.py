@@ -250,15 +250,6 @@ def _state_dict_rel_diff(a, b) -> float:
     return worst
 
 
-@pytest.fixture()
-def task_identity(monkeypatch):
-    """What a Flower runtime sets before apps create messages."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
-        monkeypatch.setattr(TaskIdentity, attr, value)
-
-
 def test_misconfigured_supernode_stops_the_run_naming_it(tiny_cfg, tmp_path, task_identity):
     from fedexlora.flower.client_app import make_client_app
     from fedexlora.flower.records import resolve_run_config, to_run_config

@@ -9,10 +9,10 @@ disk. The Ray and SuperLink versions are in ``test_flower_crash.py``.
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_flower import InProcessGrid, _final_model, _state_dict_rel_diff, task_identity  # noqa: F401
 
 from fedexlora.pipeline import run_experiment
 from fedexlora.report import read_metrics
+from test_flower import InProcessGrid, _final_model, _state_dict_rel_diff
 
 
 def _flower(cfg, run_dir, *, grid=None, **settings):

@@ -163,7 +163,7 @@ def _client_model(cfg, task, method, context, pid: int, since: int, spare, disk,
     adapter = client_adapter_name(cfg, method, pid)
     if since < 0:  # a new (or re-synced) client starts from the pretrained weights
         model = spare if spare is not None else new_model(cfg, task, method)[0]
-        model.set_adapter(adapter)
+        _activate(model, adapter)
         return model
     held = _held(context, method, run_token)
     if held == since:
@@ -181,9 +181,16 @@ def _client_model(cfg, task, method, context, pid: int, since: int, spare, disk,
             "next time it is sampled"
         )
     model = spare if spare is not None else new_model(cfg, task, method)[0]
-    model.set_adapter(adapter)
+    _activate(model, adapter)
     load_client_state(model, flat)
     return model
+
+
+def _activate(model, adapter: str) -> None:
+    """Makes ``adapter`` the one trained; peft's ``set_adapter`` also resets which of its
+    factors train, so a model already on it (FFA-LoRA's frozen A) is left alone."""
+    if model.active_adapter != adapter:
+        model.set_adapter(adapter)
 
 
 def client_adapter_name(cfg, method: str, pid: int) -> str:

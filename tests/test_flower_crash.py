@@ -1,0 +1,119 @@
+"""A Flower simulation killed mid-round, whole process group, resumes to the identical run."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from fedexlora.checkpoint import latest_checkpoint
+from fedexlora.report import read_metrics
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc), however it detached its session."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _cmd(*args):
+    return [sys.executable, "-m", "fedexlora", "run", "--no-progress", *args]
+
+
+def _rows(path):
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in read_metrics(path)]
+
+
+@pytest.mark.integration
+def test_engine_flower_sigkilled_mid_round_resumes_identically(tmp_path, tiny_bert_dir, tiny_csv):
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text(
+        f'model = "{tiny_bert_dir}"\ntask = "{tiny_csv}"\nmethods = ["fedex"]\nrounds = 4\n'
+        'engine = "flower"\nlocal_steps = 200\nbatch_size = 8\nnum_clients = 2\n'
+        'min_partition_size = 5\nmax_length = 16\nlora_r = 4\ntarget_modules = ["query", "value"]\n'
+        "keep_checkpoints = 1\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "FLWR_HOME": str(tmp_path / "flwr-home"),
+        "FEDEXLORA_CLIENT_CPUS": "1",
+    }
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _cmd("--config", str(cfg), "--out", str(run)),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group, Ray included
+    )
+    deadline = time.monotonic() + 900
+    ckpts = run / "checkpoints" / "fedex"
+    while time.monotonic() < deadline and proc.poll() is None:
+        done = latest_checkpoint(ckpts) if ckpts.is_dir() else None
+        if done is not None and done.name == "round-0002":
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)  # into round 3: its clients are training
+    tree = _descendants(proc.pid)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(5)
+    survivors = sorted(p for p in tree if _alive(p))
+    assert not survivors, f"processes outlived the killed run: {survivors}"
+    assert len(read_metrics(run / "metrics.jsonl")) == 2, "the kill must land in round 3"
+    assert (run / "client-state").is_dir()
+
+    res = subprocess.run(
+        _cmd("--resume", str(run), "--export", str(tmp_path / "exp-killed")),
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert "resuming fedex after round 2" in res.stdout
+
+    clean = tmp_path / "clean"
+    res = subprocess.run(
+        _cmd("--config", str(cfg), "--out", str(clean), "--export", str(tmp_path / "exp-clean")),
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _rows(run / "metrics.jsonl") == _rows(clean / "metrics.jsonl")
+    files = sorted(p.name for p in (tmp_path / "exp-clean").glob("*.safetensors"))
+    assert files
+    for name in files:
+        a = load_file(str(tmp_path / "exp-killed" / name))
+        b = load_file(str(tmp_path / "exp-clean" / name))
+        assert set(a) == set(b)
+        for k in a:
+            assert (a[k] == b[k]).all(), (name, k)
