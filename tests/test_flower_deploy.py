@@ -146,9 +146,10 @@ def _stop(procs: list[subprocess.Popen], sig=signal.SIGTERM, wait: float = 15.0)
 class Federation:
     """``flower-superlink`` (TLS, SuperNode auth) and SuperNodes on 127.0.0.1, by PID."""
 
-    def __init__(self, root: Path, num_nodes: int = 2):
+    def __init__(self, root: Path, num_nodes: int = 2, database: Path | None = None):
         self.root = root
         self.num_nodes = num_nodes
+        self.database = database  # None: the SuperLink's state lives in memory
         self.creds = root / "credentials"
         self.creds.mkdir(parents=True)
         _write_credentials(self.creds, num_nodes)
@@ -190,12 +191,13 @@ class Federation:
             timeout=timeout,
         )
 
-    def start(self) -> "Federation":
+    def start_superlink(self, name: str = "superlink") -> None:
         import httpx
 
         c = self.creds
+        db = ["--database", str(self.database)] if self.database else []
         self.superlink = self._spawn(
-            "superlink",
+            name,
             [
                 str(VENV_BIN / "flower-superlink"),
                 "--host", "127.0.0.1",
@@ -204,11 +206,12 @@ class Federation:
                 "--ssl-certfile", str(c / "server.pem"),
                 "--ssl-keyfile", str(c / "server.key"),
                 "--enable-supernode-auth",
+                *db,
             ],
         )  # fmt: skip
         deadline = time.monotonic() + 60
         while True:
-            assert self.superlink.poll() is None, self.log("superlink")
+            assert self.superlink.poll() is None, self.log(name)
             try:
                 if httpx.get(
                     f"https://127.0.0.1:{self.port}/health", verify=str(c / "ca.crt"), timeout=2
@@ -216,8 +219,12 @@ class Federation:
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, "SuperLink did not start\n" + self.log("superlink")
+            assert time.monotonic() < deadline, "SuperLink did not start\n" + self.log(name)
             time.sleep(0.5)
+
+    def start(self) -> "Federation":
+        c = self.creds
+        self.start_superlink()
         for i in range(self.num_nodes):
             res = self.flwr("supernode", "register", str(c / f"supernode-{i}.pub"))
             assert res.returncode == 0, res.stdout + res.stderr
@@ -235,14 +242,14 @@ class Federation:
             )  # fmt: skip
         return self
 
-    def run(self, cfg, run_dir: Path) -> subprocess.Popen:
+    def run(self, cfg, run_dir: Path, name: str = "flwr-run", **settings) -> subprocess.Popen:
         """``flwr run . fedexlora-test --stream -c ...`` in the background."""
         from fedexlora.flower.records import to_run_config
 
-        rc = to_run_config(cfg, run_dir=str(run_dir), min_train_nodes=1)
+        rc = to_run_config(cfg, run_dir=str(run_dir), min_train_nodes=1, **settings)
         pairs = " ".join(f"{k}={json.dumps(v)}" for k, v in rc.items())
         proc = self._spawn(
-            "flwr-run",
+            name,
             [str(VENV_BIN / "flwr"), "run", str(ROOT), "fedexlora-test", "--stream", "-c", pairs],
         )
         self.others.append(proc)
@@ -401,3 +408,61 @@ def test_supernode_killed_mid_round(deployed):
         f"max relative difference vs in-process {diff:.2e}"
     )
     assert diff < 1e-5
+
+
+@pytest.mark.integration
+def test_superlink_killed_after_round_2_then_resumed(tiny_bert_dir, tmp_path):
+    """SIGKILL the SuperLink (and its ServerApp) after round 2, restart it, resume the run.
+
+    The SuperNodes stay up; their ClientApps lost their Contexts with the old run, so the
+    server re-syncs them from W0. The final global model equals the uninterrupted run's
+    (the in-process engine, which a deployment matches) within 1e-6 relative.
+    """
+    from fedexlora.checkpoint import latest_checkpoint
+
+    cfg = _deploy_cfg(tiny_bert_dir).replace(rounds=4)
+    run_dir = tmp_path / "run"
+    fed = Federation(tmp_path / "federation", database=tmp_path / "superlink.db")
+    try:
+        fed.start()
+        proc = fed.run(cfg, run_dir)
+        deadline = time.monotonic() + 600
+        ckpts = run_dir / "checkpoints" / "fedex"
+        while True:
+            done = latest_checkpoint(ckpts) if ckpts.is_dir() else None
+            if done is not None and done.name == "round-0002":
+                break
+            assert proc.poll() is None, "flwr run ended early\n" + fed.log("flwr-run")
+            assert time.monotonic() < deadline, "no round 2 in time\n" + fed.log("flwr-run")
+            time.sleep(0.1)
+        _stop([fed.superlink], sig=signal.SIGKILL, wait=5)  # with the ServerApp it started
+        _stop([proc], wait=10)
+        assert len(_rows(run_dir / "metrics.jsonl")) < 4
+
+        fed.start_superlink("superlink-restarted")
+        again = fed.run(cfg, run_dir, name="flwr-run-resumed", resume=str(run_dir))
+        try:
+            again.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            pytest.fail("resumed run did not finish\n" + fed.log("flwr-run-resumed"))
+        assert again.returncode == 0, fed.log("flwr-run-resumed")
+        deadline = time.monotonic() + 300
+        while len(_rows(run_dir / "metrics.jsonl")) < 4 and time.monotonic() < deadline:
+            time.sleep(0.5)  # --stream returns when the run ends; the file is written by then
+    finally:
+        fed.stop()
+    rows = _rows(run_dir / "metrics.jsonl")
+    assert [r["round"] for r in rows] == [1, 2, 3, 4], fed.log("flwr-run-resumed")
+    assert rows[2]["accepted"] == [0, 1] and rows[3]["accepted"] == [0, 1]
+    assert all(r["effective_deviation"]["max"] < 1e-5 for r in rows)
+    log = fed.log("flwr-run-resumed")
+    assert "resuming fedex after round 2" in log
+
+    from fedexlora.pipeline import run_experiment
+
+    run_experiment(cfg, tmp_path / "reference", progress=False)
+    got, _ = _final_model(cfg, run_dir, "fedex")
+    ref, _ = _final_model(cfg, tmp_path / "reference", "fedex")
+    diff = _state_dict_rel_diff(got, ref)
+    print(f"\nresumed deployment vs uninterrupted in-process: max relative difference {diff:.2e}")
+    assert diff < 1e-6
