@@ -77,7 +77,7 @@ def test_nf4_base_with_side_branch_matches_the_local_engine(tiny_cfg, tmp_path, 
         assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7), k
 
 
-@pytest.mark.parametrize("client_disk", [True, False])
+@pytest.mark.parametrize("client_disk", [True, "node-config", False])
 def test_resume_after_the_server_died(tiny_cfg, tmp_path, task_identity, client_disk):
     """Rounds 1-2, then the server and every Context are lost; a new run resumes.
 
@@ -86,12 +86,23 @@ def test_resume_after_the_server_died(tiny_cfg, tmp_path, task_identity, client_
     restarted too), every client is re-synced from W0: the same model within 1e-6.
     """
     cfg = tiny_cfg.replace(methods=["fedex", "fedit"], rounds=4)
-    extra = {"client_state_dir": str(tmp_path / "state")} if client_disk else {}
-    clean, _ = _flower(cfg, tmp_path / "clean", **extra)
+    extra = {"client_state_dir": str(tmp_path / "state")} if client_disk is True else {}
+
+    def grid():  # fresh Contexts: whatever the ClientApps held in them is lost
+        from fedexlora.flower.client_app import make_client_app
+
+        confs = [
+            {"partition-id": i, "num-partitions": 3}
+            | ({"state-dir": str(tmp_path / f"node-{i}")} if client_disk == "node-config" else {})
+            for i in range(3)
+        ]
+        return InProcessGrid(make_client_app({}), 3, node_configs=confs)
+
+    clean, _ = _flower(cfg, tmp_path / "clean", grid=grid(), **extra)
     run = tmp_path / "run"
-    _flower(cfg.replace(rounds=2), run, **extra)  # as if killed after round 2's checkpoint
+    _flower(cfg.replace(rounds=2), run, grid=grid(), **extra)  # killed after round 2
     (run / "config.toml").write_text(cfg.to_toml())  # (a kill leaves rounds = 4 in it)
-    rows, grid = _flower(cfg, run, resume=str(run), **extra)  # fresh Contexts: state lost
+    rows, grid = _flower(cfg, run, grid=grid(), resume=str(run), **extra)
     assert [(r["method"], r["round"]) for r in rows] == [
         (m, r) for m in ("fedex", "fedit") for r in (1, 2, 3, 4)
     ]
