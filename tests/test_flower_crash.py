@@ -12,26 +12,7 @@ from safetensors.torch import load_file
 
 from fedexlora.checkpoint import latest_checkpoint
 from fedexlora.report import read_metrics
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (from /proc), however it detached its session."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(d.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in out:
-                out.add(c)
-                todo.append(c)
-    return out
+from test_flower_deploy import _descendants
 
 
 def _alive(pid: int) -> bool:
@@ -81,7 +62,7 @@ def test_engine_flower_sigkilled_mid_round_resumes_identically(tmp_path, tiny_be
             break
         time.sleep(0.05)
     time.sleep(0.3)  # into round 3: its clients are training
-    tree = _descendants(proc.pid)
+    tree = set(_descendants(proc.pid))
     assert proc.poll() is None, "the run ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
