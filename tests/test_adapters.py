@@ -233,3 +233,31 @@ def test_refuses_mismatched_client_states():
         set_state(model, other)
     with pytest.raises(ValueError, match="covers other modules"):
         aggregate_states([state, missing], None, "fedex")
+
+
+@pytest.mark.parametrize("case", ["bert", "gpt2-conv1d"])
+def test_client_state_is_lean_and_rebuilds_the_model_bit_for_bit(case):
+    """A client keeps what it received, factored, never a base weight; a freshly loaded
+    model plus that state equals the live model bit for bit, round after round."""
+    from fedexlora.steps import client_state, load_client_state
+
+    make, kw = CASES[case]
+    base = make()
+    cfg = LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **kw)
+    live = get_peft_model(copy.deepcopy(base), cfg).eval()
+    weights = {n: layer.get_base_layer().weight for n, layer in lora_layers(live).items()}
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+    for rnd in range(3):
+        clients = _perturbed_clients(get_state(live), 3, scale=0.2)
+        agg = aggregate_states(clients, [1.0, 2.0, 3.0], "fedex")
+        fold_residuals(live, agg.residuals)
+        set_state(live, agg.state)
+        state = client_state(live)
+        assert all(k.startswith(("side.", "adapter.")) for k in state), sorted(state)[:3]
+        held = sum(v.numel() * v.element_size() for k, v in state.items() if k.startswith("side."))
+        assert 0 < held < weight_bytes  # rank 4 per round: factored, smaller than a copy
+        fresh = get_peft_model(copy.deepcopy(base), cfg).eval()
+        load_client_state(fresh, state)
+        theirs = fresh.state_dict()
+        for name, t in live.state_dict().items():
+            assert torch.equal(t, theirs[name]), (rnd, name)

@@ -44,7 +44,7 @@ def _final_model(cfg, run_dir, method):
     task = load_task_for(cfg)
     ckpt = latest_checkpoint(Path(run_dir) / "checkpoints" / method)
     assert ckpt is not None, f"no checkpoint for {method} in {run_dir}"
-    model, _, server, _, _ = restore_model(cfg, task, method, ckpt, None)
+    model, _, server, _ = restore_model(cfg, task, method, ckpt, None)
     return model, server
 
 
@@ -238,6 +238,14 @@ class InProcessGrid(Grid):
                     continue
             replies.append(reply)
         return replies
+
+
+def _model_rel_diff(a, b) -> float:
+    """``||a - b|| / ||b||`` over every tensor of the two models together."""
+    ref = b.state_dict()
+    num = sum(float((t.double() - ref[n].double()).norm()) ** 2 for n, t in a.state_dict().items())
+    den = sum(float(t.double().norm()) ** 2 for t in ref.values())
+    return (num / den) ** 0.5
 
 
 def _state_dict_rel_diff(a, b) -> float:

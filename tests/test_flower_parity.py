@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from fedexlora.pipeline import run_experiment
 from fedexlora.report import read_metrics
-from test_flower import InProcessGrid, _final_model, _state_dict_rel_diff
+from test_flower import InProcessGrid, _final_model, _model_rel_diff, _state_dict_rel_diff
 
 
 def _flower(cfg, run_dir, *, grid=None, **settings):
@@ -83,7 +83,9 @@ def test_resume_after_the_server_died(tiny_cfg, tmp_path, task_identity, client_
 
     With client state on disk the clients continue where they were, and the result is
     bit-identical to an uninterrupted run. Without it (a deployment whose SuperNodes
-    restarted too), every client is re-synced from W0: the same model within 1e-6.
+    restarted too), every client is re-synced from W0: the same model within 1e-6
+    relative (the training of two more rounds on a base equal to rounding magnifies the
+    difference of the smallest tensors, LoRA's B, to about 1e-6 each).
     """
     cfg = tiny_cfg.replace(methods=["fedex", "fedit"], rounds=4)
     extra = {"client_state_dir": str(tmp_path / "state")} if client_disk is True else {}
@@ -116,5 +118,8 @@ def test_resume_after_the_server_died(tiny_cfg, tmp_path, task_identity, client_
     for method in cfg.methods:
         got, _ = _final_model(cfg, run, method)
         ref, _ = _final_model(cfg, tmp_path / "clean", method)
-        diff = _state_dict_rel_diff(got, ref)
-        assert diff == 0.0 if client_disk else diff < 1e-6, (method, diff)
+        if client_disk:
+            assert _state_dict_rel_diff(got, ref) == 0.0, method
+        else:
+            assert _model_rel_diff(got, ref) < 1e-6, method
+            assert _state_dict_rel_diff(got, ref) < 1e-5, method

@@ -97,7 +97,7 @@ def test_export_reproduces_global_model_logits(tiny_cfg, tmp_path):
     run_experiment(cfg, tmp_path / "run", progress=False)
     dest = export_model(tmp_path / "run", tmp_path / "export").path
     task = load_task_for(cfg)
-    model, tok, server, _, _ = restore_model(
+    model, tok, server, _ = restore_model(
         cfg, task, "fedex", latest_checkpoint(tmp_path / "run" / "checkpoints" / "fedex"), None
     )
     assert server.round == 2

@@ -1,9 +1,11 @@
 """The peft bridge: the only module that knows peft's internals.
 
 It reads LoRA factors from a :class:`peft.PeftModel`, writes global factors back, and folds
-``scale * residual`` into the frozen base: into an fp32 weight directly, and for a
-bf16/fp16 or bitsandbytes-quantized weight into an fp32 side branch
-(:mod:`fedexlora.side`) that the forward pass applies, so no precision is lost.
+``scale * residual`` into the frozen base. Every adapted layer accumulates what was folded
+into it in a :class:`~fedexlora.side.SideBranch` (fp32, factored or dense, whichever is
+smaller). For a bf16/fp16 or bitsandbytes-quantized weight the forward pass applies that
+branch, so no precision is lost; an fp32 weight is rebuilt as ``W0 + branch`` in fp64,
+rounded once, so the model is a function of what it received, however it got there.
 Orientation (``fan_in_fan_out``) and scale are always taken from the peft layer itself,
 never recomputed: ``nn.Linear`` stores its weight ``(out, in)``, GPT-2's ``Conv1D``
 stores ``(in, out)``.
@@ -43,7 +45,8 @@ __all__ = [
     "snapshot_base",
 ]
 
-_SIDE = "fedex_side"  # child module of a LoraLayer holding its SideBranch
+_SIDE = "fedex_side"  # child module of a LoraLayer holding its SideBranch (forward hook)
+_ACC = "fedex_folded"  # the same for an fp32 layer: not hooked, materialized in the weight
 _BNB_LAYERS = {"Linear4bit", "LinearNF4", "LinearFP4", "Linear8bitLt"}
 _LORA_PARAM_TAGS = (".lora_A.", ".lora_B.", ".lora_embedding_", ".lora_magnitude_vector")
 
@@ -273,6 +276,37 @@ def _side(layer: LoraLayer, create: bool = False) -> SideBranch | None:
     return side
 
 
+def _acc(layer: LoraLayer, create: bool = False) -> SideBranch | None:
+    """An fp32 layer's accumulator: what was folded, and the weight before (``base0``)."""
+    acc = getattr(layer, _ACC, None)
+    if acc is None and create:
+        weight = layer.get_base_layer().weight
+        A, B = next(iter(layer.lora_A.values())).weight, next(iter(layer.lora_B.values())).weight
+        dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        acc = SideBranch(int(B.shape[0]), int(A.shape[1]), device=weight.device, dtype=dtype)
+        acc.register_buffer("base0", weight.detach().clone(), persistent=False)
+        layer.add_module(_ACC, acc)
+    return acc
+
+
+def _branch(layer: LoraLayer, create: bool = False) -> SideBranch | None:
+    """Where the layer accumulates what is folded into it (either kind)."""
+    if _holds_in_weight(layer):
+        return _acc(layer, create)
+    return _side(layer, create)
+
+
+@torch.no_grad()
+def _materialize(layer: LoraLayer) -> None:
+    """``W = fp32(base0 + accumulated)``, computed in fp64 and rounded once."""
+    acc = _acc(layer)
+    weight = layer.get_base_layer().weight
+    delta = acc.to_dense().to(weight.device)
+    if getattr(layer, "fan_in_fan_out", False):
+        delta = delta.T
+    weight.data.copy_((acc.base0.double() + delta).to(weight.dtype))
+
+
 def _apply_side(layer: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
     return getattr(layer, _SIDE)(args[0], out)
 
@@ -315,17 +349,27 @@ def effective_weight(layer: LoraLayer, adapter: str = "default", *, lora: bool =
 
 
 def side_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every non-empty side branch as flat tensors (``side.<module>.U|V|dense``)."""
+    """What every layer accumulated, as flat tensors (``side.<module>.U|V|dense``).
+
+    For a bf16/fp16 or quantized layer that is its side branch; for an fp32 layer, what
+    was folded into its weight since it was loaded (the weight is ``W0`` plus that).
+    Never a weight: factored while that is smaller, at most one fp32 ``(d, n)`` each.
+    """
     out = {}
     for name, layer in lora_layers(model).items():
-        side = _side(layer)
-        if side is not None and side.rank:
-            out.update(residuals_to_flat("side", {name: side.residual}))
+        branch = _branch(layer)
+        if branch is not None and branch.rank:
+            out.update(residuals_to_flat("side", {name: branch.residual}))
     return out
 
 
+@torch.no_grad()
 def load_side_state(model: torch.nn.Module, flat: Mapping[str, torch.Tensor]) -> None:
-    """Sets the side branches from :func:`side_state`'s tensors (others are emptied).
+    """Sets what each layer accumulated from :func:`side_state`'s tensors (others emptied).
+
+    An fp32 layer's weight is rebuilt as ``W0 + accumulated`` from the weight it had
+    before anything was folded: load this into a freshly loaded model (or one whose
+    state came from :func:`side_state` only).
 
     Raises:
         ValueError: If a tensor names an unknown module or has the wrong shape.
@@ -336,11 +380,12 @@ def load_side_state(model: torch.nn.Module, flat: Mapping[str, torch.Tensor]) ->
     if unknown:
         raise ValueError(f"side-branch state for unknown modules {unknown[:3]}")
     for name, layer in layers.items():
-        if name in residuals:
-            _side(layer, create=True).set(residuals[name])
-        elif _side(layer) is not None:
-            d, n = _side(layer).shape
-            _side(layer).set(Residual.zero(d, n))
+        branch = _branch(layer, create=name in residuals)
+        if branch is None:
+            continue
+        branch.set(residuals[name] if name in residuals else Residual.zero(*branch.shape))
+        if _holds_in_weight(layer):
+            _materialize(layer)
 
 
 def side_nbytes(model: torch.nn.Module) -> int:
@@ -358,18 +403,13 @@ def folded_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def snapshot_base(model: torch.nn.Module) -> dict:
-    """Everything folding changes (folded weights, side branches), to restore later."""
-    return {
-        "weights": {n: w.detach().clone() for n, w in folded_weights(model).items()},
-        "side": side_state(model),
-    }
+    """Everything folding changes (what each layer accumulated), to restore later."""
+    return {"side": side_state(model)}
 
 
 @torch.no_grad()
 def restore_base(model: torch.nn.Module, snapshot: dict) -> None:
     """Restores :func:`snapshot_base`'s state bit for bit."""
-    for n, w in folded_weights(model).items():
-        w.copy_(snapshot["weights"][n])
     load_side_state(model, snapshot["side"])
 
 
@@ -383,13 +423,15 @@ def fold_residuals(
 ) -> None:
     """Applies ``scale * residual`` to each layer's frozen base, in place.
 
-    The scale and the orientation come from the peft layer. Where the base weight is
-    fp32 (or fp64) the residual is folded into it, a factored one with one ``addmm_``.
-    Where it is bf16/fp16 or quantized (bitsandbytes), it is never rounded into the
-    weight: it is added to the layer's fp32 side branch (:class:`SideBranch`), which the
-    forward pass applies. ``side_rank`` caps each side branch's rank (the server's
-    ``side_rank`` mode sends residuals that keep it there; the cap only drops the float
-    noise of their cancellation).
+    The scale and the orientation come from the peft layer. The scaled residual is added
+    to what the layer accumulated (:class:`SideBranch`, re-factored in fp64). Where the
+    base weight is bf16/fp16 or quantized (bitsandbytes) it is never rounded into the
+    weight: the forward pass applies the branch. Where it is fp32 (or fp64) the weight is
+    rebuilt as ``W0 + accumulated`` in fp64 and rounded once, so two models that
+    received the same residuals hold the same bits, whether they were rebuilt from
+    :func:`side_state` or folded round by round. ``side_rank`` caps each branch's rank
+    (the server's ``side_rank`` mode sends residuals that keep it there; the cap only
+    drops the float noise of their cancellation).
 
     Raises:
         ValueError: If a residual names an unknown module or has the wrong shape.
@@ -418,19 +460,8 @@ def fold_layer(
     if R.is_zero:
         return
     scale = float(layer.scaling[adapter])
-    if not _holds_in_weight(layer):
-        side = _side(layer, create=True)
-        side.max_rank = side_rank
-        side.add(R.scaled(scale))
-        return
-    target = layer.get_base_layer().weight.data
-    fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))
-    if R.is_factored:
-        U, V = R.U.to(target), R.V.to(target)
-        if fan_in_fan_out:  # weight (n, d): add (U V)^T = V^T U^T
-            target.addmm_(V.T, U.T, alpha=scale)
-        else:  # weight (d, n)
-            target.addmm_(U, V, alpha=scale)
-    else:
-        dense = R.dense.to(target)
-        target.add_(dense.T if fan_in_fan_out else dense, alpha=scale)
+    branch = _branch(layer, create=True)
+    branch.max_rank = side_rank
+    branch.add(R.scaled(scale))
+    if _holds_in_weight(layer):
+        _materialize(layer)

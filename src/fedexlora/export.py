@@ -90,7 +90,7 @@ def export_model(
     if ckpt is None:
         raise RunError(f"run {str(run)!r} has no checkpoint for method {method!r}")
     task = load_task_for(cfg)
-    model, tokenizer, server, _, _ = restore_model(
+    model, tokenizer, server, _ = restore_model(
         cfg, task, method, ckpt, config_fingerprint(cfg.to_dict())
     )
     dest = Path(dest)

@@ -38,29 +38,32 @@ class RunError(ValueError):
     """A run that cannot start or continue, for a reason the user can fix."""
 
 
-def base_deltas(model, w0: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What folding changed: ``W - W0`` of each fp32 layer in fp64, plus the side branches.
+def base_deltas(model) -> dict[str, torch.Tensor]:
+    """What folding changed in the model: each layer's accumulated residual.
 
-    ``W0 + delta`` restores W exactly; side branches are stored as they are
-    (``side.<module>.U|V|dense``).
+    ``side.<module>.U|V|dense``, factored or dense (:func:`fedexlora.adapters.side_state`):
+    a freshly loaded model plus these is the model, bit for bit.
     """
-    deltas = {n: (w.detach().double() - w0[n].double()) for n, w in folded_weights(model).items()}
-    deltas.update(side_state(model))
-    return deltas
+    return side_state(model)
 
 
 @torch.no_grad()
 def apply_base_deltas(model, deltas: dict[str, torch.Tensor]) -> None:
-    """Restores :func:`base_deltas` onto a fresh model (``W0 + delta -> W``, side branches)."""
-    weights = folded_weights(model)
+    """Restores :func:`base_deltas` onto a freshly loaded model.
+
+    Checkpoints written before the accumulators hold ``W - W0`` of each fp32 layer in
+    fp64 under the module's name; those are still restored (``W0 + delta -> W``).
+    """
     side = {k: v for k, v in deltas.items() if k.startswith("side.")}
-    plain = {k: v for k, v in deltas.items() if not k.startswith("side.")}
-    if set(plain) != set(weights):
-        raise CheckpointError("checkpoint base deltas cover other modules than the model")
-    for n, w in weights.items():
-        if tuple(plain[n].shape) != tuple(w.shape):
-            raise CheckpointError(f"checkpoint base delta for {n!r} has the wrong shape")
-        w.copy_((w.double() + plain[n]).to(w.dtype))
+    legacy = {k: v for k, v in deltas.items() if not k.startswith("side.")}
+    if legacy:
+        weights = folded_weights(model)
+        if set(legacy) != set(weights):
+            raise CheckpointError("checkpoint base deltas cover other modules than the model")
+        for n, w in weights.items():
+            if tuple(legacy[n].shape) != tuple(w.shape):
+                raise CheckpointError(f"checkpoint base delta for {n!r} has the wrong shape")
+            w.copy_((w.double() + legacy[n]).to(w.dtype))
     try:
         load_side_state(model, side)
     except ValueError as exc:
@@ -99,10 +102,9 @@ def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: st
         raise CheckpointError(
             f"checkpoint {str(ckpt)!r}: base deltas unreadable: {exc}", corrupt=True
         ) from None
-    w0 = {n: w.detach().clone() for n, w in folded_weights(model).items()}
     apply_base_deltas(model, deltas)
     set_state(model, server.state)
-    return model, tokenizer, server, info, w0
+    return model, tokenizer, server, info
 
 
 def restore_latest(cfg: RunConfig, task, method: str, directory: Path, fingerprint, say=print):
@@ -210,9 +212,9 @@ def run_experiment(
             found = restore_latest(cfg, task, method, out / "checkpoints" / method, fingerprint)
             if found is None:
                 continue
-            model, _, server, info, w0 = found
+            model, _, server, info = found
             done_rows[method] = info["rows"]
-            restored[method] = (model, server, w0)
+            restored[method] = (model, server)
             say(f"resuming {method} after round {server.round}")
         with open(metrics_path, "w") as f:
             for method in cfg.methods:
@@ -225,7 +227,7 @@ def run_experiment(
     for i, method in enumerate(cfg.methods):
         rows = list(done_rows.get(method, []))
         if method in restored:
-            model, server, w0 = restored.pop(method)
+            model, server = restored.pop(method)
         else:
             model = (
                 first_model
@@ -233,10 +235,9 @@ def run_experiment(
                 else new_model(cfg, task, method)[0]
             )
             server = new_server(cfg, method, model)
-            w0 = {n: w.detach().clone() for n, w in folded_weights(model).items()}
         first_model = None
 
-        def after_round(row, srv, mdl, _rows=rows, _method=method, _w0=w0):
+        def after_round(row, srv, mdl, _rows=rows, _method=method):
             _rows.append(row)
             append_row(metrics_path, row)
             save_checkpoint(
@@ -249,7 +250,7 @@ def run_experiment(
                     "config": cfg.to_dict(),
                 },
                 keep=cfg.keep_checkpoints,
-                base=base_deltas(mdl, _w0),
+                base=base_deltas(mdl),
             )
 
         if server.round < cfg.rounds:

@@ -34,14 +34,19 @@ class SideBranch(torch.nn.Module):
         max_rank: Keep at most this rank (the best rank-``max_rank`` part, by SVD). The
             server's ``side_rank`` mode keeps the error feedback; here the cap only drops
             the float noise of cancelling updates. ``None`` keeps everything.
+        dtype: Storage dtype (fp32; fp64 for an fp64 model, whose accumulator must not
+            round to fp32).
     """
 
-    def __init__(self, d: int, n: int, *, max_rank: int | None = None, device=None):
+    def __init__(
+        self, d: int, n: int, *, max_rank: int | None = None, device=None, dtype=torch.float32
+    ):
         super().__init__()
         self.shape = (d, n)
         self.max_rank = max_rank
-        self.register_buffer("U", torch.zeros(d, 0, device=device), persistent=False)
-        self.register_buffer("V", torch.zeros(0, n, device=device), persistent=False)
+        self.dtype = dtype
+        self.register_buffer("U", torch.zeros(d, 0, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("V", torch.zeros(0, n, device=device, dtype=dtype), persistent=False)
         self.register_buffer("dense", None, persistent=False)
 
     @property
@@ -63,18 +68,18 @@ class SideBranch(torch.nn.Module):
 
     @torch.no_grad()
     def set(self, residual: Residual) -> None:
-        """Replaces the correction with ``residual`` (stored fp32 on this branch's device)."""
+        """Replaces the correction with ``residual`` (stored in ``dtype`` on this device)."""
         if tuple(residual.shape) != self.shape:
             raise ValueError(f"side branch is {self.shape}, got a residual of {residual.shape}")
-        dev = self.U.device
+        dev, dt = self.U.device, self.dtype
         if residual.dense is not None:
-            self.dense = residual.dense.to(dev, torch.float32).contiguous()
-            self.U = torch.zeros(self.shape[0], 0, device=dev)
-            self.V = torch.zeros(0, self.shape[1], device=dev)
+            self.dense = residual.dense.to(dev, dt).contiguous()
+            self.U = torch.zeros(self.shape[0], 0, device=dev, dtype=dt)
+            self.V = torch.zeros(0, self.shape[1], device=dev, dtype=dt)
         else:
             self.dense = None
-            self.U = residual.U.to(dev, torch.float32).contiguous()
-            self.V = residual.V.to(dev, torch.float32).contiguous()
+            self.U = residual.U.to(dev, dt).contiguous()
+            self.V = residual.V.to(dev, dt).contiguous()
 
     @torch.no_grad()
     def add(self, residual: Residual) -> None:

@@ -29,7 +29,6 @@ from .adapters import (
     effective_weight,
     fold_layer,
     fold_residuals,
-    folded_weights,
     get_state,
     load_side_state,
     lora_layers,
@@ -76,13 +75,13 @@ def apply_payload(
 def client_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What a client must keep between rounds to rebuild its model, as flat tensors.
 
-    Everything payloads have changed in its base (the fp32 weights of its adapted layers
-    as ``weight.<module>``, or their side branches as ``side.<module>.*``) and its adapter
-    (``adapter.*``). Never the unadapted layers, which the pretrained model provides.
-    Store it where your client lives between rounds (a Flower ``Context``, a file).
+    What payloads have folded into each adapted layer (``side.<module>.*``: factored
+    while that is smaller, at most one fp32 ``(d, n)`` per layer) and its adapter
+    (``adapter.*``). Never a base weight: a freshly loaded (pretrained) model plus this
+    state is the client's model, bit for bit (:func:`load_client_state`). Store it where
+    your client lives between rounds (a Flower ``Context``, a file).
     """
-    out = {f"weight.{n}": w.detach() for n, w in folded_weights(model).items()}
-    out.update(side_state(model))
+    out = dict(side_state(model))
     out.update({f"adapter.{k}": v for k, v in get_state(model).to_flat().items()})
     return out
 
@@ -94,15 +93,6 @@ def load_client_state(model: torch.nn.Module, flat: dict[str, torch.Tensor]) -> 
     Raises:
         ValueError: If the state does not match the model's layers or shapes.
     """
-    weights = folded_weights(model)
-    missing = sorted(n for n in weights if f"weight.{n}" not in flat)
-    if missing:
-        raise ValueError(f"client state lacks the base weights of {missing[:3]}")
-    for n, w in weights.items():
-        src = flat[f"weight.{n}"]
-        if tuple(src.shape) != tuple(w.shape):
-            raise ValueError(f"client state: {n!r} has shape {tuple(src.shape)}")
-        w.copy_(src.to(w.dtype))
     load_side_state(model, {k: v for k, v in flat.items() if k.startswith("side.")})
     adapter = {k[8:]: v for k, v in flat.items() if k.startswith("adapter.")}
     set_state(model, AdapterState.from_flat(adapter))

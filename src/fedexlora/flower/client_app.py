@@ -187,8 +187,11 @@ def _client_model(cfg, task, method, context, pid: int, since: int, spare, disk,
 
 
 def _activate(model, adapter: str) -> None:
-    """Makes ``adapter`` the one trained; peft's ``set_adapter`` also resets which of its
-    factors train, so a model already on it (FFA-LoRA's frozen A) is left alone."""
+    """Makes ``adapter`` the one trained.
+
+    peft's ``set_adapter`` also resets which of its factors train, so a model already on
+    it (FFA-LoRA's frozen A) is left alone.
+    """
     if model.active_adapter != adapter:
         model.set_adapter(adapter)
 

@@ -50,7 +50,7 @@ def run_server(
     import json
     import uuid
 
-    from ..adapters import folded_weights, set_state
+    from ..adapters import set_state
     from ..checkpoint import config_fingerprint, save_checkpoint
     from ..engine import (
         apply_round,
@@ -111,8 +111,8 @@ def run_server(
         for method in cfg.methods:
             found = restore_latest(cfg, task, method, out / "checkpoints" / method, fingerprint)
             if found is not None:
-                model, _, server, info, w0 = found
-                restored[method] = (model, server, w0)
+                model, _, server, info = found
+                restored[method] = (model, server)
                 done_rows[method] = info["rows"]
                 say(f"resuming {method} after round {server.round}")
         lines = [json.dumps(r) for m in cfg.methods for r in done_rows.get(m, [])]
@@ -123,11 +123,10 @@ def run_server(
     all_rows: list[dict] = []
     for method in cfg.methods:
         if method in restored:
-            model, server, w0 = restored.pop(method)
+            model, server = restored.pop(method)
         else:
             model = first_model if first_model is not None else new_model(cfg, task, method)[0]
             server = new_server(cfg, method, model)
-            w0 = {n: w.detach().clone() for n, w in folded_weights(model).items()}
         first_model = None
         rows: list[dict] = list(done_rows.get(method, []))
         if server.round >= cfg.rounds:
@@ -143,7 +142,7 @@ def run_server(
             fingerprint=fingerprint,
         )
 
-        def evaluate_fn(rnd, _arrays, m=method, mdl=model, srv=server, st=strategy, rs=rows, w0=w0):
+        def evaluate_fn(rnd, _arrays, m=method, mdl=model, srv=server, st=strategy, rs=rows):
             """After each round: fold, evaluate, write the row and a checkpoint."""
             if rnd == 0:
                 return None  # the in-process engine does not evaluate before round 1
@@ -175,7 +174,7 @@ def run_server(
                 srv,
                 meta=meta,
                 keep=cfg.keep_checkpoints,
-                base=base_deltas(mdl, w0),
+                base=base_deltas(mdl),
             )
             return MetricRecord({k: float(v) for k, v in metrics.items() if _is_number(v)})
 
