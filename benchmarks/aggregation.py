@@ -146,7 +146,15 @@ def stacked(As, Bs, W):
 
 
 def make_ours(model):
+    from fedexlora.adapters import _acc, lora_layers
+    from fedexlora.aggregation import Residual
+
+    acc = _acc(lora_layers(model)[LAYER], create=True)
+
     def ours(As, Bs, W=None):
+        # one round's server step from an empty accumulator, as in round 1: later rounds
+        # re-factor the accumulated residual together with the new one
+        acc.set(Residual.zero(*acc.shape))
         res = aggregate(As, Bs, method="fedex")
         fold_residuals(model, {LAYER: res.residual})
         return res

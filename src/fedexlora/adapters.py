@@ -4,8 +4,8 @@ It reads LoRA factors from a :class:`peft.PeftModel`, writes global factors back
 ``scale * residual`` into the frozen base. Every adapted layer accumulates what was folded
 into it in a :class:`~fedexlora.side.SideBranch` (fp32, factored or dense, whichever is
 smaller). For a bf16/fp16 or bitsandbytes-quantized weight the forward pass applies that
-branch, so no precision is lost; an fp32 weight is rebuilt as ``W0 + branch`` in fp64,
-rounded once, so the model is a function of what it received, however it got there.
+branch, so no precision is lost; an fp32 weight is rebuilt as ``W0 + branch`` (one
+``addmm``), so the model is a function of what it received, however it got there.
 Orientation (``fan_in_fan_out``) and scale are always taken from the peft layer itself,
 never recomputed: ``nn.Linear`` stores its weight ``(out, in)``, GPT-2's ``Conv1D``
 stores ``(in, out)``.
@@ -283,7 +283,9 @@ def _acc(layer: LoraLayer, create: bool = False) -> SideBranch | None:
         weight = layer.get_base_layer().weight
         A, B = next(iter(layer.lora_A.values())).weight, next(iter(layer.lora_B.values())).weight
         dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        acc = SideBranch(int(B.shape[0]), int(A.shape[1]), device=weight.device, dtype=dtype)
+        acc = SideBranch(
+            int(B.shape[0]), int(A.shape[1]), device=weight.device, dtype=dtype, refactor=False
+        )
         acc.register_buffer("base0", weight.detach().clone(), persistent=False)
         layer.add_module(_ACC, acc)
     return acc
@@ -298,13 +300,23 @@ def _branch(layer: LoraLayer, create: bool = False) -> SideBranch | None:
 
 @torch.no_grad()
 def _materialize(layer: LoraLayer) -> None:
-    """``W = fp32(base0 + accumulated)``, computed in fp64 and rounded once."""
+    """``W = base0 + accumulated``, written straight into the weight (one ``addmm``).
+
+    A function of ``base0`` and what was accumulated only: every model that received the
+    same residuals computes the same bits here, however it got there.
+    """
     acc = _acc(layer)
-    weight = layer.get_base_layer().weight
-    delta = acc.to_dense().to(weight.device)
-    if getattr(layer, "fan_in_fan_out", False):
-        delta = delta.T
-    weight.data.copy_((acc.base0.double() + delta).to(weight.dtype))
+    w = layer.get_base_layer().weight.data
+    fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))
+    if acc.dense is not None:
+        dense = acc.dense.to(w)
+        torch.add(acc.base0, dense.T if fan_in_fan_out else dense, out=w)
+    elif acc.U.shape[1] == 0:
+        w.copy_(acc.base0)
+    elif fan_in_fan_out:  # weight (n, d): base0 + (U V)^T = base0 + V^T U^T
+        torch.addmm(acc.base0, acc.V.to(w).T, acc.U.to(w).T, out=w)
+    else:
+        torch.addmm(acc.base0, acc.U.to(w), acc.V.to(w), out=w)
 
 
 def _apply_side(layer: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
@@ -427,7 +439,7 @@ def fold_residuals(
     to what the layer accumulated (:class:`SideBranch`, re-factored in fp64). Where the
     base weight is bf16/fp16 or quantized (bitsandbytes) it is never rounded into the
     weight: the forward pass applies the branch. Where it is fp32 (or fp64) the weight is
-    rebuilt as ``W0 + accumulated`` in fp64 and rounded once, so two models that
+    rebuilt as ``W0 + accumulated`` with one ``addmm``, so two models that
     received the same residuals hold the same bits, whether they were rebuilt from
     :func:`side_state` or folded round by round. ``side_rank`` caps each branch's rank
     (the server's ``side_rank`` mode sends residuals that keep it there; the cap only

@@ -36,15 +36,27 @@ class SideBranch(torch.nn.Module):
             the float noise of cancelling updates. ``None`` keeps everything.
         dtype: Storage dtype (fp32; fp64 for an fp64 model, whose accumulator must not
             round to fp32).
+        refactor: Re-factor each sum to numerical rank (QR and a small SVD). A branch
+            the forward pass applies needs its rank small; an fp32 layer's accumulator,
+            rebuilt into the weight with one ``addmm``, only concatenates (no rounding,
+            no QR of ever taller factors) until dense is smaller.
     """
 
     def __init__(
-        self, d: int, n: int, *, max_rank: int | None = None, device=None, dtype=torch.float32
+        self,
+        d: int,
+        n: int,
+        *,
+        max_rank: int | None = None,
+        device=None,
+        dtype=torch.float32,
+        refactor: bool = True,
     ):
         super().__init__()
         self.shape = (d, n)
         self.max_rank = max_rank
         self.dtype = dtype
+        self.refactor = refactor
         self.register_buffer("U", torch.zeros(d, 0, device=device, dtype=dtype), persistent=False)
         self.register_buffer("V", torch.zeros(0, n, device=device, dtype=dtype), persistent=False)
         self.register_buffer("dense", None, persistent=False)
@@ -87,12 +99,27 @@ class SideBranch(torch.nn.Module):
 
         The sum is formed and reduced in fp64 (QR and a small SVD, never the ``(d, n)``
         product while factors are smaller), then stored in fp32, dense only where that
-        is smaller, and cut to ``max_rank`` when set.
+        is smaller, and cut to ``max_rank`` when set. Without ``refactor`` the factors
+        are only concatenated until dense is smaller. The first residual is kept as it
+        came.
         """
         if residual.is_zero:
             return
         cur = self.residual
+        small = residual.dense is None and residual.U.shape[1] <= (self.max_rank or 0)
+        if cur.is_zero and (self.max_rank is None or small):
+            self.set(residual)  # the first one: as it came (already at numerical rank)
+            return
         dev = self.U.device
+        if not self.refactor and residual.dense is None and cur.dense is None:
+            U = torch.cat([cur.U, residual.U.to(dev, self.dtype)], 1)
+            V = torch.cat([cur.V, residual.V.to(dev, self.dtype)], 0)
+            d, n = self.shape
+            if U.shape[1] * (d + n) < d * n:
+                self.set(Residual(self.shape, U=U, V=V))
+            else:  # dense is smaller now
+                self.set(Residual(self.shape, dense=U.double() @ V.double()))
+            return
         if residual.dense is not None or cur.dense is not None:
             total = Residual(
                 self.shape,
