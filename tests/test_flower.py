@@ -311,3 +311,24 @@ def test_dropout_then_resync_stays_exact(tiny_cfg, tmp_path, task_identity):
     assert [r["num_examples"] for r in rows] == [r["num_examples"] for r in ref_rows]
     got, _ = _final_model(fcfg, tmp_path / "flower", method)
     assert _state_dict_rel_diff(got, ref_model) < 1e-5
+
+
+def test_flwr_run_validates_as_fedexlora_validate_does(tiny_cfg, tmp_path):
+    """The ServerApp refuses what its engine cannot do before the first round, naming it."""
+    from fedexlora.config import ConfigError
+    from fedexlora.flower.records import FlowerSettings, resolve_run_config, to_run_config
+    from fedexlora.flower.server_app import run_server
+
+    rc = to_run_config(tiny_cfg.replace(methods=["fedex", "centralized"]))
+    with pytest.raises(ConfigError, match="'centralized' has no clients"):
+        resolve_run_config(rc)
+    rc = to_run_config(tiny_cfg)
+    with pytest.raises(ConfigError, match="`client_ranks` needs one rank per client"):
+        resolve_run_config({**rc, "client-ranks": "2,4"})
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match="'centralized' has no clients"):
+        bad = tiny_cfg.replace(methods=["centralized"])
+        run_server(None, bad, FlowerSettings(run_dir=str(run_dir)), say=lambda *_: None)
+    assert not run_dir.exists()
+    cfg, _ = resolve_run_config({**rc, "client-ranks": "2,4,4", "method": "fedex"})
+    assert cfg.client_ranks == [2, 4, 4] and cfg.engine == "flower"
