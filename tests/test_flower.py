@@ -332,3 +332,32 @@ def test_flwr_run_validates_as_fedexlora_validate_does(tiny_cfg, tmp_path):
     assert not run_dir.exists()
     cfg, _ = resolve_run_config({**rc, "client-ranks": "2,4,4", "method": "fedex"})
     assert cfg.client_ranks == [2, 4, 4] and cfg.engine == "flower"
+
+
+def test_ray_starts_on_loopback_with_usage_stats_off(tiny_cfg, tmp_path, monkeypatch):
+    """What the Ray simulation is started with; a user's own setting wins."""
+    import os
+
+    import flwr.simulation
+
+    from fedexlora.flower.simulation import run_flower_experiment
+
+    seen = []
+
+    def fake_run_simulation(**kw):
+        seen.append((os.environ.get("RAY_USAGE_STATS_ENABLED"), kw["backend_config"]))
+        assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"  # loopback only
+
+    monkeypatch.setattr(flwr.simulation, "run_simulation", fake_run_simulation)
+    monkeypatch.delenv("RAY_USAGE_STATS_ENABLED", raising=False)
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=1)
+    with pytest.raises(RuntimeError, match="wrote 0 of 1 metrics rows"):
+        run_flower_experiment(cfg, tmp_path / "a")
+    enabled, backend = seen[-1]
+    assert enabled == "0" and backend["init_args"] == {"include_dashboard": False}
+    assert "RAY_USAGE_STATS_ENABLED" not in os.environ  # restored afterwards
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")
+    with pytest.raises(RuntimeError):
+        run_flower_experiment(cfg, tmp_path / "b")
+    assert seen[-1][0] == "1"

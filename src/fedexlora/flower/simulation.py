@@ -9,17 +9,45 @@ directory.
 Client resources on Ray come from ``client_cpus`` / ``client_gpus`` (or the environment
 variables ``FEDEXLORA_CLIENT_CPUS`` / ``FEDEXLORA_CLIENT_GPUS``): Ray runs as many
 ClientApp actors at once as the machine's CPUs and GPUs allow at that size.
+
+Ray is started for this machine alone (:data:`RAY_ENV`, where the environment does not
+already say otherwise): bound to 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, Ray's
+single-machine mode), and with its usage statistics off (``RAY_USAGE_STATS_ENABLED=0``;
+``1`` turns them back on). For a multi-machine Ray cluster set
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` and pass a full ``backend_config``, e.g.
+``{"init_args": {"address": "auto"}, "client_resources": ...}``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
 
 from .records import to_run_config
 
-__all__ = ["client_resources", "run_flower_experiment"]
+__all__ = ["RAY_ENV", "client_resources", "run_flower_experiment"]
+
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # Ray's single-machine mode (its default on macOS and Windows): every Ray process on
+    # 127.0.0.1, and no probe of the network for the machine's address
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+}
+"""Environment the Ray simulation starts with, where the caller's does not say otherwise."""
+
+
+@contextlib.contextmanager
+def _environment(defaults: dict[str, str]):
+    """Sets each variable the environment does not set already; restores afterwards."""
+    added = [k for k in defaults if k not in os.environ]
+    os.environ.update({k: defaults[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _env_float(name: str) -> float | None:
@@ -93,8 +121,6 @@ def run_flower_experiment(
             resume.
     """
     del progress
-    from flwr.simulation import run_simulation
-
     from ..pipeline import RunError
     from ..report import read_metrics
     from .client_app import make_client_app
@@ -123,12 +149,15 @@ def run_flower_experiment(
         "client_resources": client_resources(cfg, client_cpus, client_gpus),
         "init_args": {"include_dashboard": False},
     }
-    run_simulation(
-        server_app=make_server_app(run_config, say=say),
-        client_app=make_client_app(run_config),
-        num_supernodes=cfg.num_clients,
-        backend_config=backend,
-    )
+    with _environment(RAY_ENV):
+        from flwr.simulation import run_simulation  # Ray reads RAY_ENV when first imported
+
+        run_simulation(
+            server_app=make_server_app(run_config, say=say),
+            client_app=make_client_app(run_config),
+            num_supernodes=cfg.num_clients,
+            backend_config=backend,
+        )
     rows = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
     want = cfg.rounds * len(cfg.methods)
     if len(rows) != want:
