@@ -123,3 +123,25 @@ def test_resume_after_the_server_died(tiny_cfg, tmp_path, task_identity, client_
         else:
             assert _model_rel_diff(got, ref) < 1e-6, method
             assert _state_dict_rel_diff(got, ref) < 1e-5, method
+
+
+def test_expected_flower_notes_are_quiet_and_the_rest_is_kept(tiny_cfg, tmp_path, task_identity):
+    import logging
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("flwr").addHandler(handler)
+    try:
+        _flower(tiny_cfg.replace(methods=["fedex"], rounds=1), tmp_path / "run")
+    finally:
+        logging.getLogger("flwr").removeHandler(handler)
+    text = "\n".join(records)
+    assert "configure_train: 3 of 3 sampled partitions sent" in text  # informative: kept
+    assert "fraction_evaluate is set to 0.0" not in text
+    assert "Initial global evaluation results: None" not in text
+    assert not logging.getLogger("flwr").filters  # nothing left behind

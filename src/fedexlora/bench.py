@@ -379,15 +379,9 @@ _SHAPES = ("embedded", "roberta-base", "llama-7b")
 
 
 def _quiet_libraries() -> None:
-    import os
-    import warnings
+    from .quiet import quiet_libraries
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    quiet_libraries()
 
 
 @bench_app.command("comm")

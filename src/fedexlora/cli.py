@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import sys
-import warnings
 from pathlib import Path
 
 import typer
@@ -82,21 +80,9 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _quiet_libraries() -> None:
-    import logging
+    from .quiet import quiet_libraries
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # bitsandbytes on AVX512-BF16 CPUs looks for an optional inference kernel on the hub
-    # and warns when it is absent; fedex-lora turns that code path off (models.py)
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover
-        pass
+    quiet_libraries()
 
 
 def _print_final_table(rows: list[dict]) -> None:

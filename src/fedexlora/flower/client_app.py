@@ -38,6 +38,7 @@ from typing import Any
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from ..quiet import quiet_libraries
 from .records import from_array_record, resolve_run_config, to_array_record
 
 __all__ = ["app", "make_client_app"]
@@ -284,6 +285,7 @@ def make_client_app(defaults: Mapping[str, Any] | None = None) -> ClientApp:
         Problems are reported, not raised, so that the server can stop the run at once
         with a message naming this node.
         """
+        quiet_libraries()
         conf = context.node_config
         record = ConfigRecord(
             {
@@ -306,6 +308,7 @@ def make_client_app(defaults: Mapping[str, Any] | None = None) -> ClientApp:
     @client.train()
     def train(msg: Message, context: Context) -> Message:
         """One round of local training on this node's partition."""
+        quiet_libraries()
         return train_step(msg, context, base)
 
     return client

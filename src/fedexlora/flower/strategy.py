@@ -16,7 +16,9 @@ Records, both ways: ``arrays`` (an ``ArrayRecord`` of ``Payload.to_flat()`` down
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import time
 import warnings
 from collections.abc import Iterable
@@ -35,6 +37,29 @@ from .records import from_array_record, to_array_record
 __all__ = ["FedExLoRA", "NodeDirectory", "RoundRecord"]
 
 FLOWER_METHODS = ("fedex", "fedit", "ffa", "flora")
+
+# What Flower logs about choices this strategy makes on purpose: the server evaluates the
+# global model itself, so there is no federated evaluation and no initial evaluation.
+_EXPECTED = (
+    "fraction_evaluate is set to 0.0",
+    "Initial global evaluation results: None",
+)
+
+
+class _DropExpected(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_EXPECTED)
+
+
+@contextlib.contextmanager
+def _quiet_expected():
+    """Drops :data:`_EXPECTED` from Flower's log while this strategy is in charge."""
+    logger, flt = logging.getLogger("flwr"), _DropExpected()
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)
 
 
 @dataclass
@@ -226,14 +251,15 @@ class FedExLoRA(FedAvg):
         if min_train_nodes < 1:
             raise ValueError(f"`min_train_nodes` must be >= 1, got {min_train_nodes}")
         available = server.num_clients if min_available_nodes in (None, 0) else min_available_nodes
-        super().__init__(
-            fraction_train=fraction_train,
-            fraction_evaluate=0.0,  # the server evaluates the global model itself
-            min_train_nodes=min_train_nodes,
-            min_evaluate_nodes=0,
-            min_available_nodes=available,
-            weighted_by_key=weighted_by_key,
-        )
+        with _quiet_expected():
+            super().__init__(
+                fraction_train=fraction_train,
+                fraction_evaluate=0.0,  # the server evaluates the global model itself
+                min_train_nodes=min_train_nodes,
+                min_evaluate_nodes=0,
+                min_available_nodes=available,
+                weighted_by_key=weighted_by_key,
+            )
         server.fraction = fraction_train
         self.server = server
         self.nodes = nodes
@@ -247,6 +273,11 @@ class FedExLoRA(FedAvg):
     def method(self) -> str:
         """The method this strategy runs."""
         return self.server.method
+
+    def start(self, *args, **kwargs):
+        """Flower's ``start``, without its notes on what this strategy does on purpose."""
+        with _quiet_expected():
+            return super().start(*args, **kwargs)
 
     def summary(self) -> None:
         """Logs the strategy's settings."""

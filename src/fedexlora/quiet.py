@@ -1,0 +1,39 @@
+"""Quiets what the libraries print that a fedex-lora user need not see.
+
+Expected messages only: the load report of a classification head that is created on
+purpose, progress bars of loading, deprecation notices of the libraries' own internals.
+Called by the command line and by the Flower ClientApp (whose Ray actors and SuperNode
+processes do not run the command line's code). Idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+__all__ = ["quiet_libraries"]
+
+_DONE = False
+
+
+def quiet_libraries() -> None:
+    """Turns off the expected noise of transformers, bitsandbytes and torch (once)."""
+    global _DONE
+    if _DONE:
+        return
+    _DONE = True
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # bitsandbytes on AVX512-BF16 CPUs looks for an optional inference kernel on the hub
+    # and warns when it is absent; fedex-lora turns that code path off (models.py)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*")
+    warnings.filterwarnings("ignore", message=".*torch.jit.script_method.*")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # includes the head's "MISSING" load report
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
