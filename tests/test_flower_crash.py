@@ -3,7 +3,6 @@
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,6 +12,8 @@ from safetensors.torch import load_file
 from fedexlora.checkpoint import latest_checkpoint
 from fedexlora.report import read_metrics
 from test_flower_deploy import _descendants
+from test_resume import _cmd
+from test_resume import _rows_without_timing as _rows
 
 
 def _alive(pid: int) -> bool:
@@ -21,14 +22,6 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def _cmd(*args):
-    return [sys.executable, "-m", "fedexlora", "run", "--no-progress", *args]
-
-
-def _rows(path):
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in read_metrics(path)]
 
 
 @pytest.mark.integration
