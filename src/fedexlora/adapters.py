@@ -436,7 +436,8 @@ def fold_residuals(
     """Applies ``scale * residual`` to each layer's frozen base, in place.
 
     The scale and the orientation come from the peft layer. The scaled residual is added
-    to what the layer accumulated (:class:`SideBranch`, re-factored in fp64). Where the
+    to what the layer accumulated (:class:`SideBranch`: re-factored in fp64 for a branch
+    the forward pass applies, concatenated for an fp32 layer). Where the
     base weight is bf16/fp16 or quantized (bitsandbytes) it is never rounded into the
     weight: the forward pass applies the branch. Where it is fp32 (or fp64) the weight is
     rebuilt as ``W0 + accumulated`` with one ``addmm``, so two models that
