@@ -309,3 +309,12 @@ def test_random_sigkills_then_resume_each_time_is_identical(tmp_path, tiny_bert_
     assert set(a[1]) == set(b[1])
     for k in a[1]:
         assert torch.equal(a[1][k], b[1][k]), k
+
+
+def test_resumed_metrics_keep_every_methods_rows_in_order(tiny_cfg, tmp_path):
+    cfg = tiny_cfg.replace(rounds=1)
+    run_experiment(cfg, tmp_path, progress=False)
+    rows = run_experiment(cfg.replace(rounds=2), tmp_path, resume=True, progress=False)
+    want = [("fedex", 1), ("fedex", 2), ("fedit", 1), ("fedit", 2)]
+    assert [(r["method"], r["round"]) for r in rows] == want
+    assert read_metrics(tmp_path / "metrics.jsonl") == rows

@@ -272,6 +272,8 @@ def run_experiment(
             )
         all_rows.extend(rows)
         del model
+    if resume:  # restored rows were written first: put every method's rows in order
+        write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in all_rows))
     write_summary(out, all_rows, cfg.to_toml())
     return all_rows
 

@@ -207,6 +207,8 @@ def run_server(
         )
         all_rows.extend(rows)
         del model
+    if settings.resume:  # restored rows were written first: every method's rows in order
+        write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in all_rows))
     write_summary(out, all_rows, cfg.to_toml())
     say(f"wrote {metrics_path}")
     return all_rows
