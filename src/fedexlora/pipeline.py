@@ -27,9 +27,11 @@ __all__ = [
     "apply_base_deltas",
     "base_deltas",
     "write_atomic",
+    "write_rows",
     "load_task_for",
     "restore_latest",
     "restore_model",
+    "restore_run",
     "run_experiment",
 ]
 
@@ -80,6 +82,11 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """Writes ``metrics.jsonl`` with exactly ``rows``, atomically."""
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
 def append_row(path: Path, row: dict) -> None:
     """Appends one JSON row to ``metrics.jsonl`` and fsyncs it."""
     with open(path, "a") as f:
@@ -107,7 +114,7 @@ def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: st
     return model, tokenizer, server, info
 
 
-def restore_latest(cfg: RunConfig, task, method: str, directory: Path, fingerprint, say=print):
+def restore_latest(cfg: RunConfig, task, method: str, directory: Path, fingerprint):
     """:func:`restore_model` from the newest checkpoint in ``directory`` that is intact.
 
     A damaged newest checkpoint (unreadable, or left incomplete by a crash) is skipped with
@@ -146,6 +153,30 @@ def restore_latest(cfg: RunConfig, task, method: str, directory: Path, fingerpri
     if first_error is not None:
         raise first_error
     return None
+
+
+def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
+    """Every method of the run in ``out`` restored from its newest intact checkpoint.
+
+    Rewrites ``metrics.jsonl`` to the rows those checkpoints hold (rows of a round that
+    was not checkpointed are dropped: it runs again). Shared by both engines.
+
+    Returns:
+        ``(restored, done_rows)``: method -> ``(model, server)``, and method -> its rows,
+        for the methods that have a checkpoint.
+    """
+    restored: dict[str, tuple] = {}
+    done_rows: dict[str, list[dict]] = {}
+    for method in cfg.methods:
+        found = restore_latest(cfg, task, method, out / "checkpoints" / method, fingerprint)
+        if found is None:
+            continue
+        model, _, server, info = found
+        restored[method] = (model, server)
+        done_rows[method] = info["rows"]
+        say(f"resuming {method} after round {server.round}")
+    write_rows(out / "metrics.jsonl", [r for m in cfg.methods for r in done_rows.get(m, [])])
+    return restored, done_rows
 
 
 def run_experiment(
@@ -208,18 +239,7 @@ def run_experiment(
     done_rows: dict[str, list[dict]] = {}
     restored: dict[str, tuple] = {}
     if resume:
-        for method in cfg.methods:
-            found = restore_latest(cfg, task, method, out / "checkpoints" / method, fingerprint)
-            if found is None:
-                continue
-            model, _, server, info = found
-            done_rows[method] = info["rows"]
-            restored[method] = (model, server)
-            say(f"resuming {method} after round {server.round}")
-        with open(metrics_path, "w") as f:
-            for method in cfg.methods:
-                for row in done_rows.get(method, []):
-                    f.write(json.dumps(row) + "\n")
+        restored, done_rows = restore_run(cfg, task, out, fingerprint, say)
     else:
         metrics_path.write_text("")
 
@@ -273,7 +293,7 @@ def run_experiment(
         all_rows.extend(rows)
         del model
     if resume:  # restored rows were written first: put every method's rows in order
-        write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in all_rows))
+        write_rows(metrics_path, all_rows)
     write_summary(out, all_rows, cfg.to_toml())
     return all_rows
 

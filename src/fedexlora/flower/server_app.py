@@ -47,7 +47,6 @@ def run_server(
             engine cannot do, the run directory already holds a run (without
             ``resume``), or the run to resume has another configuration.
     """
-    import json
     import uuid
 
     from ..adapters import set_state
@@ -66,8 +65,9 @@ def run_server(
         append_row,
         base_deltas,
         load_task_for,
-        restore_latest,
+        restore_run,
         write_atomic,
+        write_rows,
     )
     from ..report import write_summary
     from .strategy import FedExLoRA, NodeDirectory
@@ -108,17 +108,20 @@ def run_server(
     restored: dict[str, tuple] = {}
     done_rows: dict[str, list[dict]] = {}
     if settings.resume:
-        for method in cfg.methods:
-            found = restore_latest(cfg, task, method, out / "checkpoints" / method, fingerprint)
-            if found is not None:
-                model, _, server, info = found
-                restored[method] = (model, server)
-                done_rows[method] = info["rows"]
-                say(f"resuming {method} after round {server.round}")
-        lines = [json.dumps(r) for m in cfg.methods for r in done_rows.get(m, [])]
-        write_atomic(metrics_path, "".join(line + "\n" for line in lines))
+        restored, done_rows = restore_run(cfg, task, out, fingerprint, say)
     else:
         metrics_path.write_text("")
+
+    def _save_uploads(mdl, srv, rec, out_dir, m):
+        """``save_client_adapters``: each upload as the PEFT adapter its client trained."""
+        for up in rec.uploads:
+            adapter = client_adapter(cfg, m, up.client_id) or "default"
+            set_state(mdl, up.state, adapter=adapter)
+            mdl.set_adapter(adapter)
+            weight = rec.outcome.weights.get(up.client_id)
+            save_client_adapter(mdl, out_dir, rec.round, up.client_id, int(up.num_examples), weight)
+        mdl.set_adapter("default")
+        set_state(mdl, srv.state)
 
     all_rows: list[dict] = []
     for method in cfg.methods:
@@ -178,19 +181,6 @@ def run_server(
             )
             return MetricRecord({k: float(v) for k, v in metrics.items() if _is_number(v)})
 
-        def _save_uploads(mdl, srv, rec, out_dir, m):
-            """``save_client_adapters``: each upload as the PEFT adapter its client trained."""
-            for up in rec.uploads:
-                adapter = client_adapter(cfg, m, up.client_id) or "default"
-                set_state(mdl, up.state, adapter=adapter)
-                mdl.set_adapter(adapter)
-                weight = rec.outcome.weights.get(up.client_id)
-                save_client_adapter(
-                    mdl, out_dir, rec.round, up.client_id, int(up.num_examples), weight
-                )
-            mdl.set_adapter("default")
-            set_state(mdl, srv.state)
-
         t0 = time.perf_counter()
         strategy.start(
             grid,
@@ -208,7 +198,7 @@ def run_server(
         all_rows.extend(rows)
         del model
     if settings.resume:  # restored rows were written first: every method's rows in order
-        write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in all_rows))
+        write_rows(metrics_path, all_rows)
     write_summary(out, all_rows, cfg.to_toml())
     say(f"wrote {metrics_path}")
     return all_rows
