@@ -465,3 +465,20 @@ def test_metrics_for_loaded_task(bbc: Task) -> None:
     labels = np.array(bbc.test["label"])
     out = compute_metrics(bbc, labels, labels)
     assert out == {"accuracy": 1.0, "f1_macro": 1.0}
+
+
+def test_synthetic_task_has_as_many_examples_as_asked_and_depends_on_the_seed():
+    a = load_task("synthetic:500", seed=3)
+    assert len(a.train) + len(a.test) == 500
+    assert a.kind == "classification" and a.num_labels == 5
+    assert a.train["text"] == load_task("synthetic:500", seed=3).train["text"]
+    assert a.train["text"] != load_task("synthetic:500", seed=4).train["text"]
+    assert len(load_task("synthetic").train) == 16_000
+    # every class is present in both splits
+    assert set(a.train["label"]) == set(a.test["label"]) == set(range(5))
+
+
+@pytest.mark.parametrize("name", ["synthetic:abc", "synthetic:5", "synthetic:"])
+def test_synthetic_task_refuses_a_bad_size(name):
+    with pytest.raises(ValueError, match="integer >= 10"):
+        load_task(name)

@@ -9,6 +9,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from fedexlora.adapters import fold_residuals, get_state, layer_info, lora_layers, set_state
 from fedexlora.server import ClientUpload, Payload, Server
+from fedexlora.steps import apply_payload
 
 
 def _peft_gpt2():
@@ -61,11 +62,10 @@ def _run_partial(method, rounds=5, num_clients=6, fraction=0.5, residual_rank=No
     for rnd in range(1, rounds + 1):
         uploads = []
         for c in server.sample(rnd):
-            flat = server.payload_for(c).to_flat()  # what goes over the wire
-            payload = Payload.from_flat(flat, round=rnd, version=server.version)
+            wire = server.payload_for(c).to_bytes()  # what goes over the wire
+            payload = Payload.from_bytes(wire)
             sizes.append(payload.nbytes)
-            fold_residuals(clients[c], payload.residuals)
-            set_state(clients[c], payload.state)
+            apply_payload(clients[c], payload)  # a reset one starts again from W0
             worst = max(worst, _rel(_effective(clients[c]), _effective(server_model)))
             uploads.append(ClientUpload(c, _train(get_state(clients[c]), gen), 10 + c))
         outcome = server.aggregate(uploads)

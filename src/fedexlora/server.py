@@ -39,13 +39,18 @@ class Payload:
         round: The round this payload starts.
         version: The base-weight version the client holds after applying it.
         state: Global factors and extras (A is ``None`` where the client has it already).
-        residuals: Module -> residual from the client's version to ``version``.
+        residuals: Module -> residual from the client's version to ``version``; with
+            ``reset``, from the pretrained weights ``W0`` to ``version``.
+        reset: The residuals start from ``W0``: the client first drops whatever it folded
+            before (a new or re-synced client, or one away longer than the server keeps
+            history for; :func:`fedexlora.steps.apply_payload` does this).
     """
 
     round: int
     version: int
     state: AdapterState
     residuals: dict[str, Residual] = field(default_factory=dict)
+    reset: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -59,24 +64,33 @@ class Payload:
         return flat
 
     @classmethod
-    def from_flat(cls, flat: Mapping[str, torch.Tensor], *, round: int, version: int) -> Payload:
+    def from_flat(
+        cls,
+        flat: Mapping[str, torch.Tensor],
+        *,
+        round: int,
+        version: int,
+        reset: bool = False,
+    ) -> Payload:
         """Inverse of :meth:`to_flat`; residual shapes are read from the tensors."""
         state = AdapterState.from_flat(
             {k[6:]: v for k, v in flat.items() if k.startswith("state.")}
         )
         residuals = residuals_from_flat("residual", dict(flat))
-        return cls(round=round, version=version, state=state, residuals=residuals)
+        return cls(round=round, version=version, state=state, residuals=residuals, reset=reset)
 
     def to_bytes(self) -> bytes:
-        """Safetensors bytes of :meth:`to_flat`, with ``round`` and ``version``."""
-        meta = {"round": self.round, "version": self.version}
+        """Safetensors bytes of :meth:`to_flat`, with ``round``, ``version`` and ``reset``."""
+        meta = {"round": self.round, "version": self.version, "reset": int(self.reset)}
         return _to_bytes(self.to_flat(), meta)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Payload:
         """Inverse of :meth:`to_bytes`."""
         flat, meta = _from_bytes(data, ("round", "version"))
-        return cls.from_flat(flat, round=meta["round"], version=meta["version"])
+        return cls.from_flat(
+            flat, round=meta["round"], version=meta["version"], reset=bool(meta.get("reset", 0))
+        )
 
 
 @dataclass
@@ -128,6 +142,10 @@ class ClientUpload:
 
 
 _META = "__meta__."
+
+
+def _nbytes(residuals: Mapping[str, Residual]) -> int:
+    return sum(r.nbytes for r in residuals.values())
 
 
 def _to_bytes(flat: Mapping[str, torch.Tensor], meta: dict) -> bytes:
@@ -251,6 +269,12 @@ def validate_upload(
 class Server:
     """The federated server: global state, client sampling, payloads, aggregation.
 
+    Its memory is bounded whatever the number of clients: per adapted layer it keeps the
+    accumulated base delta (factored while that is smaller, else one dense matrix) and
+    only as much residual history as fits beside it in one dense update's worth, plus
+    the latest round's residual. A client away longer than that history reaches is sent
+    a ``reset`` payload built from the base delta (see :meth:`payload_for`).
+
     Args:
         state: The initial global adapter state (with A for every module).
         layers: Scale, orientation and shape of each LoRA layer.
@@ -326,14 +350,17 @@ class Server:
             )
         return self.state
 
-    def catch_up(self, since: int) -> dict[str, Residual]:
+    def catch_up(self, since: int) -> dict[str, Residual] | None:
         """Per module, the residual that moves a base from version ``since`` to now.
 
         The residuals of the missed rounds are concatenated and re-factored to numerical
-        rank, or summed dense where that is smaller.
+        rank, or summed dense where that is smaller. ``None`` when the history no longer
+        reaches back to ``since`` (the client must be reset from ``W0``).
         """
         if since >= self.version:
             return {}
+        if since < self.history_floor:
+            return None
         out = {}
         for name in self.layers:
             parts = [
@@ -343,21 +370,43 @@ class Server:
                 out[name] = parts[0] if len(parts) == 1 else Residual.concat(parts)
         return out
 
+    @property
+    def history_floor(self) -> int:
+        """The oldest base version the residual history can still bring up to date."""
+        return min(self.history, default=self.version)
+
     def payload_for(self, client_id: int) -> Payload:
-        """Builds the payload for ``client_id`` and records its new base version."""
+        """Builds the payload for ``client_id`` and records its new base version.
+
+        A client the server knows at a version its history still reaches gets the
+        residuals since that version. A new or forgotten client, or one away longer than
+        the history reaches, gets a ``reset`` payload: the accumulated base delta from
+        ``W0`` (also chosen when it is smaller than the catch-up). Either way the client
+        holds the global model exactly after :func:`fedexlora.steps.apply_payload`.
+        """
         since = self.client_version.get(client_id)
-        if since is None:  # a new client starts from W0: it gets the accumulated base delta
-            residuals = {k: v for k, v in self.base_delta.items() if not v.is_zero}
-        else:
-            residuals = self.catch_up(since)
+        residuals = None if since is None else self.catch_up(since)
+        from_w0 = {k: v for k, v in self.base_delta.items() if not v.is_zero}
+        if residuals and _nbytes(from_w0) < _nbytes(residuals):
+            residuals = None  # the whole delta is smaller than the catch-up
+        reset = residuals is None
+        if reset:
+            residuals = from_w0
+            self.remainder.pop(client_id, None)  # heterogeneous ranks: nothing folded
         state = self.state
-        if self.method == "ffa" and since is not None:
+        if self.method == "ffa" and not reset:
             state = self.upload_template()  # A is frozen and already held
         if client_id in self.client_layers:
             state, residuals = self._hetero_view(client_id, residuals)
         self.client_version[client_id] = self.version
         self._prune()
-        return Payload(round=self.round + 1, version=self.version, state=state, residuals=residuals)
+        return Payload(
+            round=self.round + 1,
+            version=self.version,
+            state=state,
+            residuals=residuals,
+            reset=reset,
+        )
 
     def _hetero_view(self, c: int, glob: dict[str, Residual]):
         """Client ``c``'s factors, and its residual: catch-up plus the change of ``T_c``.
@@ -396,11 +445,60 @@ class Server:
         self.remainder.pop(client_id, None)  # heterogeneous ranks: nothing folded any more
 
     def _prune(self) -> None:
+        """Drops history no client needs, and history beyond the memory bound.
+
+        Per layer, the history older than the latest round plus the base delta must fit
+        in one dense ``(d, n)`` update; the oldest rounds go first. Clients that held one
+        of them are reset from the base delta when they come back.
+        """
         if not self.history:
             return
         oldest = min(self.client_version.values(), default=self.version)
-        for v in [v for v in self.history if v < oldest]:
+        drop = {v for v in self.history if v < oldest}
+        newest = max(self.history)
+        used = {name: _nbytes({name: r}) for name, r in self.base_delta.items()}
+        cut = False
+        for v in sorted(self.history, reverse=True):
+            if v in drop:
+                break
+            if v == newest:
+                continue  # the latest round's residual is always kept
+            res = self.history[v]
+            cut = cut or any(
+                used.get(name, 0) + r.nbytes > self._dense_nbytes(name, r)
+                for name, r in res.items()
+            )
+            if cut:
+                drop.add(v)
+                continue
+            for name, r in res.items():
+                used[name] = used.get(name, 0) + r.nbytes
+        for v in drop:
             del self.history[v]
+
+    def _dense_nbytes(self, name: str, r: Residual) -> int:
+        d, n = self.layers[name].shape
+        t = r.dense if r.dense is not None else r.U
+        return d * n * (t.element_size() if t is not None else 4)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of the server's tensors, by part (``total`` is their sum).
+
+        ``state``: the global factors and extras; ``base_delta``: what was folded into the
+        global base since ``W0``; ``history``: the residuals kept for catch-up;
+        ``feedback``: what the lossy modes hold back; ``clients``: per-client views
+        (heterogeneous ranks only).
+        """
+        out = {
+            "state": self.state.nbytes,
+            "base_delta": _nbytes(self.base_delta),
+            "history": sum(_nbytes(res) for res in self.history.values()),
+            "feedback": _nbytes(self.feedback),
+            "clients": sum(_nbytes(t) for t in self.remainder.values())
+            + sum(v.nbytes for v in self.sent.values()),
+        }
+        out["total"] = sum(out.values())
+        return out
 
     # -- aggregation -----------------------------------------------------------------
     def aggregate(
@@ -465,6 +563,7 @@ class Server:
                 else:
                     self.base_delta[k] = r if prev is None else Residual.concat([prev, r])
             self.version += 1
+            self._prune()
         return RoundOutcome(
             residuals=nonzero,
             accepted=[u.client_id for u in accepted],

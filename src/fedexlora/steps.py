@@ -54,8 +54,10 @@ def apply_payload(
     Folds ``scale * residual`` into each adapted layer's base (an fp32 weight directly; a
     bf16/fp16 or quantized one through its fp32 side branch), then loads the global
     factors and extras. The model must hold the base version the payload was built for:
-    the pristine weights for a client's first payload, else what its previous payloads
-    left (see :meth:`fedexlora.server.Server.payload_for`).
+    what its previous payloads left (see :meth:`fedexlora.server.Server.payload_for`).
+    A ``reset`` payload (a client's first, or one for a client away longer than the
+    server keeps history) starts from the pretrained weights: whatever the model folded
+    before is dropped first, so any model of the client's architecture will do.
 
     Args:
         model: The client's peft model.
@@ -68,6 +70,8 @@ def apply_payload(
     Raises:
         ValueError: If the payload's modules or shapes do not match the model.
     """
+    if payload.reset:
+        load_side_state(model, {})  # back to W0: every layer's accumulated delta dropped
     fold_residuals(model, payload.residuals, adapter, side_rank=side_rank)
     set_state(model, payload.state, adapter=adapter)
 

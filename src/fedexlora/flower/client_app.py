@@ -250,7 +250,7 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     task, prep, spare = _task_and_data(cfg, fingerprint, method)
     model = _client_model(cfg, task, method, context, pid, since, spare, disk, run_token)
     payload = Payload.from_flat(
-        from_array_record(msg.content["arrays"]), round=rnd, version=version
+        from_array_record(msg.content["arrays"]), round=rnd, version=version, reset=since < 0
     )
     apply_payload(
         model, payload, side_rank=cfg.side_rank, adapter=client_adapter_name(cfg, method, pid)

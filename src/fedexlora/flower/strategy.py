@@ -344,6 +344,8 @@ class FedExLoRA(FedAvg):
                 continue
             since = self.server.client_version.get(c)
             payload = self.server.payload_for(c)
+            if payload.reset:
+                since = None  # the client starts again from W0
             rec.bytes_down += payload.nbytes
             rec.sent.append(c)
             conf = ConfigRecord(

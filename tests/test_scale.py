@@ -1,0 +1,157 @@
+"""Many clients: bounded server state, and exact catch-up after any absence.
+
+The ideal global model is tracked by hand in fp64, from the uploads alone:
+``ideal_t = base_{t-1} + sum_i p_i s B_i A_i`` and ``base_t = ideal_t - s B_bar A_bar``.
+"""
+
+import pytest
+import torch
+
+from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_info
+from fedexlora.adapters import effective_weight, lora_layers
+from fedexlora.models import load_model
+from fedexlora.server import ClientUpload
+from fedexlora.state import AdapterState
+
+
+def _model(path):
+    model, _ = load_model(path, causal=False, num_labels=3, r=4, alpha=8, dropout=0.0, seed=0)
+    return model.eval()
+
+
+def _uploads(server: Server, clients, gen: torch.Generator) -> list[ClientUpload]:
+    """Random client updates around the global state, with random example counts."""
+    out = []
+    for c in clients:
+        factors = {
+            k: (
+                A + 0.05 * torch.randn(A.shape, generator=gen),
+                B + 0.05 * torch.randn(B.shape, generator=gen),
+            )
+            for k, (A, B) in server.state.factors.items()
+        }
+        extra = {
+            k: v + 0.01 * torch.randn(v.shape, generator=gen) for k, v in server.state.extra.items()
+        }
+        n = int(torch.randint(5, 50, (1,), generator=gen))
+        out.append(ClientUpload(c, AdapterState(factors, extra), n))
+    return out
+
+
+def _hand_ideal(base: dict, uploads, layers) -> tuple[dict, dict]:
+    """(ideal effective weights, next ideal base) by hand, fp64."""
+    total = sum(u.num_examples for u in uploads)
+    eff, nxt = {}, {}
+    for name, info in layers.items():
+        s = info.scale
+        avg_prod = sum(
+            (u.num_examples / total)
+            * s
+            * (u.state.factors[name][1].double() @ u.state.factors[name][0].double())
+            for u in uploads
+        )
+        A_bar = sum((u.num_examples / total) * u.state.factors[name][0].double() for u in uploads)
+        B_bar = sum((u.num_examples / total) * u.state.factors[name][1].double() for u in uploads)
+        eff[name] = base[name] + avg_prod
+        nxt[name] = eff[name] - s * (B_bar @ A_bar)
+    return eff, nxt
+
+
+def _rel_gap(model, ideal: dict) -> float:
+    num = den = 0.0
+    for name, layer in lora_layers(model).items():
+        w = effective_weight(layer)
+        num += float((w - ideal[name]).pow(2).sum())
+        den += float(ideal[name].pow(2).sum())
+    return (num / den) ** 0.5
+
+
+def test_client_absent_for_50_rounds_is_exact_and_server_state_stays_bounded(tiny_bert_dir):
+    torch.manual_seed(0)
+    glob, away, regular = _model(tiny_bert_dir), _model(tiny_bert_dir), _model(tiny_bert_dir)
+    layers = layer_info(glob)
+    server = Server(get_state(glob), layers, num_clients=6)
+    base = {n: effective_weight(layer, lora=False) for n, layer in lora_layers(glob).items()}
+    gen = torch.Generator().manual_seed(1)
+    dense = {n: info.shape[0] * info.shape[1] * 4 for n, info in layers.items()}
+    resets, catch_ups = [], []
+    ideal_eff = {n: effective_weight(x) for n, x in lora_layers(glob).items()}  # round 0
+
+    def client_round(model, c):
+        p = server.payload_for(c)
+        apply_payload(model, p)
+        (resets if p.reset else catch_ups).append((c, p.round))
+        return p
+
+    for rnd in range(1, 56):
+        clients = [2, 3]
+        if rnd in (1, 52):  # client 0: round 1, then away for 50 rounds
+            client_round(away, 0)
+            assert _rel_gap(away, ideal_eff) <= 1e-6
+            clients.append(0)
+        if rnd >= 30 or rnd % 7 == 0:  # client 1: now and then, then every round
+            client_round(regular, 1)
+            assert _rel_gap(regular, ideal_eff) <= 1e-6
+            clients.append(1)
+        for c in (2, 3):
+            server.payload_for(c)
+        ups = _uploads(server, clients, gen)
+        ideal_eff, base = _hand_ideal(base, ups, layers)
+        outcome = server.aggregate(ups)
+        apply_outcome(glob, server, outcome, ups)
+        assert _rel_gap(glob, ideal_eff) <= 1e-6
+        # bounded: per layer, the base delta and the older history fit in one dense
+        # update, plus the latest round's residual
+        newest = max(server.history)
+        for name in layers:
+            older = sum(
+                r[name].nbytes for v, r in server.history.items() if v != newest and name in r
+            )
+            assert server.base_delta[name].nbytes + older <= dense[name]
+    assert (0, 52) in resets  # away for 50 rounds: rebuilt from the base delta
+    assert (1, 31) in catch_ups  # back after one round: caught up from the history
+    assert (1, 14) in resets  # back after 7 rounds: the history no longer reaches
+    assert server.history_floor > 2
+    # the server's memory does not depend on how many rounds a client missed
+    parts = server.nbytes()
+    assert parts["history"] + parts["base_delta"] <= sum(dense.values()) + sum(
+        r.nbytes for r in server.history[max(server.history)].values()
+    )
+
+
+def test_reset_payload_round_trips_and_drops_what_was_folded(tiny_bert_dir):
+    from fedexlora.server import Payload
+
+    model = _model(tiny_bert_dir)
+    server = Server(get_state(model), layer_info(model), num_clients=2)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        server.payload_for(0)
+        server.payload_for(1)
+        server.aggregate(_uploads(server, [0, 1], gen))
+    assert server.base_delta
+    server.forget_client(0)
+    p = server.payload_for(0)
+    assert p.reset
+    back = Payload.from_bytes(p.to_bytes())
+    assert back.reset and back.version == p.version
+    # a model that already folded something is brought back to W0 before the delta
+    fresh = _model(tiny_bert_dir)
+    apply_payload(model, back)
+    apply_payload(fresh, back)
+    for (n, a), (_, b) in zip(lora_layers(model).items(), lora_layers(fresh).items()):
+        assert torch.equal(effective_weight(a), effective_weight(b)), n
+    apply_payload(model, back)  # applying the same reset payload twice changes nothing
+    for (n, a), (_, b) in zip(lora_layers(model).items(), lora_layers(fresh).items()):
+        assert torch.equal(effective_weight(a), effective_weight(b)), n
+
+
+@pytest.mark.parametrize("method", ["fedex", "ffa"])
+def test_old_style_payload_without_reset_flag_still_loads(tiny_bert_dir, method):
+    from fedexlora.server import Payload, _to_bytes
+
+    model = _model(tiny_bert_dir)
+    server = Server(get_state(model), layer_info(model), num_clients=1, method=method)
+    p = server.payload_for(0)
+    data = _to_bytes(p.to_flat(), {"round": p.round, "version": p.version})
+    assert not Payload.from_bytes(data).reset
