@@ -96,11 +96,11 @@ def child(args) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from fedexlora.adapters import effective_weight, lora_layers, side_state
+    from fedexlora.adapters import effective_weight, load_side_state, lora_layers, side_state
     from fedexlora.engine import new_model, prepare
     from fedexlora.pipeline import load_task_for
     from fedexlora.simulation import run_method
-    from fedexlora.steps import apply_payload, load_client_state
+    from fedexlora.steps import apply_payload
 
     torch.set_num_threads(args.threads)
     cfg = config(args, args.clients, args.fraction)
@@ -125,7 +125,7 @@ def child(args) -> dict:
         downloads.append(payload.nbytes)
         if probe is not None:
             snap = load_file(str(snaps / f"v{held.get(c, 0)}.safetensors"))
-            load_client_state(probe, snap)  # what client c holds: its last version
+            load_side_state(probe, snap)  # what client c folded: its last version
             apply_payload(probe, payload)
             num = den = upd = 0.0
             for (name, a), (_, g) in zip(lora_layers(probe).items(), lora_layers(glob).items()):

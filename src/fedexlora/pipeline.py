@@ -233,7 +233,7 @@ def run_experiment(
         if console is not None
         else f"task {cfg.task}: {len(prep.task.train)} train / {len(prep.task.test)} test"
     )
-    say(prep.partition_table)
+    say(_partition_summary(prep, out))
 
     # On resume, what each method's last checkpoint says; rows past it are dropped.
     done_rows: dict[str, list[dict]] = {}
@@ -296,6 +296,26 @@ def run_experiment(
         write_rows(metrics_path, all_rows)
     write_summary(out, all_rows, cfg.to_toml())
     return all_rows
+
+
+_TABLE_LINES = 20
+
+
+def _partition_summary(prep, out: Path) -> str:
+    """The partition table, written to ``partitions.txt``; shortened on screen when long."""
+    write_atomic(out / "partitions.txt", prep.partition_table + "\n")
+    lines = prep.partition_table.splitlines()
+    if len(prep.parts) <= _TABLE_LINES:
+        return prep.partition_table
+    sizes = sorted(len(p) for p in prep.parts)
+    return "\n".join(
+        lines[: _TABLE_LINES // 2 + 1]
+        + [
+            f"   ... {len(sizes)} clients of {sizes[0]} to {sizes[-1]} examples "
+            f"(median {sizes[len(sizes) // 2]}): see partitions.txt",
+            lines[-1],
+        ]
+    )
 
 
 def load_task_for(cfg: RunConfig):

@@ -30,7 +30,7 @@ from .engine import (
     round_row,
     save_client_adapter,
 )
-from .server import ClientUpload, Server
+from .server import ClientUpload, Payload, Server
 
 __all__ = ["run_method"]
 
@@ -47,6 +47,7 @@ def run_method(
     model=None,
     server: Server | None = None,
     after_round: Callable[[dict, Server, torch.nn.Module], None] | None = None,
+    on_payload: Callable[[int, Payload, torch.nn.Module], None] | None = None,
 ):
     """Runs one method for ``cfg.rounds`` rounds and returns ``(rows, model, server)``.
 
@@ -62,6 +63,9 @@ def run_method(
         model: A model to use instead of loading one (with ``server``: already restored).
         server: A server restored from a checkpoint; training resumes after its round.
         after_round: Called with ``(row, server, model)`` after each round (checkpoints).
+        on_payload: Called with ``(client, payload, model)`` for each sampled client
+            before it trains, while ``model`` holds the global model that payload must
+            bring the client to (checks, benchmarks).
     """
     centralized = method == "centralized"
     if model is None:
@@ -82,6 +86,8 @@ def run_method(
             payload = server.payload_for(c)
             bytes_down += payload.nbytes
             set_state(model, server.state)  # the shared base already holds the residuals
+            if on_payload is not None:
+                on_payload(c, payload, model)
             with _client_view(model, server, c, client_adapter(cfg, method, c)):
                 up = local_update(
                     cfg, method, model, client_data[c], rnd, c, steps=steps, progress=progress

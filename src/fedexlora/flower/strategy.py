@@ -46,6 +46,9 @@ _EXPECTED = (
 )
 
 
+_LOG_NODES = 20  # past this many new nodes at once, log a summary line
+
+
 class _DropExpected(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(_EXPECTED)
@@ -163,6 +166,7 @@ class NodeDirectory:
                 )
                 for n in new
             ]
+            found = []
             for reply in grid.send_and_receive(questions, timeout=self.timeout):
                 node = reply.metadata.src_node_id
                 if reply.has_error():
@@ -196,7 +200,17 @@ class NodeDirectory:
                     self.held[pid] = json.loads(str(conf.get("held", "{}")))
                 except ValueError:
                     self.held[pid] = {}
-                log(INFO, "node %s holds partition %s", node, pid)
+                found.append((node, pid))
+            if len(found) <= _LOG_NODES:
+                for node, pid in found:
+                    log(INFO, "node %s holds partition %s", node, pid)
+            else:  # many virtual SuperNodes: one line, not one per node
+                log(
+                    INFO,
+                    "%d nodes answered, holding %d partitions",
+                    len(found),
+                    len({p for _, p in found}),
+                )
         now = self.node_of(online)
         self.changed = [p for p, n in now.items() if p in self.assigned and self.assigned[p] != n]
         self.assigned.update(now)
