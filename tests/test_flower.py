@@ -27,6 +27,8 @@ ROW_FIELDS = {
     "seconds",
     "bytes_up",
     "bytes_down",
+    "bytes_down_max",
+    "server_bytes",
     "deviation",
     "effective_deviation",
     "residual_rank",

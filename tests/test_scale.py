@@ -230,7 +230,8 @@ def test_200_virtual_clients_under_flower_match_the_in_process_engine(tiny_bert_
     flower = run_flower_experiment(cfg.replace(engine="flower"), tmp_path / "flower")
     assert [r["round"] for r in flower] == [1, 2, 3, 4]
     for a, b in zip(flower, local):
-        for key in ("sampled", "accepted", "num_examples", "bytes_up", "bytes_down"):
+        keys = ("sampled", "accepted", "num_examples", "bytes_up", "bytes_down", "bytes_down_max")
+        for key in keys + ("server_bytes",):
             assert a[key] == b[key], (a["round"], key)
         assert a["metrics"] == pytest.approx(b["metrics"], rel=1e-5, abs=1e-6)
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)

@@ -185,11 +185,15 @@ def round_row(
     sampled: list[int],
     dropped: list[int] | None = None,
     effective: dict[str, float] | None = None,
+    bytes_down_max: int = 0,
+    server_bytes: dict[str, int] | None = None,
 ) -> dict:
     """One ``metrics.jsonl`` row (one method, one round).
 
     ``effective`` is the per-layer deviation measured on the model
     (:func:`fedexlora.steps.apply_outcome`); without it the server's own figure is used.
+    ``bytes_down_max`` is the largest payload one client received; ``server_bytes`` is
+    :meth:`fedexlora.server.Server.nbytes` after the round.
     """
     losses = [u.train_loss for u in uploads if u.client_id in outcome.accepted]
     row = {
@@ -200,6 +204,8 @@ def round_row(
         "seconds": seconds,
         "bytes_up": bytes_up,
         "bytes_down": bytes_down,
+        "bytes_down_max": bytes_down_max,
+        "server_bytes": dict(server_bytes or {}),
         "deviation": _summ(outcome.deviation),
         "effective_deviation": {
             k: v

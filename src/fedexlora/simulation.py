@@ -81,10 +81,11 @@ def run_method(
     for rnd in range(server.round + 1, cfg.rounds + 1):
         t0 = time.perf_counter()
         sampled = server.sample(rnd)
-        uploads, bytes_up, bytes_down = [], 0, 0
+        uploads, bytes_up, bytes_down, down_max = [], 0, 0, 0
         for c in sampled:
             payload = server.payload_for(c)
             bytes_down += payload.nbytes
+            down_max = max(down_max, payload.nbytes)
             set_state(model, server.state)  # the shared base already holds the residuals
             if on_payload is not None:
                 on_payload(c, payload, model)
@@ -106,7 +107,7 @@ def run_method(
                 meta.write_text(json.dumps({**json.loads(meta.read_text()), "weight": w}))
         metrics, measured = apply_round(cfg, method, rnd, model, server, outcome, prep, uploads)
         if centralized:
-            bytes_up = bytes_down = 0
+            bytes_up = bytes_down = down_max = 0
         row = round_row(
             method,
             rnd,
@@ -119,6 +120,8 @@ def run_method(
             approximate=cfg.approximate and not centralized,
             sampled=sampled,
             effective=measured,
+            bytes_down_max=down_max,
+            server_bytes=server.nbytes(),
         )
         rows.append(row)
         if on_row is not None:

@@ -167,6 +167,8 @@ def run_server(
                 sampled=rec.sampled,
                 dropped=rec.dropped,
                 effective=measured,
+                bytes_down_max=rec.bytes_down_max,
+                server_bytes=srv.nbytes(),
             )
             rs.append(row)
             append_row(metrics_path, row)

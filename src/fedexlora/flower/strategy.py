@@ -78,6 +78,7 @@ class RoundRecord:
         uploads: The uploads received, sorted by client id.
         outcome: What ``Server.aggregate`` returned.
         bytes_down: Bytes of every payload tensor sent.
+        bytes_down_max: Bytes of the largest payload one client received.
         bytes_up: Bytes of every upload tensor received.
         started: ``time.perf_counter()`` when the round was configured.
         errors: Partition -> why its upload is missing.
@@ -90,6 +91,7 @@ class RoundRecord:
     uploads: list[ClientUpload] = field(default_factory=list)
     outcome: RoundOutcome | None = None
     bytes_down: int = 0
+    bytes_down_max: int = 0
     bytes_up: int = 0
     started: float = 0.0
     errors: dict[int, str] = field(default_factory=dict)
@@ -361,6 +363,7 @@ class FedExLoRA(FedAvg):
             if payload.reset:
                 since = None  # the client starts again from W0
             rec.bytes_down += payload.nbytes
+            rec.bytes_down_max = max(rec.bytes_down_max, payload.nbytes)
             rec.sent.append(c)
             conf = ConfigRecord(
                 {
