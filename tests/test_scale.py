@@ -222,11 +222,23 @@ def test_200_clients_in_process_each_sampled_client_is_exact_after_its_payload(t
 
 
 def test_200_virtual_clients_under_flower_match_the_in_process_engine(tiny_bert_dir, tmp_path):
+    from fedexlora.engine import new_model, prepare
     from fedexlora.flower.simulation import run_flower_experiment
-    from fedexlora.pipeline import run_experiment
+    from fedexlora.pipeline import load_task_for
+    from fedexlora.simulation import run_method
 
     cfg = _scale_cfg(tiny_bert_dir, rounds=4)
-    local = run_experiment(cfg, tmp_path / "local", progress=False)
+    task = load_task_for(cfg)
+    model, tok = new_model(cfg, task, "fedex")
+    last_keep = {}  # client -> what its latest payload said
+    local, _, _ = run_method(
+        cfg,
+        "fedex",
+        prepare(cfg, tok, task),
+        progress=False,
+        model=model,
+        on_payload=lambda c, p, m: last_keep.__setitem__(c, p.keep),
+    )
     flower = run_flower_experiment(cfg.replace(engine="flower"), tmp_path / "flower")
     assert [r["round"] for r in flower] == [1, 2, 3, 4]
     for a, b in zip(flower, local):
@@ -235,3 +247,32 @@ def test_200_virtual_clients_under_flower_match_the_in_process_engine(tiny_bert_
             assert a[key] == b[key], (a["round"], key)
         assert a["metrics"] == pytest.approx(b["metrics"], rel=1e-5, abs=1e-6)
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+    # clients told not to keep their model (all but those sampled before any history
+    # existed) left nothing on disk
+    told_to_keep = {c for c, keep in last_keep.items() if keep}
+    assert 0 < len(told_to_keep) < len(last_keep)
+    kept = list((tmp_path / "flower" / "client-state").rglob("*.safetensors"))
+    assert {p.parent.name for p in kept} == {f"partition-{c}" for c in told_to_keep}
+
+
+def test_clients_sampled_rarely_are_told_not_to_keep_their_model(tiny_bert_dir):
+    model = _model(tiny_bert_dir)
+    gen = torch.Generator().manual_seed(5)
+    # every client every round: every payload is worth keeping
+    full = Server(get_state(model), layer_info(model), num_clients=3)
+    for _ in range(6):
+        assert all(full.payload_for(c).keep for c in range(3))
+        full.aggregate(_uploads(full, range(3), gen))
+    # 1 client in 100 per round: the history cannot reach back ~100 rounds
+    rare = Server(get_state(model), layer_info(model), num_clients=100, fraction=0.02)
+    kept = []
+    for rnd in range(1, 8):
+        ps = {c: rare.payload_for(c) for c in rare.sample(rnd)}
+        kept += [p.keep for p in ps.values()]
+        for c, p in ps.items():
+            assert (c in rare.client_version) == p.keep
+        rare.aggregate(_uploads(rare, ps, gen))
+    assert kept[:2] == [True, True] and not any(kept[2:])  # no history yet in round 1
+    # a client told not to keep gets a reset payload next time
+    c = next(iter(ps))
+    assert rare.payload_for(c).reset

@@ -44,6 +44,10 @@ class Payload:
         reset: The residuals start from ``W0``: the client first drops whatever it folded
             before (a new or re-synced client, or one away longer than the server keeps
             history for; :func:`fedexlora.steps.apply_payload` does this).
+        keep: Whether the client should keep its model for its next payload. ``False``
+            when the server expects the client to be away longer than its history will
+            reach: its next payload will be a ``reset`` one anyway, so the client may
+            drop its state after training (a Flower client does).
     """
 
     round: int
@@ -51,6 +55,7 @@ class Payload:
     state: AdapterState
     residuals: dict[str, Residual] = field(default_factory=dict)
     reset: bool = False
+    keep: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -71,17 +76,19 @@ class Payload:
         round: int,
         version: int,
         reset: bool = False,
+        keep: bool = True,
     ) -> Payload:
         """Inverse of :meth:`to_flat`; residual shapes are read from the tensors."""
         state = AdapterState.from_flat(
             {k[6:]: v for k, v in flat.items() if k.startswith("state.")}
         )
         residuals = residuals_from_flat("residual", dict(flat))
-        return cls(round=round, version=version, state=state, residuals=residuals, reset=reset)
+        return cls(round, version, state, residuals, reset=reset, keep=keep)
 
     def to_bytes(self) -> bytes:
-        """Safetensors bytes of :meth:`to_flat`, with ``round``, ``version`` and ``reset``."""
-        meta = {"round": self.round, "version": self.version, "reset": int(self.reset)}
+        """Safetensors bytes of :meth:`to_flat`, with round, version, reset and keep."""
+        meta = {"round": self.round, "version": self.version}
+        meta.update(reset=int(self.reset), keep=int(self.keep))
         return _to_bytes(self.to_flat(), meta)
 
     @classmethod
@@ -89,7 +96,11 @@ class Payload:
         """Inverse of :meth:`to_bytes`."""
         flat, meta = _from_bytes(data, ("round", "version"))
         return cls.from_flat(
-            flat, round=meta["round"], version=meta["version"], reset=bool(meta.get("reset", 0))
+            flat,
+            round=meta["round"],
+            version=meta["version"],
+            reset=bool(meta.get("reset", 0)),
+            keep=bool(meta.get("keep", 1)),
         )
 
 
@@ -383,6 +394,11 @@ class Server:
         the history reaches, gets a ``reset`` payload: the accumulated base delta from
         ``W0`` (also chosen when it is smaller than the catch-up). Either way the client
         holds the global model exactly after :func:`fedexlora.steps.apply_payload`.
+
+        When clients are sampled more rarely than the history reaches
+        (:meth:`expected_absence` > :meth:`history_reach`, e.g. 1% of many clients), the
+        payload says ``keep=False`` and the server does not remember the client's
+        version: its next payload will be a reset one, and it need not keep its model.
         """
         since = self.client_version.get(client_id)
         residuals = None if since is None else self.catch_up(since)
@@ -398,7 +414,11 @@ class Server:
             state = self.upload_template()  # A is frozen and already held
         if client_id in self.client_layers:
             state, residuals = self._hetero_view(client_id, residuals)
-        self.client_version[client_id] = self.version
+        keep = self.history_reach() >= self.expected_absence()
+        if keep:
+            self.client_version[client_id] = self.version
+        else:  # its next payload is a reset one: nothing to remember but this round's view
+            self.client_version.pop(client_id, None)
         self._prune()
         return Payload(
             round=self.round + 1,
@@ -406,7 +426,28 @@ class Server:
             state=state,
             residuals=residuals,
             reset=reset,
+            keep=keep,
         )
+
+    def expected_absence(self) -> float:
+        """Rounds a client waits, on average, between two samplings (1 when all are)."""
+        m = max(1, int(round(self.fraction * self.num_clients)))
+        return max(1.0, self.num_clients / m)
+
+    def history_reach(self) -> float:
+        """About how many rounds back the history will reach (``inf`` before any).
+
+        The latest round's residual is always kept; as many more rounds of its size as
+        fit beside the base delta in one dense update, the least over the layers.
+        """
+        if not self.history:
+            return math.inf
+        reach = math.inf
+        for name, r in self.history[max(self.history)].items():
+            base = self.base_delta.get(name)
+            room = self._dense_nbytes(name, r) - (0 if base is None else base.nbytes)
+            reach = min(reach, 1 + max(0, room) // max(1, r.nbytes))
+        return reach
 
     def _hetero_view(self, c: int, glob: dict[str, Residual]):
         """Client ``c``'s factors, and its residual: catch-up plus the change of ``T_c``.

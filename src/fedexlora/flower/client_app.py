@@ -47,7 +47,7 @@ _META = "fedexlora.meta"  # ConfigRecord: method, version (of the base held), to
 _BASE = "fedexlora.client"  # ArrayRecord: fedexlora.steps.client_state(model)
 
 _DATA: dict[str, tuple] = {}  # config fingerprint -> (task, Prepared), one entry
-_MODELS: OrderedDict[tuple, tuple] = OrderedDict()  # (run, partition) -> (token, model)
+_MODELS: OrderedDict[tuple, tuple] = OrderedDict()  # (run, partition) -> (token, model); spares
 # Models kept per process (FEDEXLORA_CLIENT_MODEL_CACHE; 0 rebuilds every round from the
 # Context, as a deployment's fresh ClientApp process does).
 _MAX_MODELS = int(os.environ.get("FEDEXLORA_CLIENT_MODEL_CACHE", "4"))
@@ -162,8 +162,11 @@ def _client_model(cfg, task, method, context, pid: int, since: int, spare, disk,
     from ..steps import load_client_state
 
     adapter = client_adapter_name(cfg, method, pid)
-    if since < 0:  # a new (or re-synced) client starts from the pretrained weights
-        model = spare if spare is not None else new_model(cfg, task, method)[0]
+    if since < 0:  # a new (or re-synced) client starts from the pretrained weights:
+        # any model of the run will do, since the reset payload drops what it folded
+        model = spare if spare is not None else _spare_model(context.run_id, method)
+        if model is None:
+            model = new_model(cfg, task, method)[0]
         _activate(model, adapter)
         return model
     held = _held(context, method, run_token)
@@ -221,6 +224,31 @@ def _remember(context, model, method: str, version: int, pid: int, disk, run_tok
         _MODELS.popitem(last=False)
 
 
+def _forget(context, model, method: str, pid: int, disk) -> None:
+    """Drops this client's state (Context and disk); its model stays cached as a spare."""
+    for key in (_BASE, _META):
+        if key in context.state:
+            del context.state[key]
+    for v in _on_disk(disk):
+        (disk / f"v{v}.safetensors").unlink(missing_ok=True)
+    _MODELS.pop((context.run_id, pid), None)
+    _MODELS[(context.run_id, "spare", method, pid)] = (None, model)
+    while len(_MODELS) > max(_MAX_MODELS, 0):
+        _MODELS.popitem(last=False)
+
+
+def _spare_model(run_id, method: str):
+    """A spare model of this run and method (see :func:`_forget`), or ``None``.
+
+    It is taken out of the cache. A client that starts from W0 can use it: its reset
+    payload drops what the model folded, and sets every trained parameter.
+    """
+    for key in list(_MODELS):
+        if key[:3] == (run_id, "spare", method):
+            return _MODELS.pop(key)[1]
+    return None
+
+
 def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:
     """Applies the payload of ``msg`` to this client's model, trains, and replies.
 
@@ -256,7 +284,10 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
         model, payload, side_rank=cfg.side_rank, adapter=client_adapter_name(cfg, method, pid)
     )
     up = local_update(cfg, method, model, prep.train.subset(prep.parts[pid]), rnd, pid)
-    _remember(context, model, method, version, pid, disk, run_token)
+    if bool(conf.get("keep-state", True)):
+        _remember(context, model, method, version, pid, disk, run_token)
+    else:  # the server will reset this client next time: keep nothing of it
+        _forget(context, model, method, pid, disk)
     content = RecordDict(
         {
             "arrays": to_array_record(up.state.to_flat()),

@@ -372,6 +372,7 @@ class FedExLoRA(FedAvg):
                     "partition-id": c,
                     "version": payload.version,
                     "base-version": -1 if since is None else since,
+                    "keep-state": payload.keep,
                     "fingerprint": self.fingerprint,
                     "run-token": self.nodes.run_token,
                 }
