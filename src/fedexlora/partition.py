@@ -100,8 +100,8 @@ def partition(
         raise ValueError(
             f"too few examples: the dataset has {n} rows, but num_clients={num_clients} "
             f"clients with at least min_partition_size={min_partition_size} rows each need "
-            f"{num_clients * min_partition_size}; use fewer clients or a smaller "
-            "min_partition_size"
+            f"{num_clients * min_partition_size}; use fewer clients, a smaller "
+            "min_partition_size, or a bigger task (the generated 'synthetic:N' has N)"
         )
 
     if scheme == "iid":
