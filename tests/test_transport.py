@@ -12,9 +12,9 @@ from fedexlora.server import ClientUpload, Payload, Server
 from fedexlora.steps import apply_payload
 
 
-def _peft_gpt2():
+def _peft_gpt2(n_embd=32):
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=2, n_positions=32)
+    cfg = GPT2Config(vocab_size=50, n_embd=n_embd, n_layer=2, n_head=2, n_positions=32)
     base = GPT2LMHeadModel(cfg).eval()
     lora = LoraConfig(r=3, lora_alpha=6, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
     return get_peft_model(base, lora).eval()
@@ -45,8 +45,8 @@ def _train(state, gen, scale=0.05):
     return s
 
 
-def _run_partial(method, rounds=5, num_clients=6, fraction=0.5, residual_rank=None):
-    server_model = _peft_gpt2()
+def _run_partial(method, rounds=5, num_clients=6, fraction=0.5, residual_rank=None, n_embd=32):
+    server_model = _peft_gpt2(n_embd)
     clients = [copy.deepcopy(server_model) for _ in range(num_clients)]
     server = Server(
         get_state(server_model),
@@ -74,13 +74,17 @@ def _run_partial(method, rounds=5, num_clients=6, fraction=0.5, residual_rank=No
     return worst, server, sizes
 
 
-def test_partial_participation_catch_up_is_exact():
-    worst, server, _ = _run_partial("fedex")
+@pytest.mark.parametrize("n_embd", [32, 128])
+def test_partial_participation_catch_up_is_exact(n_embd):
+    """32: the history reaches one round, so clients are reset from W0 when they come
+    back; 128: it reaches several, so they are caught up from it."""
+    worst, server, _ = _run_partial("fedex", n_embd=n_embd)
     assert worst < 1e-6
-    # clients that skipped rounds were sent concatenated, re-factored residuals
     assert server.version == 5
-    # versions no live client needs are pruned
-    assert min(server.client_version.values()) <= min(server.history, default=server.version)
+    # versions no remembered client needs are pruned
+    oldest = min(server.client_version.values(), default=server.version)
+    assert oldest <= server.history_floor
+    assert (n_embd == 128) == bool(server.client_version)  # 128: clients told to keep
 
 
 @pytest.mark.parametrize("method", ["fedit", "flora"])
@@ -90,9 +94,10 @@ def test_other_methods_also_reach_the_global_model(method):
 
 
 def test_catch_up_is_refactored_not_stacked():
-    _, server, _ = _run_partial("fedex", rounds=5)
+    _, server, _ = _run_partial("fedex", rounds=5, n_embd=128)
     since = min(server.history)
     missed = server.version - since
+    assert missed >= 2
     res = server.catch_up(since)
     for name, info in server.layers.items():
         d, n = info.shape

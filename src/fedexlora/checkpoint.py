@@ -121,6 +121,7 @@ def save_checkpoint(
         "client_version": {str(k): v for k, v in server.client_version.items()},
         "history_versions": sorted(server.history),
         "remainder_clients": sorted(server.remainder),
+        "last_sizes": {k: list(v) for k, v in server.last_sizes.items()},
         # what a complete checkpoint holds: checked by latest_checkpoint and the loader
         "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())},
         **meta,
@@ -228,6 +229,8 @@ def load_checkpoint(path: str | Path, server: Server, *, fingerprint: str | None
             "round": int(info["round"]),
             "version": int(info["version"]),
             "client_version": {int(k): int(v) for k, v in info["client_version"].items()},
+            # older checkpoints lack it: until the next round, payloads say keep
+            "last_sizes": {k: (int(a), int(b)) for k, (a, b) in info.get("last_sizes", {}).items()},
         }
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise corrupt(f"{type(exc).__name__}: {exc}") from None

@@ -332,6 +332,7 @@ class Server:
         self.round = 0
         self.version = 0
         self.history: dict[int, dict[str, Residual]] = {}  # v -> residuals from v to v+1
+        self.last_sizes: dict[str, tuple[int, int]] = {}  # latest residual: (bytes, dense)
         self.client_version: dict[int, int] = {}  # base version each client holds
         self.feedback: dict[str, Residual] = {}  # lossy mode: residual kept back
         self.base_delta: dict[str, Residual] = {}  # sum of residuals folded so far
@@ -435,18 +436,16 @@ class Server:
         return max(1.0, self.num_clients / m)
 
     def history_reach(self) -> float:
-        """About how many rounds back the history will reach (``inf`` before any).
+        """About how many rounds back the history will reach (``inf`` before any round).
 
         The latest round's residual is always kept; as many more rounds of its size as
         fit beside the base delta in one dense update, the least over the layers.
         """
-        if not self.history:
-            return math.inf
         reach = math.inf
-        for name, r in self.history[max(self.history)].items():
+        for name, (size, dense) in self.last_sizes.items():
             base = self.base_delta.get(name)
-            room = self._dense_nbytes(name, r) - (0 if base is None else base.nbytes)
-            reach = min(reach, 1 + max(0, room) // max(1, r.nbytes))
+            room = dense - (0 if base is None else base.nbytes)
+            reach = min(reach, 1 + max(0, room) // max(1, size))
         return reach
 
     def _hetero_view(self, c: int, glob: dict[str, Residual]):
@@ -597,6 +596,7 @@ class Server:
         nonzero = {k: r for k, r in residuals.items() if not r.is_zero}
         if nonzero:
             self.history[self.version] = nonzero
+            self.last_sizes = {k: (r.nbytes, self._dense_nbytes(k, r)) for k, r in nonzero.items()}
             for k, r in nonzero.items():
                 prev = self.base_delta.get(k)
                 if k in capped:  # side_rank: the capped delta itself, not a growing sum
