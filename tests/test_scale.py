@@ -276,3 +276,13 @@ def test_clients_sampled_rarely_are_told_not_to_keep_their_model(tiny_bert_dir):
     # a client told not to keep gets a reset payload next time
     c = next(iter(ps))
     assert rare.payload_for(c).reset
+
+
+@pytest.mark.parametrize(
+    ("clients", "fraction", "expected"), [(10, 0.25, 3), (5, 0.5, 3), (6, 0.25, 2), (3, 0.1, 1)]
+)
+def test_sample_size_rounds_half_up(tiny_bert_dir, clients, fraction, expected):
+    model = _model(tiny_bert_dir)
+    server = Server(get_state(model), layer_info(model), num_clients=clients, fraction=fraction)
+    assert server.sample_size() == expected
+    assert all(len(server.sample(r)) == expected for r in (1, 2, 3))

@@ -143,7 +143,9 @@ def run(
     client_ranks: str | None = typer.Option(
         None, help="Comma list: each client's LoRA rank (global rank = the largest)."
     ),
-    fraction: float | None = typer.Option(None, help="Fraction of clients per round [1.0]."),
+    fraction: float | None = typer.Option(
+        None, help="Fraction of clients per round, rounded half up, at least one [1.0]."
+    ),
     weighting: str | None = typer.Option(None, help="examples or uniform [examples]."),
     seed: int | None = typer.Option(None, help="Seed for everything random [0]."),
     max_train: int | None = typer.Option(None, help="Use only this many training examples."),

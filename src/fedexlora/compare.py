@@ -237,7 +237,9 @@ def _plot(rows, settings, ranks, path: Path) -> None:
         ]
         ax.bar(names, means, yerr=stds, capsize=3)
         lo = min((m - sd for m, sd in zip(means, stds)), default=0.0)
-        ax.set_ylim(max(0.0, math.floor(lo * 10) / 10 - 0.05), 1.0)
+        hi = max((m + sd for m, sd in zip(means, stds)), default=1.0)
+        bottom = max(0.0, math.floor(lo * 10) / 10 - 0.05)
+        ax.set_ylim(bottom, hi + 0.05 * max(hi - bottom, 1e-6))  # room for the error bars
         ax.set_title(f"{s.name}, r={r}")
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()

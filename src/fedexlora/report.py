@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -155,6 +154,13 @@ def _plt():
     return plt
 
 
+def _integer_rounds(ax) -> None:
+    """Rounds are whole numbers: no fractional ticks on the x axis."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def plot_metrics(rows: list[dict], path: str | Path) -> Path:
     """PNG of the primary metric per round, one line per method."""
     plt = _plt()
@@ -167,6 +173,7 @@ def plot_metrics(rows: list[dict], path: str | Path) -> Path:
         ax.plot(
             [r["round"] for r in rs], [r["metrics"].get(metric) for r in rs], "o-", label=method
         )
+    _integer_rounds(ax)
     ax.set_xlabel("round")
     ax.set_ylabel(metric)
     ax.grid(alpha=0.3)
@@ -180,11 +187,6 @@ def plot_metrics(rows: list[dict], path: str | Path) -> Path:
 def layer_group(name: str) -> str:
     """``...layer.3.attention.self.query`` -> ``query``: the module's own name."""
     return name.rsplit(".", 1)[-1]
-
-
-def _layer_index(name: str) -> int | None:
-    m = re.search(r"\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
 
 
 def plot_deviation(rows: list[dict], path: str | Path) -> Path:
@@ -206,6 +208,7 @@ def plot_deviation(rows: list[dict], path: str | Path) -> Path:
             xs = sorted(by_round)
             ax.plot(xs, [sum(by_round[x]) / len(by_round[x]) for x in xs], "o-", label=g)
         ax.set_title(method)
+        _integer_rounds(ax)
         ax.set_xlabel("round")
         ax.set_ylabel("relative deviation of B̄Ā from ideal")
         ax.grid(alpha=0.3)

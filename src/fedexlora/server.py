@@ -347,7 +347,7 @@ class Server:
     # -- sampling and payloads -------------------------------------------------------
     def sample(self, rnd: int) -> list[int]:
         """The clients taking part in round ``rnd`` (sorted), seeded by (seed, round)."""
-        m = max(1, int(round(self.fraction * self.num_clients)))
+        m = self.sample_size()
         if m >= self.num_clients:
             return list(range(self.num_clients))
         g = torch.Generator().manual_seed(self.seed * 100_003 + rnd)
@@ -430,10 +430,13 @@ class Server:
             keep=keep,
         )
 
+    def sample_size(self) -> int:
+        """Clients per round: ``fraction * num_clients`` rounded half up, at least one."""
+        return max(1, math.floor(self.fraction * self.num_clients + 0.5))
+
     def expected_absence(self) -> float:
         """Rounds a client waits, on average, between two samplings (1 when all are)."""
-        m = max(1, int(round(self.fraction * self.num_clients)))
-        return max(1.0, self.num_clients / m)
+        return max(1.0, self.num_clients / self.sample_size())
 
     def history_reach(self) -> float:
         """About how many rounds back the history will reach (``inf`` before any round).

@@ -1,0 +1,53 @@
+"""Plots: whole-number rounds on the x axis, and a y axis that fits the values."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from fedexlora import compare, report  # noqa: E402
+
+
+def _row(method, rnd, value, metric="accuracy"):
+    dev = {"mean": 0.1, "max": 0.2, "per_layer": {"layer.0.attention.self.query": 0.1}}
+    return {
+        "method": method,
+        "round": rnd,
+        "metrics": {metric: value},
+        "deviation": dev,
+        "effective_deviation": {"mean": 0.0, "max": 0.0},
+        "bytes_up": 1,
+        "bytes_down": 1,
+    }
+
+
+def _figures(monkeypatch, fn, *args):
+    """Runs a plotting function and returns the figures it closed."""
+    seen = []
+    real_close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (seen.append(fig), real_close(fig)))
+    fn(*args)
+    return seen
+
+
+def test_round_ticks_are_whole_numbers(tmp_path, monkeypatch):
+    rows = [_row(m, r, 0.5 + 0.1 * r) for m in ("fedex", "fedit") for r in (1, 2, 3)]
+    for fn, name in ((report.plot_metrics, "m.png"), (report.plot_deviation, "d.png")):
+        (fig,) = _figures(monkeypatch, fn, rows, tmp_path / name)
+        for ax in fig.axes:
+            lo, hi = ax.get_xlim()
+            ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+            assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_compare_plot_fits_values_above_one(tmp_path, monkeypatch):
+    setting = compare.Setting("iid-2", 2, "iid")
+    rows = {
+        (setting, 4, seed): [
+            _row(m, 1, v + seed, "perplexity") for m, v in (("fedex", 7.0), ("fedit", 9.0))
+        ]
+        for seed in (0, 1)
+    }
+    (fig,) = _figures(monkeypatch, compare._plot, rows, [setting], [4], tmp_path / "c.png")
+    bottom, top = fig.axes[0].get_ylim()
+    assert top >= 9.5 + 0.707  # the tallest bar (mean 9.5) and its error bar (0.707) fit
