@@ -138,7 +138,8 @@ def test_compare_grid_writes_comparison(tiny_bert_dir, tiny_csv, tmp_path):
     md = (out / "comparison.md").read_text()
     assert "## iid-2 (2 clients, iid), r=2" in md and "## dir0.5-3 (3 clients, dirichlet" in md
     assert "| fedex | " in md and " ± " in md
-    assert "fedex − fedit, final metric paired by seed:" in md
+    assert "fedex − fedit, final accuracy paired by seed:" in md and "95% CI" in md
+    assert "paired t-test p=" in md and ", n=2 (" in md
     assert "2 local steps per client in all" in md and "reused" not in md
     assert (out / "comparison.png").is_file()
     cell = out / "iid-2_r2_seed1" / "metrics.jsonl"
@@ -164,7 +165,7 @@ def test_every_config_field_is_a_run_flag():
 
 
 def test_compare_best_of_a_loss_is_its_minimum():
-    from fedexlora.compare import Setting, comparison_table
+    from fedexlora.compare import Cell, Setting, comparison_table
     from fedexlora.config import RunConfig
 
     def row(method, rnd, loss):
@@ -174,12 +175,12 @@ def test_compare_best_of_a_loss_is_its_minimum():
 
     s = Setting("iid-2", 2, "iid")
     rows = {
-        (s, 1, seed): [row("fedex", 1, 2.0), row("fedex", 2, 1.5), row("fedex", 3, 1.7),
+        Cell(s, 1, None, seed): [row("fedex", 1, 2.0), row("fedex", 2, 1.5), row("fedex", 3, 1.7),
                        row("fedit", 1, 2.0), row("fedit", 2, 1.6), row("fedit", 3, fedit)]
         for seed, fedit in ((0, 1.8), (1, 1.6))
     }  # fmt: skip
     cfg = RunConfig(methods=["fedex", "fedit"], rounds=3)
-    md = comparison_table(rows, cfg, [s], [1], [0, 1], 5.0)
+    md = comparison_table(rows, {c: cfg for c in rows}, 5.0)
     assert "| fedex | 1.7000 ± 0.0000 | 1.5000 ± 0.0000 |" in md and "best loss" in md
     # a lower loss is ahead: seed 0 (1.7 vs 1.8) ahead, seed 1 (1.7 vs 1.6) behind
     assert "(1 ahead, 0 tied, 1 behind)" in md

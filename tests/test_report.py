@@ -43,11 +43,11 @@ def test_round_ticks_are_whole_numbers(tmp_path, monkeypatch):
 def test_compare_plot_fits_values_above_one(tmp_path, monkeypatch):
     setting = compare.Setting("iid-2", 2, "iid")
     rows = {
-        (setting, 4, seed): [
+        compare.Cell(setting, 4, None, seed): [
             _row(m, 1, v + seed, "perplexity") for m, v in (("fedex", 7.0), ("fedit", 9.0))
         ]
         for seed in (0, 1)
     }
-    (fig,) = _figures(monkeypatch, compare._plot, rows, [setting], [4], tmp_path / "c.png")
+    (fig,) = _figures(monkeypatch, compare._plot, rows, tmp_path / "c.png")
     bottom, top = fig.axes[0].get_ylim()
     assert top >= 9.5 + 0.707  # the tallest bar (mean 9.5) and its error bar (0.707) fit

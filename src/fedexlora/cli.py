@@ -347,34 +347,110 @@ def validate(config: Path = typer.Argument(..., help="A TOML config file.")) -> 
     console.print(f"{config}: valid")
 
 
+_COMPARE_DEFAULTS = dict(
+    model="minilm",
+    task="bbc-news",
+    method="fedex,fedit,ffa,flora,centralized",
+    ranks="1,4",
+    seeds="0,1,2",
+    settings="iid-3,dir0.1-5",
+    rounds=5,
+    local_steps="12",
+    total_steps=None,
+    batch_size=16,
+    lr=2e-3,
+    lora_alpha=8.0,
+    max_length=32,
+    max_test=200,
+    min_partition_size=10,
+)
+# The "when exactness matters" study (docs/WHEN_EXACTNESS_MATTERS.md): local steps per
+# round x heterogeneity x clients at a fixed total of local steps per client.
+_STUDIES = {
+    "exactness": dict(
+        method="fedex,fedit,centralized",
+        ranks="4",
+        seeds="0,1,2,3,4",
+        settings="iid-3,dir1.0-3,dir0.1-3,iid-10,dir1.0-10,dir0.1-10",
+        local_steps="4,12,24",
+        total_steps=24,
+        batch_size=4,
+        lr=5e-3,
+        max_test=None,
+    )
+}
+
+
 @app.command()
 def compare(
     out: Path = typer.Option(Path("runs/compare"), help="Directory of the grid."),
-    model: str = typer.Option("minilm", help="Model."),
-    task: str = typer.Option("bbc-news", help="Task."),
-    method: str = typer.Option("fedex,fedit,ffa,flora,centralized", help="Methods."),
-    ranks: str = typer.Option("1,4", help="Comma list of LoRA ranks."),
-    seeds: str = typer.Option("0,1,2", help="Comma list of seeds."),
-    settings: str = typer.Option(
-        "iid-3,dir0.1-5", help="Comma list of iid-K or dirA-K (K clients, Dirichlet alpha A)."
+    study: str | None = typer.Option(
+        None, help="A preset grid: 'exactness' (local steps x heterogeneity x clients)."
     ),
-    rounds: int = typer.Option(5, help="Rounds per run."),
-    local_steps: int = typer.Option(12, help="Local steps per client and round."),
-    batch_size: int = typer.Option(16, help="Batch size."),
-    lr: float = typer.Option(2e-3, help="Learning rate."),
-    lora_alpha: float = typer.Option(8.0, help="LoRA alpha (the paper's 8)."),
-    max_length: int = typer.Option(32, help="Max tokens per example."),
-    max_test: int | None = typer.Option(200, help="Test examples per evaluation."),
-    min_partition_size: int = typer.Option(10, help="Minimum examples per client."),
+    report: Path | None = typer.Option(
+        None, help="Also write the study report here (with several --local-steps)."
+    ),
+    model: str | None = typer.Option(None, help="Model [minilm]."),
+    task: str | None = typer.Option(None, help="Task [bbc-news]."),
+    method: str | None = typer.Option(None, help="Methods [fedex,fedit,ffa,flora,centralized]."),
+    ranks: str | None = typer.Option(None, help="Comma list of LoRA ranks [1,4]."),
+    seeds: str | None = typer.Option(None, help="Comma list of seeds [0,1,2]."),
+    settings: str | None = typer.Option(
+        None, help="Comma list of iid-K or dirA-K (K clients, Dirichlet alpha A) [iid-3,dir0.1-5]."
+    ),
+    rounds: int | None = typer.Option(None, help="Rounds per run [5]."),
+    local_steps: str | None = typer.Option(
+        None, help="Local steps per client and round; a comma list is an axis [12]."
+    ),
+    total_steps: int | None = typer.Option(
+        None,
+        help="Local steps per client in all: each cell runs total/steps rounds, and "
+        "centralized runs once per client count.",
+    ),
+    batch_size: int | None = typer.Option(None, help="Batch size [16]."),
+    lr: float | None = typer.Option(None, help="Learning rate [2e-3]."),
+    lora_alpha: float | None = typer.Option(None, help="LoRA alpha (the paper's 8) [8]."),
+    max_length: int | None = typer.Option(None, help="Max tokens per example [32]."),
+    max_test: int | None = typer.Option(None, help="Test examples per evaluation [200]."),
+    full_test: bool = typer.Option(False, help="Evaluate on the whole test split."),
+    min_partition_size: int | None = typer.Option(None, help="Minimum examples per client [10]."),
 ) -> None:
     """Grid of methods x settings x ranks x seeds on identical partitions -> comparison.md.
 
     The defaults are sized to finish in about 45 minutes on 2 idle CPU cores: 5 rounds of
     12 local steps (60 steps per client in all), 32 tokens per article, 200 test articles.
+    `--study exactness` runs the "when exactness matters" study instead (see
+    docs/WHEN_EXACTNESS_MATTERS.md); flags given with it override its values.
     """
     _quiet_libraries()
     from .compare import Setting, run_grid
     from .config import ConfigError, validate_mapping
+
+    given = dict(
+        model=model,
+        task=task,
+        method=method,
+        ranks=ranks,
+        seeds=seeds,
+        settings=settings,
+        rounds=rounds,
+        local_steps=local_steps,
+        total_steps=total_steps,
+        batch_size=batch_size,
+        lr=lr,
+        lora_alpha=lora_alpha,
+        max_length=max_length,
+        max_test=max_test,
+        min_partition_size=min_partition_size,
+    )
+    if study is not None and study not in _STUDIES:
+        _fail(f"--study: unknown study {study!r}; choose from {', '.join(_STUDIES)}")
+    opts = {**_COMPARE_DEFAULTS, **_STUDIES.get(study or "", {})}
+    opts.update({k: v for k, v in given.items() if v is not None})
+    if full_test:
+        if max_test is not None:
+            _fail("--full-test and --max-test contradict each other: give one")
+        opts["max_test"] = None
 
     def items(flag: str, value: str) -> list[str]:
         out = [x.strip() for x in value.split(",") if x.strip()]
@@ -389,7 +465,7 @@ def compare(
             _fail(f"{flag} must be a comma list of integers, got {value!r}")
 
     parsed = []
-    for s in items("--settings", settings):
+    for s in items("--settings", opts["settings"]):
         kind, _, k = s.rpartition("-")
         try:
             if kind == "iid":
@@ -400,28 +476,43 @@ def compare(
                 raise ValueError(s)
         except ValueError:
             _fail(f"--settings: cannot parse {s!r}; use iid-K or dirA-K, e.g. iid-3,dir0.1-5")
-    rank_list = ints("--ranks", ranks)
-    seed_list = ints("--seeds", seeds)
+    rank_list = ints("--ranks", opts["ranks"])
+    seed_list = ints("--seeds", opts["seeds"])
+    steps_list = ints("--local-steps", opts["local_steps"])
+    if any(x < 1 for x in steps_list):
+        _fail(f"--local-steps must be >= 1, got {opts['local_steps']!r}")
+    if opts["total_steps"] is not None and opts["total_steps"] < 1:
+        _fail(f"--total-steps must be >= 1, got {opts['total_steps']}")
+    if report is not None and len(steps_list) < 2:
+        _fail("--report writes the study over several --local-steps; give at least two")
     cfg, errs = validate_mapping(
         dict(
-            model=model,
-            task=task,
-            methods=method,
-            rounds=rounds,
-            local_steps=local_steps,
-            batch_size=batch_size,
-            lr=lr,
-            lora_alpha=lora_alpha,
-            max_length=max_length,
-            max_test=max_test,
-            min_partition_size=min_partition_size,
+            model=opts["model"],
+            task=opts["task"],
+            methods=opts["method"],
+            rounds=opts["rounds"],
+            local_steps=steps_list[0],
+            batch_size=opts["batch_size"],
+            lr=opts["lr"],
+            lora_alpha=opts["lora_alpha"],
+            max_length=opts["max_length"],
+            max_test=opts["max_test"],
+            min_partition_size=opts["min_partition_size"],
         )
     )
     if errs:
         _fail(str(ConfigError(errs)))
     try:
         path = run_grid(
-            cfg, out, settings=parsed, ranks=rank_list, seeds=seed_list, console=console
+            cfg,
+            out,
+            settings=parsed,
+            ranks=rank_list,
+            seeds=seed_list,
+            local_steps=steps_list if len(steps_list) > 1 else None,
+            total_steps=opts["total_steps"],
+            report=report,
+            console=console,
         )
     except ValueError as exc:
         _fail(str(exc))

@@ -5,16 +5,30 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from .config import RunConfig
-from .pipeline import run_experiment
-from .report import best_value, higher_is_better, primary_metric, read_metrics
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
-__all__ = ["DEFAULT_SETTINGS", "Setting", "comparison_table", "run_grid"]
+from .config import RunConfig, validate_mapping
+from .report import best_value, higher_is_better, primary_metric, read_metrics
+from .stats import paired
+
+__all__ = [
+    "DEFAULT_SETTINGS",
+    "Cell",
+    "Setting",
+    "cell_changes",
+    "comparison_table",
+    "exactness_report",
+    "run_grid",
+]
 
 
 @dataclass(frozen=True)
@@ -40,8 +54,125 @@ DEFAULT_SETTINGS = (
 )
 
 
-def _cell_dir(out: Path, setting: Setting, rank: int, seed: int) -> Path:
-    return out / f"{setting.name}_r{rank}_seed{seed}"
+@dataclass(frozen=True)
+class Cell:
+    """One run of the grid: a setting, a rank, local steps per round, a seed.
+
+    ``steps`` is ``None`` when the grid has one steps value (the base configuration's);
+    ``ceiling`` marks the centralized run of a study, once per client count.
+    """
+
+    setting: Setting
+    rank: int
+    steps: int | None
+    seed: int
+    ceiling: bool = False
+
+    @property
+    def group(self) -> tuple:
+        """The cell without its seed: the unit that a table row summarises."""
+        return (self.setting, self.rank, self.steps, self.ceiling)
+
+    def dirname(self) -> str:
+        """The cell's run directory name."""
+        if self.ceiling:
+            return f"centralized-{self.setting.num_clients}_r{self.rank}_seed{self.seed}"
+        steps = "" if self.steps is None else f"_s{self.steps}"
+        return f"{self.setting.name}_r{self.rank}{steps}_seed{self.seed}"
+
+
+# Settings that do not change what a cell computes: a cell that differs only in these is
+# reused. ``rounds`` is handled apart (a shorter finished cell is extended by a resume).
+_NOT_RESULTS = {
+    "rounds",
+    "export",
+    "export_format",
+    "export_dtype",
+    "allow_inexact",
+    "keep_checkpoints",
+    "save_client_adapters",
+    "device",
+    "report_to",
+}
+
+
+def cell_changes(old: dict, new: RunConfig) -> list[str]:
+    """What differs between a cell's saved config (``old``) and the config it needs.
+
+    A setting missing from ``old`` (added to fedex-lora since) counts as its default.
+    Returns one ``name: old → new`` string per difference, ``rounds`` included when the
+    saved cell ran more rounds than asked (fewer rounds are extended by a resume).
+    """
+    changes = []
+    for f in fields(RunConfig):
+        if f.name in _NOT_RESULTS:
+            continue
+        default = f.default if f.default_factory is MISSING else f.default_factory()
+        was = old.get(f.name, default)
+        now = getattr(new, f.name)
+        if was != now and not (_num(was) and _num(now) and float(was) == float(now)):
+            changes.append(f"{f.name}: {was!r} → {now!r}")
+    if old.get("rounds", 0) > new.rounds:
+        changes.append(f"rounds: {old['rounds']} → {new.rounds}")
+    return changes
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _plan(
+    base: RunConfig, settings, ranks, seeds, local_steps, total_steps
+) -> list[tuple[Cell, RunConfig]]:
+    """Every cell of the grid with its validated configuration."""
+    steps_axis: list[int | None] = list(local_steps) if local_steps else [None]
+    if total_steps is not None:
+        bad = [s for s in steps_axis if s is None or s < 1 or total_steps % s]
+        if bad:
+            raise ValueError(
+                f"--total-steps {total_steps} must be a multiple of every --local-steps value "
+                f"(not of {', '.join(str(b) for b in bad)}), so that every cell trains as "
+                "many local steps in all"
+            )
+    methods = list(base.methods)
+    ceiling = total_steps is not None and "centralized" in methods
+    fed_methods = [m for m in methods if m != "centralized"] if ceiling else methods
+    if not fed_methods:
+        raise ValueError("the grid needs a federated method besides centralized")
+    plan = []
+    for s in settings:
+        for r in ranks:
+            for st in steps_axis:
+                for seed in seeds:
+                    changes = dict(
+                        num_clients=s.num_clients,
+                        partition=s.partition,
+                        alpha=s.alpha,
+                        lora_r=r,
+                        seed=seed,
+                        methods=fed_methods,
+                    )
+                    if st is not None:
+                        changes["local_steps"] = st
+                    if total_steps is not None:
+                        changes["rounds"] = total_steps // st
+                    plan.append((Cell(s, r, st, seed), base.replace(**changes).validate()))
+    if ceiling:  # centralized once per client count: all clients' steps in one round
+        for k in sorted({s.num_clients for s in settings}):
+            s = Setting(f"centralized-{k}", k, "iid")
+            for r in ranks:
+                for seed in seeds:
+                    cfg = base.replace(
+                        num_clients=k,
+                        partition="iid",
+                        lora_r=r,
+                        seed=seed,
+                        methods=["centralized"],
+                        local_steps=total_steps,
+                        rounds=1,
+                    ).validate()
+                    plan.append((Cell(s, r, None, seed, ceiling=True), cfg))
+    return plan
 
 
 def run_grid(
@@ -51,71 +182,139 @@ def run_grid(
     settings=DEFAULT_SETTINGS,
     ranks=(1, 4),
     seeds=(0, 1, 2),
+    local_steps=None,
+    total_steps: int | None = None,
+    report: str | Path | None = None,
     progress: bool = False,
     console=None,
 ) -> Path:
-    """Runs every (setting, rank, seed) cell with all of ``base.methods`` and reports.
+    """Runs every cell of the grid with all of ``base.methods`` and reports.
 
-    Each cell is a normal run directory (``fedexlora run``), so a cell that already
-    finished is reused and an interrupted one resumes. Within a cell, every method sees
-    the same partitions, initial adapters and data order.
+    Each cell is a normal run directory (``fedexlora run``). A finished cell is reused
+    only when its saved configuration matches the one it needs (apart from settings that
+    do not change results, see :func:`cell_changes`); a shorter one is extended, an
+    interrupted one resumes, and any other is moved aside to ``<cell>.replaced-N`` and
+    rerun, with the reason printed. Within a cell, every method sees the same partitions,
+    initial adapters and data order.
+
+    Args:
+        base: The configuration every cell starts from.
+        out: The grid's directory.
+        settings: The federation settings (an axis).
+        ranks: LoRA ranks (an axis).
+        seeds: Seeds (an axis).
+        local_steps: Optional list of local steps per round: an axis of its own.
+        total_steps: Local steps per client in all. Each cell then runs
+            ``total_steps // local_steps`` rounds, so every cell costs the same, and
+            ``centralized`` runs once per client count (the ceiling) instead of per cell.
+        report: Where to also write the study report (with ``local_steps``).
+        progress: Progress bars.
+        console: A ``rich`` console.
 
     Returns:
         The path of ``comparison.md``.
     """
+    from .pipeline import run_experiment
+
     say = console.print if console is not None else print
     out = Path(out)
-    cells = [(s, r, seed) for s in settings for r in ranks for seed in seeds]
-    if not cells:
+    plan = _plan(base, settings, ranks, seeds, local_steps, total_steps)
+    if not plan:
         raise ValueError("the grid is empty: give at least one setting, rank and seed")
-    # Every cell's config is checked before the first one runs.
-    cfgs = [
-        base.replace(
-            num_clients=s.num_clients, partition=s.partition, alpha=s.alpha, lora_r=r, seed=seed
-        ).validate()
-        for s, r, seed in cells
-    ]
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     reused = 0
-    for i, ((s, r, seed), cfg) in enumerate(zip(cells, cfgs), 1):
-        d = _cell_dir(out, s, r, seed)
-        done = (d / "metrics.jsonl").exists() and len(read_metrics(d / "metrics.jsonl")) == len(
-            cfg.methods
-        ) * cfg.rounds
-        say(f"[{i}/{len(cells)}] {s.name} r={r} seed={seed}" + (" (done)" if done else ""))
-        reused += done
-        if not done:
-            run_experiment(
-                cfg, d, resume=(d / "config.toml").exists(), progress=progress, console=console
-            )
+    for i, (cell, cfg) in enumerate(plan, 1):
+        d = out / cell.dirname()
+        action, why = _status(d, cfg)
+        label = f"[{i}/{len(plan)}] {cell.dirname()}"
+        if action == "done":
+            reused += 1
+            say(f"{label} (done)")
+            continue
+        if action == "replace":
+            n = 1
+            while d.with_name(f"{d.name}.replaced-{n}").exists():
+                n += 1
+            aside = d.with_name(f"{d.name}.replaced-{n}")
+            d.rename(aside)
+            say(f"{label}: rerun, its settings changed ({why}); the old run is in {aside}")
+        elif action == "resume":
+            say(f"{label}: {why}")
+        else:
+            say(label)
+        run_experiment(cfg, d, resume=action == "resume", progress=progress, console=console)
+        if action == "resume":  # a resume keeps the old config.toml: record the rounds run
+            (d / "config.toml").write_text(cfg.to_toml())
     elapsed = time.perf_counter() - t0
-    rows = {c: read_metrics(_cell_dir(out, *c) / "metrics.jsonl") for c in cells}
-    md = comparison_table(rows, base, settings, ranks, seeds, elapsed, reused=reused)
+    rows = {cell: read_metrics(out / cell.dirname() / "metrics.jsonl") for cell, _ in plan}
+    cfgs = {cell: _saved_config(out / cell.dirname()) for cell, _ in plan}
+    md = comparison_table(rows, cfgs, elapsed, reused=reused)
     path = out / "comparison.md"
     path.write_text(md)
-    _plot(rows, settings, ranks, out / "comparison.png")
+    _plot(rows, out / "comparison.png")
     (out / "comparison.json").write_text(json.dumps(_aggregate(rows), indent=1))
+    if local_steps:
+        target = Path(report) if report else out / "exactness.md"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        png = target.with_suffix(".png")
+        target.write_text(exactness_report(rows, cfgs, png.name, elapsed, reused))
+        _plot_gap(rows, png)
+        say(f"wrote {target}")
     return path
 
 
+def _saved_config(d: Path) -> RunConfig:
+    cfg, errs = validate_mapping(tomllib.loads((d / "config.toml").read_text()))
+    if errs:  # pragma: no cover - written by run_experiment itself
+        raise ValueError(f"{d / 'config.toml'}: {'; '.join(errs)}")
+    return cfg
+
+
+def _status(d: Path, cfg: RunConfig) -> tuple[str, str]:
+    """``new``, ``done``, ``resume`` or ``replace``, and why."""
+    toml = d / "config.toml"
+    if not toml.is_file():
+        return ("replace", "it holds no config.toml") if d.exists() else ("new", "")
+    try:
+        old = tomllib.loads(toml.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        return "replace", f"its config.toml is unreadable: {exc}"
+    changes = cell_changes(old, cfg)
+    if changes:
+        return "replace", "; ".join(changes)
+    metrics = d / "metrics.jsonl"
+    n = len(read_metrics(metrics)) if metrics.is_file() else 0
+    if n == len(cfg.methods) * cfg.rounds:
+        return "done", ""
+    if old.get("rounds") != cfg.rounds:
+        return "resume", f"extended from {old.get('rounds')} to {cfg.rounds} rounds"
+    return "resume", f"resumed ({n} of {len(cfg.methods) * cfg.rounds} rows done)"
+
+
+def _key(cell: Cell, method: str) -> str:
+    steps = "" if cell.steps is None else f"|s{cell.steps}"
+    return f"{cell.setting.name}|r{cell.rank}{steps}|{method}"
+
+
 def _aggregate(rows: dict) -> dict:
-    """Per (setting, rank, method): lists over seeds of final/best metric, bytes, deviation."""
+    """Per (setting, rank, steps, method): lists over seeds of final/best metric, bytes..."""
     agg: dict = defaultdict(lambda: defaultdict(list))
-    for (s, r, _seed), rs in rows.items():
+    for cell, rs in sorted(rows.items(), key=lambda kv: kv[0].seed):
         metric = primary_metric(rs)
         by_method = defaultdict(list)
         for row in rs:
             by_method[row["method"]].append(row)
         for m, mrs in by_method.items():
-            key = f"{s.name}|r{r}|{m}"
+            a = agg[_key(cell, m)]
             vals = [x["metrics"][metric] for x in mrs]
-            agg[key]["metric"].append(metric)
-            agg[key]["final"].append(vals[-1])
-            agg[key]["best"].append(best_value(metric, vals))
-            agg[key]["bytes"].append(sum(x["bytes_up"] + x["bytes_down"] for x in mrs))
-            agg[key]["deviation"].append(statistics.fmean(x["deviation"]["mean"] for x in mrs))
-            agg[key]["effective"].append(max(x["effective_deviation"]["max"] for x in mrs))
+            a["seed"].append(cell.seed)
+            a["metric"].append(metric)
+            a["final"].append(vals[-1])
+            a["best"].append(best_value(metric, vals))
+            a["bytes"].append(sum(x["bytes_up"] + x["bytes_down"] for x in mrs))
+            a["deviation"].append(statistics.fmean(x["deviation"]["mean"] for x in mrs))
+            a["effective"].append(max(x["effective_deviation"]["max"] for x in mrs))
     return {k: dict(v) for k, v in agg.items()}
 
 
@@ -129,85 +328,141 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:.2f} MB"
 
 
-def _paired(agg: dict, key: str, a: str, b: str, metric: str) -> str | None:
-    """``a − b`` of the final metric, paired by seed (same partitions and start), mean ± std.
-
-    "Ahead" means better: higher, or lower for a loss or perplexity.
-    """
+def _pair(agg: dict, key: str, a: str, b: str, metric: str):
+    """The paired ``a − b`` of the final metric over the seeds both have, or None."""
     xa, xb = agg.get(f"{key}|{a}"), agg.get(f"{key}|{b}")
     if xa is None or xb is None:
         return None
-    diffs = [u - v for u, v in zip(xa["final"], xb["final"])]
-    sign = 1 if higher_is_better(metric) else -1
-    wins = sum(sign * d > 0 for d in diffs)
-    ties = sum(d == 0 for d in diffs)
-    plus = "+" if statistics.fmean(diffs) >= 0 else ""
+    fa, fb = dict(zip(xa["seed"], xa["final"])), dict(zip(xb["seed"], xb["final"]))
+    seeds = sorted(set(fa) & set(fb))
+    if not seeds:
+        return None
+    return paired([fa[s] for s in seeds], [fb[s] for s in seeds], higher_is_better(metric))
+
+
+def _paired_line(agg: dict, key: str, a: str, b: str, metric: str) -> str | None:
+    p = _pair(agg, key, a, b, metric)
+    if p is None:
+        return None
     return (
-        f"{a} − {b}, final metric paired by seed: {plus}{_ms(diffs)} "
-        f"({wins} ahead, {ties} tied, {len(diffs) - wins - ties} behind)"
+        f"{a} − {b}, final {metric} paired by seed: {p.text()} "
+        f"({p.ahead} ahead, {p.tied} tied, {p.behind} behind)"
     )
 
 
-def comparison_table(
-    rows, base: RunConfig, settings, ranks, seeds, elapsed: float, reused: int = 0
-) -> str:
-    """Markdown: one table per (setting, rank), mean ± std over seeds per method."""
+def _same(cfgs, attr: str):
+    vals = {repr(getattr(c, attr)) for c in cfgs}
+    return getattr(next(iter(cfgs)), attr) if len(vals) == 1 else None
+
+
+def _describe(cfgs: list[RunConfig]) -> str:
+    """The settings every cell shares, read from the cells' own configs."""
+    parts = []
+    for attr, label in (
+        ("batch_size", "batch"),
+        ("lr", "lr"),
+        ("lora_alpha", "lora_alpha"),
+        ("max_length", "max_length"),
+        ("max_train", "train examples"),
+        ("max_test", "test examples"),
+    ):
+        v = _same(cfgs, attr)
+        if v is not None:
+            parts.append(f"{label} {v}")
+        elif len({repr(getattr(c, attr)) for c in cfgs}) > 1:
+            parts.append(f"{label} varies by cell")
+    return ", ".join(parts)
+
+
+def _steps_text(cfg: RunConfig) -> str:
+    rounds = f"{cfg.rounds} round{'s' if cfg.rounds != 1 else ''}"
+    if cfg.local_steps:
+        return f"{rounds} of {cfg.local_steps} local step{'s' if cfg.local_steps != 1 else ''}"
+    return f"{rounds} of {cfg.local_epochs:g} local epochs"
+
+
+def comparison_table(rows: dict, cfgs: dict, elapsed: float, reused: int = 0) -> str:
+    """Markdown: one table per (setting, rank, steps), mean ± std over seeds per method.
+
+    Args:
+        rows: Per :class:`Cell`, its metrics rows.
+        cfgs: Per cell, the configuration it ran with (its labels come from there).
+        elapsed: Wall seconds of this invocation.
+        reused: Cells reused from an earlier invocation.
+    """
     agg = _aggregate(rows)
     metric = primary_metric(next(iter(rows.values())))
     compute = sum(x["seconds"] for rs in rows.values() for x in rs)
-    steps = (
-        f"{base.rounds * base.local_steps} local steps per client in all"
-        if base.local_steps
-        else f"{base.rounds * base.local_epochs:g} local epochs per client in all"
+    all_cfgs = list(cfgs.values())
+    first = all_cfgs[0]
+    seeds = sorted({c.seed for c in rows})
+    methods = list(dict.fromkeys(m for c in all_cfgs for m in c.methods))
+    totals = {
+        c.rounds * c.local_steps if c.local_steps else c.rounds * c.local_epochs
+        for cell, c in cfgs.items()
+        if not cell.ceiling
+    }
+    unit = "local steps" if first.local_steps else "local epochs"
+    total = (
+        f"{next(iter(totals)):g} {unit} per client in all"
+        if len(totals) == 1
+        else f"{unit} per client vary by cell"
     )
+    rounds = _steps_text(first) if len({_steps_text(c) for c in all_cfgs}) == 1 else None
     lines = [
         "# fedex-lora comparison",
         "",
-        f"Task `{base.task}`, model `{base.model}`; methods {', '.join(base.methods)}; "
-        f"seeds {list(seeds)}; {base.rounds} rounds of "
-        + (
-            f"{base.local_steps} local steps"
-            if base.local_steps
-            else f"{base.local_epochs} local epochs"
-        )
-        + f" (batch {base.batch_size}, lr {base.lr}, max_length {base.max_length}"
-        + (f", {base.max_train} train examples" if base.max_train else "")
-        + (f", {base.max_test} test examples" if base.max_test else "")
-        + "). `centralized` trains on the pooled data with as many steps per round as all "
-        "clients together. Within a (setting, rank, seed) cell every method sees the same "
-        "partitions, initial adapters and data order.",
+        f"Task `{first.task}`, model `{first.model}`; methods {', '.join(methods)}; "
+        f"seeds {seeds}; "
+        + (rounds or "rounds and local steps per cell as in its heading")
+        + f" ({_describe(all_cfgs)}). `centralized` trains on the pooled data with as many "
+        "steps per round as all clients together. Within a cell every method sees the same "
+        "partitions, initial adapters and data order. Each figure is read from the cell's "
+        "own `config.toml` and `metrics.jsonl`.",
         "",
-        f"Sizing: {len(rows)} runs of {len(base.methods)} methods, {steps}. "
+        f"Sizing: {len(rows)} runs, {total}. "
         f"Time in the rounds, summed over every run: {compute / 60:.1f} min; "
         f"wall time of this invocation: {elapsed / 60:.1f} min"
         + (f" ({reused} of {len(rows)} runs reused from an earlier invocation)" if reused else "")
         + ".",
         "",
+        "Differences between methods are paired by seed (same partition and start): mean, "
+        "95% confidence interval (t distribution) and two-sided paired t-test.",
+        "",
     ]
-    for s in settings:
-        for r in ranks:
-            lines += [
-                f"## {s.name} ({s.num_clients} clients, {s.partition}"
-                + (f" α={s.alpha}" if s.partition == "dirichlet" else "")
-                + f"), r={r}",
-                "",
-                f"| method | final {metric} | best {metric} | total bytes | mean deviation "
-                "| max effective deviation |",
-                "|---|---|---|---|---|---|",
-            ]
-            for m in base.methods:
-                a = agg.get(f"{s.name}|r{r}|{m}")
-                if a is None:
-                    continue
-                lines.append(
-                    f"| {m} | {_ms(a['final'])} | {_ms(a['best'])} | "
-                    f"{_mb(statistics.fmean(a['bytes']))} | "
-                    f"{statistics.fmean(a['deviation']):.3g} | {max(a['effective']):.2g} |"
-                )
+    groups = list(dict.fromkeys(c.group for c in rows))
+    for g in groups:
+        s, r, st, ceiling = g
+        cell = next(c for c in rows if c.group == g)
+        cfg = cfgs[cell]
+        head = f"## {s.name} ({s.num_clients} clients, {s.partition}" + (
+            f" α={s.alpha}" if s.partition == "dirichlet" else ""
+        )
+        head += f"), r={r}" + (f", {_steps_text(cfg)}" if st is not None or ceiling else "")
+        lines += [
+            head,
+            "",
+            f"| method | final {metric} | best {metric} | total bytes | mean deviation "
+            "| max effective deviation |",
+            "|---|---|---|---|---|---|",
+        ]
+        key = _key(cell, "x").rsplit("|", 1)[0]
+        present = [m for m in methods if f"{key}|{m}" in agg]
+        for m in present:
+            a = agg[f"{key}|{m}"]
+            lines.append(
+                f"| {m} | {_ms(a['final'])} | {_ms(a['best'])} | "
+                f"{_mb(statistics.fmean(a['bytes']))} | "
+                f"{statistics.fmean(a['deviation']):.3g} | {max(a['effective']):.2g} |"
+            )
+        lines.append("")
+        if "fedex" in present:
+            for other in present:
+                if other != "fedex":
+                    line = _paired_line(agg, key, "fedex", other, metric)
+                    if line:
+                        lines += [f"- {line}"]
             lines.append("")
-            paired = _paired(agg, f"{s.name}|r{r}", "fedex", "fedit", metric)
-            if paired:
-                lines += [paired, ""]
     lines += [
         "*deviation*: relative Frobenius deviation of the averaged-factor product from the "
         "ideal update, mean over layers and rounds (what FedIT loses). *effective "
@@ -219,17 +474,187 @@ def comparison_table(
     return "\n".join(lines)
 
 
-def _plot(rows, settings, ranks, path: Path) -> None:
+def _ceiling_of(rows: dict, k: int, rank: int) -> list[float]:
+    out = []
+    for c, rs in rows.items():
+        if c.ceiling and c.setting.num_clients == k and c.rank == rank:
+            metric = primary_metric(rs)
+            out.append(rs[-1]["metrics"][metric])
+    return out
+
+
+def exactness_report(rows: dict, cfgs: dict, png: str, elapsed: float, reused: int) -> str:
+    """The "when exactness matters" study: fedex − fedit per cell, with its uncertainty.
+
+    One row per (setting, rank, local steps): both methods' final metric over the seeds,
+    the paired difference with its 95% CI and paired t-test, FedIT's deviation and
+    effective deviation, and the centralized ceiling for that client count.
+    """
+    agg = _aggregate(rows)
+    fed = {c: rs for c, rs in rows.items() if not c.ceiling}
+    metric = primary_metric(next(iter(fed.values())))
+    hib = higher_is_better(metric)
+    first = cfgs[next(iter(fed))]
+    seeds = sorted({c.seed for c in fed})
+    totals = sorted({cfgs[c].rounds * (cfgs[c].local_steps or 0) for c in fed})
+    compute = sum(x["seconds"] for rs in rows.values() for x in rs)
+    lines = [
+        "| setting | local steps × rounds | fedex | fedit | fedex − fedit [95% CI] | p "
+        "| FedIT deviation (mean) | FedIT effective deviation (max) | centralized |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    table = []
+    for g in dict.fromkeys(c.group for c in fed):
+        s, r, st, _ = g
+        cell = next(c for c in fed if c.group == g)
+        key = _key(cell, "x").rsplit("|", 1)[0]
+        p = _pair(agg, key, "fedex", "fedit", metric)
+        a, b = agg.get(f"{key}|fedex"), agg.get(f"{key}|fedit")
+        if p is None or a is None or b is None:
+            continue
+        ceil = _ceiling_of(rows, s.num_clients, r)
+        table.append((s, st, p, b))
+        ci = f"{p.mean:+.4f} [{p.lo:+.4f}, {p.hi:+.4f}]" if p.n > 1 else f"{p.mean:+.4f}"
+        lines.append(
+            f"| {s.name} | {st} × {cfgs[cell].rounds} | {_ms(a['final'])} | {_ms(b['final'])} "
+            f"| {ci} | {_pval(p.p)} | {statistics.fmean(b['deviation']):.3f} "
+            f"| {max(b['effective']):.3f} | {_ms(ceil) if ceil else '—'} |"
+        )
+    better = [t for t in table if t[2].n > 1 and (t[2].lo > 0 if hib else t[2].hi < 0)]
+    worse = [t for t in table if t[2].n > 1 and (t[2].hi < 0 if hib else t[2].lo > 0)]
+    gaps, devs = _gap_points(rows)
+    fit = _fit(devs, gaps)
+    summary = [
+        f"- FedEx-LoRA ahead of FedIT with a 95% CI above zero in **{len(better)} of "
+        f"{len(table)}** cells"
+        + (
+            ": " + ", ".join(f"{t[0].name} at {t[1]} steps ({t[2].mean:+.4f})" for t in better)
+            if better
+            else ""
+        )
+        + ".",
+        f"- FedIT ahead with a CI below zero in {len(worse)} of {len(table)} cells"
+        + (": " + ", ".join(f"{t[0].name} at {t[1]} steps" for t in worse) if worse else "")
+        + ".",
+        f"- In the other {len(table) - len(better) - len(worse)} cells the interval "
+        "includes zero: no difference this study can detect.",
+    ]
+    if fit:
+        summary.append(
+            f"- Across all {len(gaps)} (cell, seed) pairs, the gap grows by "
+            f"{fit[0]:+.3f} [95% CI {fit[1]:+.3f}, {fit[2]:+.3f}] {metric} per unit of "
+            f"FedIT's mean deviation (least squares; r = {fit[3]:.2f})."
+        )
+    head = [
+        "# When exactness matters: FedEx-LoRA against FedIT",
+        "",
+        f"Task `{first.task}`, model `{first.model}`, r={first.lora_r}; seeds {seeds}; "
+        f"{', '.join(str(t) for t in totals)} local steps per client in all, split into "
+        f"rounds of the local steps each row names; {_describe(list(cfgs.values()))}"
+        + ("; the whole test split" if first.max_test is None else "")
+        + ". `centralized` trains once per client count on the pooled data, as many steps as "
+        "all clients together: the ceiling.",
+        "",
+        "fedex and fedit columns: final "
+        f"{metric}, mean ± std over seeds. The difference is paired by seed (same partition, "
+        "initial adapters and data order): mean, 95% confidence interval from the t "
+        "distribution, and the two-sided paired t-test's p-value (n = seeds). The "
+        "deviation is FedIT's own: how far its averaged factors' product is from the ideal "
+        "update, relative, mean over layers and rounds; the effective deviation is that of "
+        "the update it applied, max over rounds.",
+        "",
+        f"Compute: {len(rows)} runs, {compute / 60:.1f} min in the rounds; this invocation "
+        f"{elapsed / 60:.1f} min wall"
+        + (f", {reused} runs reused from earlier invocations" if reused else "")
+        + ".",
+        "",
+        *lines,
+        "",
+        "## What it shows",
+        "",
+        *summary,
+        "",
+        f"![accuracy gap against FedIT's deviation, one point per cell and seed]({png})",
+        "",
+    ]
+    return "\n".join(head)
+
+
+def _pval(p: float) -> str:
+    if math.isnan(p):
+        return "—"
+    return f"{p:.2g}" if p >= 1e-4 else "<1e-4"
+
+
+def _gap_points(rows: dict) -> tuple[list[float], list[float]]:
+    """Per (cell, seed): fedex − fedit final metric, and FedIT's mean deviation."""
+    gaps, devs = [], []
+    for c, rs in rows.items():
+        if c.ceiling:
+            continue
+        metric = primary_metric(rs)
+        by = defaultdict(list)
+        for x in rs:
+            by[x["method"]].append(x)
+        if "fedex" in by and "fedit" in by:
+            gaps.append(by["fedex"][-1]["metrics"][metric] - by["fedit"][-1]["metrics"][metric])
+            devs.append(statistics.fmean(x["deviation"]["mean"] for x in by["fedit"]))
+    return gaps, devs
+
+
+def _fit(x: list[float], y: list[float]):
+    """Least-squares slope of y on x with its 95% CI, and r; None when undefined."""
+    if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
+        return None
+    from scipy import stats
+
+    res = stats.linregress(x, y)
+    half = float(stats.t.ppf(0.975, len(x) - 2)) * res.stderr
+    return res.slope, res.slope - half, res.slope + half, res.rvalue
+
+
+def _plot_gap(rows: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    groups = defaultdict(lambda: ([], []))
+    for c, rs in rows.items():
+        if c.ceiling:
+            continue
+        g, d = _gap_points({c: rs})
+        if g:
+            groups[f"{c.setting.name}, {c.steps} steps"][0].append(d[0])
+            groups[f"{c.setting.name}, {c.steps} steps"][1].append(g[0])
+    markers = "os^vD<>pPX*h"
+    for i, (name, (xs, ys)) in enumerate(sorted(groups.items())):
+        ax.scatter(xs, ys, label=name, marker=markers[i % len(markers)], s=22)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("FedIT's mean deviation from the ideal update")
+    ax.set_ylabel("fedex − fedit, final metric")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot(rows: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     agg = _aggregate(rows)
-    panels = [(s, r) for s in settings for r in ranks]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
-    for ax, (s, r) in zip(axes[0], panels):
-        keys = [k for k in agg if k.startswith(f"{s.name}|r{r}|")]
+    panels = list(dict.fromkeys(_key(c, "x").rsplit("|", 1)[0] for c in rows))
+    cols = min(len(panels), 6)
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, panel in zip(axes.flat, panels):
+        keys = [k for k in agg if k.startswith(f"{panel}|")]
         names = [k.rsplit("|", 1)[1] for k in keys]
         means = [statistics.fmean(agg[k]["final"]) for k in keys]
         stds = [
@@ -240,7 +665,7 @@ def _plot(rows, settings, ranks, path: Path) -> None:
         hi = max((m + sd for m, sd in zip(means, stds)), default=1.0)
         bottom = max(0.0, math.floor(lo * 10) / 10 - 0.05)
         ax.set_ylim(bottom, hi + 0.05 * max(hi - bottom, 1e-6))  # room for the error bars
-        ax.set_title(f"{s.name}, r={r}")
+        ax.set_title(panel.replace("|", ", "))
         ax.tick_params(axis="x", rotation=30)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

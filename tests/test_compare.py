@@ -1,0 +1,120 @@
+"""`fedexlora compare`: paired statistics, reuse only of matching cells, the exactness study."""
+
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from fedexlora.cli import app
+from fedexlora.stats import paired
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, list(args), env={"COLUMNS": "300"})
+
+
+def test_paired_statistics_match_a_hand_computation():
+    # differences 0.01, 0.03, 0.02: mean 0.02, sd 0.01, se 0.01/sqrt(3); t(0.975, 2) = 4.3027
+    p = paired([0.51, 0.53, 0.52], [0.50, 0.50, 0.50])
+    se = 0.01 / math.sqrt(3)
+    assert p.n == 3 and p.mean == pytest.approx(0.02)
+    assert p.lo == pytest.approx(0.02 - 4.302653 * se, abs=1e-6)
+    assert p.hi == pytest.approx(0.02 + 4.302653 * se, abs=1e-6)
+    # t = 0.02 / se = 3.4641 with 2 df: two-sided p = 0.07418 (t table)
+    assert p.p == pytest.approx(0.07418, abs=2e-4)
+    assert (p.ahead, p.tied, p.behind) == (3, 0, 0)
+    assert "+0.02 [95% CI -0.00484, +0.0448]" in p.text() and "p=0.074, n=3" in p.text()
+    # a lower loss is ahead
+    q = paired([1.0, 2.0], [1.5, 1.5], higher_is_better=False)
+    assert (q.ahead, q.behind) == (1, 1)
+    assert paired([0.5, 0.5], [0.5, 0.5]).p == 1.0
+    one = paired([0.6], [0.5])
+    assert math.isnan(one.lo) and "n=1: no interval" in one.text()
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        paired([0.1], [0.1, 0.2])
+
+
+def _grid(model, task, out, *extra):
+    return _run("compare", "--out", str(out), "--model", model, "--task", task,
+                "--method", "fedex,fedit", "--ranks", "2", "--seeds", "0",
+                "--settings", "iid-2", "--rounds", "1", "--local-steps", "1",
+                "--max-length", "16", "--max-test", "20", "--min-partition-size", "5",
+                *extra)  # fmt: skip
+
+
+def test_compare_reuses_only_a_matching_cell(tiny_bert_dir, tiny_csv, tmp_path):
+    out = tmp_path / "g"
+    cell = out / "iid-2_r2_seed0"
+    res = _grid(tiny_bert_dir, tiny_csv, out, "--lr", "1e-5")
+    assert res.exit_code == 0, res.output
+    first = (cell / "metrics.jsonl").read_text()
+    assert "lr 1e-05" in (out / "comparison.md").read_text()
+
+    # same settings: reused
+    res = _grid(tiny_bert_dir, tiny_csv, out, "--lr", "1e-5")
+    assert res.exit_code == 0 and "(done)" in res.output
+    assert (cell / "metrics.jsonl").read_text() == first
+
+    # another learning rate: rerun, with the reason, the old cell kept aside
+    res = _grid(tiny_bert_dir, tiny_csv, out, "--lr", "2e-3")
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "rerun, its settings changed (lr: 1e-05 → 0.002)" in text
+    assert (out / "iid-2_r2_seed0.replaced-1" / "metrics.jsonl").read_text() == first
+    assert (cell / "metrics.jsonl").read_text() != first
+    md = (out / "comparison.md").read_text()
+    assert "lr 0.002" in md and "lr 1e-05" not in md and "reused" not in md
+
+    # more rounds: the finished cell is extended by a resume, not rerun
+    res = _grid(tiny_bert_dir, tiny_csv, out, "--lr", "2e-3", "--rounds", "2")
+    assert res.exit_code == 0, res.output
+    assert "extended from 1 to 2 rounds" in res.output
+    assert "rounds = 2" in (cell / "config.toml").read_text()
+    rows = (cell / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 4 and not (out / "iid-2_r2_seed0.replaced-2").exists()
+    # fewer rounds than the cell ran: rerun
+    res = _grid(tiny_bert_dir, tiny_csv, out, "--lr", "2e-3", "--rounds", "1")
+    assert res.exit_code == 0 and "rounds: 2 → 1" in " ".join(res.output.split())
+    assert (out / "iid-2_r2_seed0.replaced-2").is_dir()
+
+
+def test_exactness_study_fixed_total_steps(tiny_bert_dir, tiny_csv, tmp_path):
+    out, doc = tmp_path / "study", tmp_path / "docs" / "WHEN.md"
+    res = _run("compare", "--study", "exactness", "--out", str(out), "--report", str(doc),
+               "--model", tiny_bert_dir, "--task", tiny_csv, "--seeds", "0,1",
+               "--settings", "iid-2,dir0.5-2", "--local-steps", "1,2", "--total-steps", "2",
+               "--max-length", "16", "--max-test", "20", "--min-partition-size", "5",
+               "--batch-size", "4")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    # every cell trains 2 local steps per client in all: 2 rounds of 1, or 1 round of 2
+    assert "rounds = 2" in (out / "iid-2_r4_s1_seed0" / "config.toml").read_text()
+    assert "rounds = 1" in (out / "dir0.5-2_r4_s2_seed1" / "config.toml").read_text()
+    # centralized runs once per client count and seed, not in every cell
+    assert (out / "centralized-2_r4_seed1" / "metrics.jsonl").is_file()
+    assert '"centralized"' not in (out / "iid-2_r4_s1_seed0" / "metrics.jsonl").read_text()
+    text = doc.read_text()
+    assert "| iid-2 | 1 × 2 |" in text and "| dir0.5-2 | 2 × 1 |" in text
+    assert "fedex − fedit [95% CI]" in text and "paired t-test" in text
+    assert "2 local steps per client in all" in text
+    assert doc.with_suffix(".png").is_file() and "](WHEN.png)" in text
+    assert "## What it shows" in text and "cells" in text
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--local-steps", "3,4", "--total-steps", "10"],
+         "--total-steps 10 must be a multiple of every --local-steps value (not of 3, 4)"),
+        (["--study", "bogus"], "--study: unknown study 'bogus'; choose from exactness"),
+        (["--local-steps", "2", "--report", "x.md"], "--report writes the study over several"),
+        (["--local-steps", "0,2"], "--local-steps must be >= 1"),
+        (["--full-test", "--max-test", "5"], "--full-test and --max-test contradict"),
+    ],
+)  # fmt: skip
+def test_compare_study_bad_input(args, match, tmp_path):
+    res = _run("compare", "--out", str(tmp_path / "c"), *args)
+    assert res.exit_code == 2, res.output
+    assert match in " ".join(res.output.split()) and "Traceback" not in res.output
+    assert not (tmp_path / "c").exists()
