@@ -224,7 +224,8 @@ def run_grid(
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     reused = 0
-    for i, (cell, cfg) in enumerate(plan, 1):
+    # Seed by seed: an interrupted grid has every cell for its first seeds.
+    for i, (cell, cfg) in enumerate(sorted(plan, key=lambda p: p[0].seed), 1):
         d = out / cell.dirname()
         action, why = _status(d, cfg)
         label = f"[{i}/{len(plan)}] {cell.dirname()}"
