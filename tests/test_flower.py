@@ -155,16 +155,29 @@ def test_simulation_engine_matches_local_engine(tiny_cfg, tmp_path):
 
     cfg = tiny_cfg.replace(methods=["fedex", "fedit", "ffa", "flora"], rounds=2)
     t0 = time.perf_counter()
-    local = run_experiment(cfg, tmp_path / "local", progress=False)
+    run_experiment(cfg, tmp_path / "local", progress=False)
     t_local = time.perf_counter() - t0
     t0 = time.perf_counter()
-    flower = run_flower_experiment(cfg.replace(engine="flower"), tmp_path / "flower")
+    returned = run_flower_experiment(
+        cfg.replace(engine="flower", report_to=["tensorboard"]), tmp_path / "flower"
+    )
     t_flower = time.perf_counter() - t0
-    # same run directory, same rows (up to wall time and float rounding)
+    # same run directory, same rows (up to wall time and float rounding): each engine's
+    # metrics.jsonl, as written, against the other's
     for name in ("config.toml", "metrics.jsonl", "summary.md", "metrics.png", "deviation.png"):
         assert (tmp_path / "flower" / name).is_file(), name
-    assert _strip(read_metrics(tmp_path / "flower" / "metrics.jsonl")[0]) == _strip(flower[0])
+    flower = read_metrics(tmp_path / "flower" / "metrics.jsonl")
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    assert len(returned) == len(flower) == len(local) == 2 * len(cfg.methods)
     assert [(r["method"], r["round"]) for r in flower] == [(r["method"], r["round"]) for r in local]
+    # the ServerApp logged every round to TensorBoard
+    from test_trackers import tensorboard_scalars
+
+    tb = tensorboard_scalars(tmp_path / "flower")
+    for r in local:
+        assert tb[f"{r['method']}/accuracy"][r["round"]] == pytest.approx(
+            r["metrics"]["accuracy"], abs=1e-6
+        )
     for a, b in zip(flower, local):
         assert set(a) == set(b) and ROW_FIELDS <= set(a)
         for key in ("sampled", "accepted", "rejected", "dropped", "num_examples", "bytes_up"):

@@ -131,7 +131,14 @@ def test_bf16_base_with_gradient_checkpointing_stays_exact(tiny_cfg, tmp_path):
     rows = run_experiment(cfg, tmp_path, progress=False)
     # the aggregation itself is exact in fp32 whatever the base dtype
     assert all(r["effective_deviation"]["max"] < 1e-5 for r in rows)
-    assert all(r["metrics"]["accuracy"] >= 0 for r in rows)
+    # recomputing activations in the backward pass changes nothing: the same run without
+    # checkpointing trains to the same losses and metrics
+    plain = run_experiment(
+        cfg.replace(gradient_checkpointing=False), tmp_path / "plain", progress=False
+    )
+    for a, b in zip(rows, plain, strict=True):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-3)
+        assert a["metrics"] == pytest.approx(b["metrics"], abs=1e-6)
 
 
 def test_cuda_without_gpu_is_a_clear_error(tiny_cfg, tmp_path):

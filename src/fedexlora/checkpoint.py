@@ -58,6 +58,7 @@ def config_fingerprint(cfg_dict: dict) -> str:
         "keep_checkpoints",
         "save_client_adapters",
         "device",
+        "report_to",
     }
     stable = {k: v for k, v in sorted(cfg_dict.items()) if k not in volatile}
     if stable.get("double_quant") is False:  # added later: runs from before still resume

@@ -68,6 +68,7 @@ _RUN_FLAGS = {
     "export_format": "export_format",
     "export_dtype": "export_dtype",
     "allow_inexact": "allow_inexact",
+    "report_to": "report_to",
 }
 
 
@@ -185,6 +186,9 @@ def run(
         "--gradient-checkpointing/--no-gradient-checkpointing",
         help="Trade compute for memory.",
     ),
+    report_to: str | None = typer.Option(
+        None, help="Comma list of tensorboard, mlflow: log every round there [none]."
+    ),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
 ) -> None:
     """Federated LoRA fine-tuning: every method on identical partitions, reported side by side."""
@@ -197,7 +201,7 @@ def run(
         value = given.get(flag)
         if value is None:
             continue
-        if flag in ("method", "target_modules"):
+        if flag in ("method", "target_modules", "report_to"):
             value = [v.strip() for v in str(value).split(",") if v.strip()]
         if flag == "client_ranks":
             try:
@@ -239,6 +243,7 @@ RESUME_SAFE = (
     "device",
     "keep_checkpoints",
     "save_client_adapters",
+    "report_to",
 )
 
 

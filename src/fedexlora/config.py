@@ -27,6 +27,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("fp32", "bf16", "fp16")
 _QUANTIZATIONS = ("nf4", "fp4", "int8")
 _EXPORT_FORMATS = ("adapter", "merged")
+_REPORTERS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # name -> module it needs
 
 
 class ConfigError(ValueError):
@@ -89,6 +90,7 @@ class RunConfig:
     export_format: str | None = None
     export_dtype: str = "fp32"
     allow_inexact: bool = False
+    report_to: list[str] | None = None
 
     @property
     def side_branch(self) -> bool:
@@ -191,6 +193,14 @@ class RunConfig:
                 f"`quantization` {self.quantization!r} needs bitsandbytes, which is not "
                 "installed; fix: pip install 'fedex-lora[quantization]'",
             )
+        for name in self.report_to or []:
+            if name not in _REPORTERS:
+                errs.append(f"`report_to`: unknown {name!r}; choose from {', '.join(_REPORTERS)}")
+            elif importlib.util.find_spec(_REPORTERS[name]) is None:
+                errs.append(
+                    f"`report_to` {name!r} needs {_REPORTERS[name]}, which is not installed; "
+                    f"fix: pip install 'fedex-lora[{name}]'"
+                )
         need(
             not self.double_quant or self.quantization in ("nf4", "fp4"),
             "`double_quant` applies to 4-bit quantization only; add --quantization nf4 "

@@ -20,6 +20,7 @@ from .config import RunConfig
 from .engine import new_model, new_server, prepare
 from .report import write_summary
 from .simulation import run_method
+from .trackers import open_trackers
 
 __all__ = [
     "RunError",
@@ -243,6 +244,7 @@ def run_experiment(
     else:
         metrics_path.write_text("")
 
+    trackers = open_trackers(cfg, out, resume)
     all_rows: list[dict] = []
     for i, method in enumerate(cfg.methods):
         rows = list(done_rows.get(method, []))
@@ -260,6 +262,7 @@ def run_experiment(
         def after_round(row, srv, mdl, _rows=rows, _method=method):
             _rows.append(row)
             append_row(metrics_path, row)
+            trackers.log_row(row)
             save_checkpoint(
                 out / "checkpoints" / _method,
                 srv,
@@ -295,6 +298,7 @@ def run_experiment(
     if resume:  # restored rows were written first: put every method's rows in order
         write_rows(metrics_path, all_rows)
     write_summary(out, all_rows, cfg.to_toml())
+    trackers.finish()
     return all_rows
 
 

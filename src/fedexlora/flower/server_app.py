@@ -70,6 +70,7 @@ def run_server(
         write_rows,
     )
     from ..report import write_summary
+    from ..trackers import open_trackers
     from .strategy import FedExLoRA, NodeDirectory
 
     cfg = cfg.replace(engine="flower").validate()  # one validation for every entry point
@@ -123,6 +124,7 @@ def run_server(
         mdl.set_adapter("default")
         set_state(mdl, srv.state)
 
+    trackers = open_trackers(cfg, out, settings.resume)
     all_rows: list[dict] = []
     for method in cfg.methods:
         if method in restored:
@@ -172,6 +174,7 @@ def run_server(
             )
             rs.append(row)
             append_row(metrics_path, row)
+            trackers.log_row(row)
             meta = {"rows": rs, "fingerprint": fingerprint, "parts": prep.parts}
             meta["config"] = cfg.to_dict()
             save_checkpoint(
@@ -202,6 +205,7 @@ def run_server(
     if settings.resume:  # restored rows were written first: every method's rows in order
         write_rows(metrics_path, all_rows)
     write_summary(out, all_rows, cfg.to_toml())
+    trackers.finish()
     say(f"wrote {metrics_path}")
     return all_rows
 
