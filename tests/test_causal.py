@@ -26,6 +26,14 @@ def test_causal_lm_run_reports_loss_perplexity_exact_match(tiny_llama_dir, tiny_
         lr=1e-2,
     )
     rows = run_experiment(cfg, tmp_path, progress=False)
+    # the default partition, dirichlet, needs labels: the run says it partitioned iid
+    note = "partition 'dirichlet' needs class labels and task"
+    assert (tmp_path / "partitions.txt").read_text().startswith(f"note: {note}")
+    toml = (tmp_path / "config.toml").read_text()
+    assert f"# note: {note}" in toml and "clients are partitioned iid" in toml
+    from fedexlora.config import load_config
+
+    assert load_config(tmp_path / "config.toml").partition == "dirichlet"  # still loads
     for r in rows:
         assert list(r["metrics"]) == ["exact_match", "loss", "perplexity"]  # primary first
         assert r["metrics"]["perplexity"] == pytest.approx(math.exp(r["metrics"]["loss"]))

@@ -39,6 +39,17 @@ def _run_tiny(model, task, tmp_path, *extra):
                 "--out", str(tmp_path / "o"), "--no-progress", *extra)  # fmt: skip
 
 
+def test_max_length_beyond_the_positions_is_one_line(tmp_path, tiny_bert_dir, tiny_csv):
+    res = _run_tiny(tiny_bert_dir, tiny_csv, tmp_path, "--max-length", "200", "--rounds", "1")
+    assert res.exit_code == 2, res.output
+    assert "--max-length 200 exceeds the 128 positions model" in " ".join(res.output.split())
+    assert "(max_position_embeddings); use --max-length 128 or less" in " ".join(res.output.split())
+    assert "Traceback" not in res.output
+    res = _run_tiny(tiny_bert_dir, tiny_csv, tmp_path / "ok", "--max-length", "128",
+                    "--rounds", "1", "--local-steps", "1", "--max-test", "8")  # fmt: skip
+    assert res.exit_code == 0, res.output  # the limit itself is fine
+
+
 def test_cuda_without_gpu(tmp_path, tiny_bert_dir, tiny_csv):
     import torch
 

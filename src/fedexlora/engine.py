@@ -101,6 +101,7 @@ def new_model(cfg: RunConfig, task, method: str):
         quantization=cfg.quantization,
         double_quant=cfg.double_quant,
     )
+    check_max_length(cfg, model)
     for r in sorted(set(cfg.client_ranks or [])):
         if method in ("fedex", "flora") and r != cfg.lora_r:  # heterogeneous client ranks
             model.add_adapter(f"rank{r}", dataclasses.replace(model.peft_config["default"], r=r))
@@ -141,11 +142,46 @@ def new_server(cfg: RunConfig, method: str, model) -> Server:
     )
 
 
+def effective_partition(cfg: RunConfig, task) -> tuple[str, str]:
+    """The scheme the clients are partitioned by, and a note when it is not ``cfg``'s.
+
+    Dirichlet partitioning draws class proportions, so a task without class labels (a
+    causal-LM task such as gsm8k) is partitioned IID; the run says so in its header,
+    ``partitions.txt`` and ``config.toml``.
+    """
+    if cfg.partition == "dirichlet" and task.kind != "classification":
+        return "iid", (
+            f"partition 'dirichlet' needs class labels and task {cfg.task!r} has none "
+            f"({task.kind}): its clients are partitioned iid"
+        )
+    return cfg.partition, ""
+
+
+def check_max_length(cfg: RunConfig, model) -> None:
+    """Refuses a ``max_length`` beyond the positions the model can embed.
+
+    Raises:
+        ValueError: Naming the flag, the limit and where it comes from.
+    """
+    config = getattr(model, "config", None)
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        limit = getattr(config, attr, None)
+        if isinstance(limit, int) and limit > 0:
+            if getattr(config, "model_type", "") in ("roberta", "xlm-roberta", "camembert"):
+                limit -= 2  # their position ids start after the padding index
+            if cfg.max_length > limit:
+                raise ValueError(
+                    f"--max-length {cfg.max_length} exceeds the {limit} positions model "
+                    f"{cfg.model!r} can embed ({attr}); use --max-length {limit} or less"
+                )
+            return
+
+
 def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
     """Partitions a loaded task and tokenizes both splits."""
     from .partition import describe_partitions, partition
 
-    scheme = cfg.partition if task.kind == "classification" else "iid"
+    scheme, note = effective_partition(cfg, task)
     parts = partition(
         task.train,
         cfg.num_clients,
@@ -155,6 +191,8 @@ def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
         min_partition_size=cfg.min_partition_size,
     )
     table = describe_partitions(task.train, parts, task.label_names or None)
+    if note:
+        table = f"note: {note}\n{table}"
     train = encode(task.train, tokenizer, kind=task.kind, max_length=cfg.max_length)
     test = encode(task.test, tokenizer, kind=task.kind, max_length=cfg.max_length)
     return Prepared(task, parts, train, test, tokenizer, table)

@@ -235,6 +235,8 @@ def run_experiment(
         else f"task {cfg.task}: {len(prep.task.train)} train / {len(prep.task.test)} test"
     )
     say(_partition_summary(prep, out))
+    if not resume:
+        note_partition(cfg, task, out)
 
     # On resume, what each method's last checkpoint says; rows past it are dropped.
     done_rows: dict[str, list[dict]] = {}
@@ -303,6 +305,16 @@ def run_experiment(
 
 
 _TABLE_LINES = 20
+
+
+def note_partition(cfg: RunConfig, task, out: Path) -> None:
+    """Adds a comment to ``config.toml`` when the clients were not partitioned as it says."""
+    from .engine import effective_partition
+
+    _, note = effective_partition(cfg, task)
+    if note:
+        path = out / "config.toml"
+        write_atomic(path, path.read_text() + f"\n# note: {note}\n")
 
 
 def _partition_summary(prep, out: Path) -> str:

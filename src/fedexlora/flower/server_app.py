@@ -65,6 +65,7 @@ def run_server(
         append_row,
         base_deltas,
         load_task_for,
+        note_partition,
         restore_run,
         write_atomic,
         write_rows,
@@ -102,6 +103,8 @@ def run_server(
     prep = prepare(cfg, tokenizer, task)
     say(f"task {cfg.task}: {len(task.train)} train / {len(task.test)} test")
     say(prep.partition_table)
+    if not settings.resume:
+        note_partition(cfg, task, out)
     nodes = NodeDirectory(
         cfg.num_clients, fingerprint, timeout=settings.round_timeout, run_token=run_token
     )
