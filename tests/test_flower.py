@@ -23,6 +23,7 @@ ROW_FIELDS = {
     "method",
     "round",
     "metrics",
+    "test_examples",
     "train_loss",
     "seconds",
     "bytes_up",

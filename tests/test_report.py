@@ -51,3 +51,11 @@ def test_compare_plot_fits_values_above_one(tmp_path, monkeypatch):
     (fig,) = _figures(monkeypatch, compare._plot, rows, tmp_path / "c.png")
     bottom, top = fig.axes[0].get_ylim()
     assert top >= 9.5 + 0.707  # the tallest bar (mean 9.5) and its error bar (0.707) fit
+
+
+def test_wilson_interval_matches_a_hand_computation():
+    # p = 0.8 on n = 100, z = 1.96: centre (0.8 + 0.0192) / 1.0384 = 0.78891,
+    # half 1.96 * sqrt(0.0016 + 0.000096) / 1.0384 = 0.07774 -> [0.7112, 0.8667]
+    lo, hi = report.wilson(0.8, 100)
+    assert abs(lo - 0.7112) < 2e-4 and abs(hi - 0.8667) < 2e-4
+    assert abs(report.wilson(1.0, 10)[1] - 1.0) < 1e-12 and report.wilson(0.0, 10)[0] < 1e-12

@@ -53,6 +53,14 @@ def test_run_writes_run_directory_and_fedex_is_exact(tiny_cfg, tmp_path):
         assert (tmp_path / name).is_file(), name
     summary = (tmp_path / "summary.md").read_text()
     assert "| fedex |" in summary and "| fedit |" in summary
+    # the final accuracy carries its 95% Wilson interval over the test examples
+    from fedexlora.report import wilson
+
+    n = fedex[-1]["test_examples"]
+    assert n == len(load_task_for(tiny_cfg).test) > 0
+    lo, hi = wilson(fedex[-1]["metrics"]["accuracy"], n)
+    assert f"| fedex | {fedex[-1]['metrics']['accuracy']:.4f} [{lo:.3f}, {hi:.3f}] |" in summary
+    assert f"measured on {n} test examples" in summary and "fedexlora compare" in summary
 
 
 def test_same_seed_same_run_and_other_seed_differs(tiny_cfg, tmp_path):

@@ -225,19 +225,22 @@ def round_row(
     effective: dict[str, float] | None = None,
     bytes_down_max: int = 0,
     server_bytes: dict[str, int] | None = None,
+    test_examples: int = 0,
 ) -> dict:
     """One ``metrics.jsonl`` row (one method, one round).
 
     ``effective`` is the per-layer deviation measured on the model
     (:func:`fedexlora.steps.apply_outcome`); without it the server's own figure is used.
     ``bytes_down_max`` is the largest payload one client received; ``server_bytes`` is
-    :meth:`fedexlora.server.Server.nbytes` after the round.
+    :meth:`fedexlora.server.Server.nbytes` after the round; ``test_examples`` is how many
+    examples ``metrics`` were measured on.
     """
     losses = [u.train_loss for u in uploads if u.client_id in outcome.accepted]
     row = {
         "method": method,
         "round": rnd,
         "metrics": metrics,
+        "test_examples": test_examples,
         "train_loss": sum(losses) / len(losses) if losses else float("nan"),
         "seconds": seconds,
         "bytes_up": bytes_up,

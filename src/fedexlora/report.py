@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -57,8 +58,30 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GB"  # pragma: no cover
 
 
+PROPORTIONS = ("accuracy", "exact_match")
+
+
+def wilson(p: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion ``p`` measured on ``n`` examples."""
+    den = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _final(metric: str, value: float, n: int) -> str:
+    if metric in PROPORTIONS and n and math.isfinite(value):
+        lo, hi = wilson(value, n)
+        return f"{value:.4f} [{lo:.3f}, {hi:.3f}]"
+    return f"{value:.4f}"
+
+
 def summary_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Header and cells of the final table: one line per method."""
+    """Header and cells of the final table: one line per method.
+
+    A proportion (accuracy, exact match) carries its 95% Wilson interval over the test
+    examples it was measured on.
+    """
     metric = primary_metric(rows)
     by_method: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
@@ -83,7 +106,7 @@ def summary_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         cells.append(
             [
                 label,
-                f"{vals[-1]:.4f}",
+                _final(metric, vals[-1], int(last.get("test_examples") or 0)),
                 f"{best:.4f}",
                 f"{last['train_loss']:.4f}",
                 _fmt_bytes(sum(r["bytes_up"] for r in rs)),
@@ -125,6 +148,15 @@ def write_summary(out_dir: str | Path, rows: list[dict], config_text: str = "") 
         "FedIT's is what plain factor averaging loses.",
         "- Bytes are counted from the tensors sent; `centralized` sends nothing.",
     ]
+    n = max((int(r.get("test_examples") or 0) for r in rows), default=0)
+    if n and primary_metric(rows) in PROPORTIONS:
+        parts.append(
+            f"- Uncertainty: the final {primary_metric(rows)} is measured on {n} test "
+            "examples; brackets give its 95% Wilson interval, the test-sampling error "
+            "alone. This is one run, one seed: a difference between methods here carries "
+            "no seed-to-seed variation and no paired test. `fedexlora compare` runs seeds "
+            "and gives paired 95% confidence intervals and p-values."
+        )
     if any(r.get("approximate") for r in rows):
         parts.append(
             "- Methods marked *(approximate)* truncated the residual (`residual_rank`) or "

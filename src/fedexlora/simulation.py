@@ -122,6 +122,7 @@ def run_method(
             effective=measured,
             bytes_down_max=down_max,
             server_bytes=server.nbytes(),
+            test_examples=len(prep.task.test),
         )
         rows.append(row)
         if on_row is not None:

@@ -174,6 +174,7 @@ def run_server(
                 effective=measured,
                 bytes_down_max=rec.bytes_down_max,
                 server_bytes=srv.nbytes(),
+                test_examples=len(prep.task.test),
             )
             rs.append(row)
             append_row(metrics_path, row)
