@@ -100,6 +100,7 @@ def test_exactness_study_fixed_total_steps(tiny_bert_dir, tiny_csv, tmp_path):
     assert "2 local steps per client in all" in text
     assert doc.with_suffix(".png").is_file() and "](WHEN.png)" in text
     assert "## What it shows" in text and "cells" in text
+    assert f"Written by `fedexlora compare --study exactness --out {out} --report {doc}" in text
 
 
 @pytest.mark.parametrize(

@@ -507,10 +507,16 @@ def compare(
     )
     if errs:
         _fail(str(ConfigError(errs)))
+    command = ["fedexlora compare"] + [f"--study {study}"] * (study is not None)
+    command += [f"--out {out}"] + [f"--report {report}"] * (report is not None)
+    command += [f"--{k.replace('_', '-')} {v}" for k, v in given.items() if v is not None] + [
+        "--full-test"
+    ] * full_test
     try:
         path = run_grid(
             cfg,
             out,
+            command=" ".join(command),
             settings=parsed,
             ranks=rank_list,
             seeds=seed_list,

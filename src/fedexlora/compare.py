@@ -185,6 +185,7 @@ def run_grid(
     local_steps=None,
     total_steps: int | None = None,
     report: str | Path | None = None,
+    command: str | None = None,
     progress: bool = False,
     console=None,
 ) -> Path:
@@ -208,6 +209,7 @@ def run_grid(
             ``total_steps // local_steps`` rounds, so every cell costs the same, and
             ``centralized`` runs once per client count (the ceiling) instead of per cell.
         report: Where to also write the study report (with ``local_steps``).
+        command: The command line, quoted in the study report.
         progress: Progress bars.
         console: A ``rich`` console.
 
@@ -259,7 +261,7 @@ def run_grid(
         target = Path(report) if report else out / "exactness.md"
         target.parent.mkdir(parents=True, exist_ok=True)
         png = target.with_suffix(".png")
-        target.write_text(exactness_report(rows, cfgs, png.name, elapsed, reused))
+        target.write_text(exactness_report(rows, cfgs, png.name, elapsed, reused, command))
         _plot_gap(rows, png)
         say(f"wrote {target}")
     return path
@@ -484,7 +486,9 @@ def _ceiling_of(rows: dict, k: int, rank: int) -> list[float]:
     return out
 
 
-def exactness_report(rows: dict, cfgs: dict, png: str, elapsed: float, reused: int) -> str:
+def exactness_report(
+    rows: dict, cfgs: dict, png: str, elapsed: float, reused: int, command: str | None = None
+) -> str:
     """The "when exactness matters" study: fedex − fedit per cell, with its uncertainty.
 
     One row per (setting, rank, local steps): both methods' final metric over the seeds,
@@ -549,6 +553,7 @@ def exactness_report(rows: dict, cfgs: dict, png: str, elapsed: float, reused: i
     head = [
         "# When exactness matters: FedEx-LoRA against FedIT",
         "",
+        *([f"Written by `{command}`.", ""] if command else []),
         f"Task `{first.task}`, model `{first.model}`, r={first.lora_r}; seeds {seeds}; "
         f"{', '.join(str(t) for t in totals)} local steps per client in all, split into "
         f"rounds of the local steps each row names; {_describe(list(cfgs.values()))}"
