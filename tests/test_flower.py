@@ -356,9 +356,11 @@ def test_ray_starts_on_loopback_with_usage_stats_off(tiny_cfg, tmp_path, monkeyp
 
     import flwr.simulation
 
+    import fedexlora.flower.simulation as sim
     from fedexlora.flower.simulation import run_flower_experiment
 
-    seen = []
+    seen, started = [], []
+    monkeypatch.setattr(sim, "start_ray", lambda init_args: started.append(init_args))
 
     def fake_run_simulation(**kw):
         seen.append((os.environ.get("RAY_USAGE_STATS_ENABLED"), kw["backend_config"]))
@@ -372,8 +374,123 @@ def test_ray_starts_on_loopback_with_usage_stats_off(tiny_cfg, tmp_path, monkeyp
         run_flower_experiment(cfg, tmp_path / "a")
     enabled, backend = seen[-1]
     assert enabled == "0" and backend["init_args"] == {"include_dashboard": False}
+    assert started[-1] == {"include_dashboard": False}  # Ray is started before Flower's
     assert "RAY_USAGE_STATS_ENABLED" not in os.environ  # restored afterwards
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")
     with pytest.raises(RuntimeError):
         run_flower_experiment(cfg, tmp_path / "b")
     assert seen[-1][0] == "1"
+
+
+def _dashboard_pids():
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, ValueError):
+            continue
+        if b"dashboard/dashboard.py" in cmd:
+            pids.append(d.name)
+    return pids
+
+
+def test_ray_daemons_skip_the_cloud_probe_and_workers_keep_home(monkeypatch):
+    """start_ray: the dashboard finds a local-provider bootstrap config, workers our HOME."""
+    import os
+
+    import ray
+
+    from fedexlora.flower.simulation import start_ray
+
+    if ray.is_initialized():
+        pytest.skip("Ray is already running in this process")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    home = os.environ["HOME"]
+    private = start_ray({"num_cpus": 1})
+    try:
+        assert private is not None and os.environ["HOME"] == home
+        assert (private / "ray_bootstrap_config.yaml").read_text() == "provider:\n  type: local\n"
+        worker_home = ray.get(ray.remote(lambda: os.environ.get("HOME")).remote())
+        assert worker_home == home  # the ClientApps see the user's HOME
+        pids = _dashboard_pids()
+        assert pids, "no Ray dashboard process found"
+        for pid in pids:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"HOME={private}".encode() in env  # ~/ray_bootstrap_config.yaml is found
+    finally:
+        ray.shutdown()
+        if private is not None:
+            import shutil
+
+            shutil.rmtree(private, ignore_errors=True)
+    # statistics turned on by the user: Ray is left to Flower, probe included
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")
+    assert start_ray({}) is None and not ray.is_initialized()
+
+
+@pytest.mark.integration
+def test_ray_simulation_connects_to_loopback_only(tiny_bert_dir, tiny_csv, tmp_path):
+    """Every connect() of a whole `--engine flower` run, Ray's daemons included."""
+    import re
+    import shutil
+    import subprocess
+
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed")
+    log = tmp_path / "strace.out"
+    import os
+
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home"), "HF_HUB_OFFLINE": "1",
+           "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}  # fmt: skip
+    env.pop("RAY_USAGE_STATS_ENABLED", None)  # fedex-lora's default: off
+    proc = subprocess.run(
+        [
+            strace,
+            "-f",
+            "-qq",
+            "-e",
+            "trace=connect",
+            "-o",
+            str(log),
+            str(VENV_BIN / "fedexlora"),
+            "run",
+            "--engine",
+            "flower",
+            "--model",
+            tiny_bert_dir,
+            "--task",
+            tiny_csv,
+            "--min-partition-size",
+            "5",
+            "--clients",
+            "2",
+            "--rounds",
+            "1",
+            "--local-steps",
+            "1",
+            "--max-test",
+            "10",
+            "--method",
+            "fedex",
+            "--out",
+            str(tmp_path / "run"),
+            "--no-progress",
+        ],  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    if proc.returncode != 0 and "PTRACE" in proc.stderr.upper():
+        pytest.skip(f"strace cannot trace here: {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 1
+    text = log.read_text()
+    v4 = re.findall(r'sin_addr=inet_addr\("([^"]+)"\)', text)
+    v6 = re.findall(r'inet_pton\(AF_INET6, "([^"]+)"', text)
+    assert v4, "strace saw no TCP connect at all: the check would be empty"
+    outside = [a for a in v4 if not a.startswith("127.")]
+    outside += [a for a in v6 if a not in ("::1",) and not a.startswith("::ffff:127.")]
+    assert not outside, f"connections outside loopback: {sorted(set(outside))}"

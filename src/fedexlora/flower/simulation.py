@@ -16,18 +16,27 @@ single-machine mode), and with its usage statistics off (``RAY_USAGE_STATS_ENABL
 ``1`` turns them back on). For a multi-machine Ray cluster set
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` and pass a full ``backend_config``, e.g.
 ``{"init_args": {"address": "auto"}, "client_resources": ...}``.
+
+With the statistics off, Ray is started here (:func:`start_ray`) rather than by Flower,
+so that its daemons find a local-provider ``ray_bootstrap_config.yaml`` in their home
+directory: without one, Ray's dashboard process asks the cloud metadata address
+169.254.169.254 which cloud it runs on, whatever the statistics setting. Ray's workers,
+the ClientApps, get the caller's own ``HOME`` back.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from .records import to_run_config
 
-__all__ = ["RAY_ENV", "client_resources", "run_flower_experiment"]
+__all__ = ["RAY_ENV", "client_resources", "run_flower_experiment", "start_ray"]
 
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -36,6 +45,52 @@ RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
 }
 """Environment the Ray simulation starts with, where the caller's does not say otherwise."""
+
+
+def start_ray(init_args: dict[str, Any] | None = None) -> Path | None:
+    """Starts Ray for the simulation, its daemons never probing the cloud metadata address.
+
+    Ray's dashboard process (started even without the dashboard, for usage statistics)
+    reads ``~/ray_bootstrap_config.yaml`` and, when there is none, asks 169.254.169.254
+    and ``metadata.google.internal`` which cloud it is on, before it looks at whether
+    statistics are on. Here Ray's daemons start with ``HOME`` set to a private directory
+    that holds a one-line local-provider config, and every worker gets the caller's
+    ``HOME`` (and ``sys.path``, as Flower passes it) back through the job's runtime env.
+
+    Nothing is done when Ray is already running, or when the caller turned statistics on
+    (``RAY_USAGE_STATS_ENABLED=1``: the probe is part of what they report): Flower then
+    starts Ray as it always does.
+
+    Returns:
+        The private directory (remove it after ``ray.shutdown()``), or None.
+    """
+    import ray
+
+    if ray.is_initialized() or os.environ.get("RAY_USAGE_STATS_ENABLED", "0") != "0":
+        return None
+    args = {"include_dashboard": False, **(init_args or {})}
+    runtime_env = dict(args.pop("runtime_env", None) or {})
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    home = os.environ.get("HOME")
+    env_vars = {"PYTHONPATH": pythonpath, **({"HOME": home} if home else {})}
+    runtime_env["env_vars"] = {**env_vars, **runtime_env.get("env_vars", {})}
+    private = Path(tempfile.mkdtemp(prefix="fedexlora-ray-home-"))
+    (private / "ray_bootstrap_config.yaml").write_text("provider:\n  type: local\n")
+    os.environ["PYTHONPATH"] = pythonpath  # as Flower's own Ray start does
+    os.environ["HOME"] = str(private)
+    try:
+        ray.init(runtime_env=runtime_env, **args)
+    except BaseException:
+        shutil.rmtree(private, ignore_errors=True)
+        raise
+    finally:
+        if home is None:
+            os.environ.pop("HOME", None)
+        else:
+            os.environ["HOME"] = home
+    return private
 
 
 @contextlib.contextmanager
@@ -152,12 +207,20 @@ def run_flower_experiment(
     with _environment(RAY_ENV):
         from flwr.simulation import run_simulation  # Ray reads RAY_ENV when first imported
 
-        run_simulation(
-            server_app=make_server_app(run_config, say=say),
-            client_app=make_client_app(run_config),
-            num_supernodes=cfg.num_clients,
-            backend_config=backend,
-        )
+        private = start_ray(backend.get("init_args"))
+        try:
+            run_simulation(
+                server_app=make_server_app(run_config, say=say),
+                client_app=make_client_app(run_config),
+                num_supernodes=cfg.num_clients,
+                backend_config=backend,
+            )
+        finally:
+            if private is not None:
+                import ray
+
+                ray.shutdown()  # Flower shuts Ray down too; this covers a failed start
+                shutil.rmtree(private, ignore_errors=True)
     rows = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
     want = cfg.rounds * len(cfg.methods)
     if len(rows) != want:
