@@ -625,18 +625,30 @@ def _plot_gap(rows: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     groups = defaultdict(lambda: ([], []))
     for c, rs in rows.items():
         if c.ceiling:
             continue
         g, d = _gap_points({c: rs})
         if g:
-            groups[f"{c.setting.name}, {c.steps} steps"][0].append(d[0])
-            groups[f"{c.setting.name}, {c.steps} steps"][1].append(g[0])
+            groups[(c.setting.name, c.steps)][0].append(d[0])
+            groups[(c.setting.name, c.steps)][1].append(g[0])
+    # colour: local steps per round; marker: the setting (clients and heterogeneity)
+    settings = list(dict.fromkeys(k[0] for k in groups))
+    steps = sorted({k[1] for k in groups}, key=lambda s: (s is None, s or 0))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     markers = "os^vD<>pPX*h"
-    for i, (name, (xs, ys)) in enumerate(sorted(groups.items())):
-        ax.scatter(xs, ys, label=name, marker=markers[i % len(markers)], s=22)
+    for (name, st), (xs, ys) in groups.items():
+        ax.scatter(
+            xs,
+            ys,
+            label=f"{name}, {st} steps/round",
+            marker=markers[settings.index(name) % len(markers)],
+            color=colours[steps.index(st) % len(colours)],
+            s=24,
+            alpha=0.8,
+        )
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("FedIT's mean deviation from the ideal update")
     ax.set_ylabel("fedex − fedit, final metric")
