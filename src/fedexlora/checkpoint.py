@@ -49,18 +49,9 @@ def _crash_point(step: str) -> None:
 
 def config_fingerprint(cfg_dict: dict) -> str:
     """Hash of the settings that must not change across a resume."""
-    volatile = {
-        "rounds",
-        "export",
-        "export_format",
-        "export_dtype",
-        "allow_inexact",
-        "keep_checkpoints",
-        "save_client_adapters",
-        "device",
-        "report_to",
-    }
-    stable = {k: v for k, v in sorted(cfg_dict.items()) if k not in volatile}
+    from .config import RESUME_SAFE
+
+    stable = {k: v for k, v in sorted(cfg_dict.items()) if k not in RESUME_SAFE}
     if stable.get("double_quant") is False:  # added later: runs from before still resume
         del stable["double_quant"]
     return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .bench import bench_app
+from .config import RESUME_SAFE
 
 app = typer.Typer(
     pretty_exceptions_show_locals=False,
@@ -231,20 +232,6 @@ def run(
 
         out = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     _execute(cfg, out, resume=resume is not None, progress=not no_progress)
-
-
-# What a resumed run may change: how far it goes and what it writes, never its results.
-RESUME_SAFE = (
-    "rounds",
-    "export",
-    "export_format",
-    "export_dtype",
-    "allow_inexact",
-    "device",
-    "keep_checkpoints",
-    "save_client_adapters",
-    "report_to",
-)
 
 
 def _resumed_config(resume: Path, overrides: dict, config: Path | None, out: Path | None):

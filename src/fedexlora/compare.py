@@ -16,7 +16,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from .config import RunConfig, validate_mapping
+from .config import RESUME_SAFE, RunConfig, validate_mapping
 from .report import best_value, higher_is_better, primary_metric, read_metrics
 from .stats import paired
 
@@ -81,19 +81,9 @@ class Cell:
         return f"{self.setting.name}_r{self.rank}{steps}_seed{self.seed}"
 
 
-# Settings that do not change what a cell computes: a cell that differs only in these is
-# reused. ``rounds`` is handled apart (a shorter finished cell is extended by a resume).
-_NOT_RESULTS = {
-    "rounds",
-    "export",
-    "export_format",
-    "export_dtype",
-    "allow_inexact",
-    "keep_checkpoints",
-    "save_client_adapters",
-    "device",
-    "report_to",
-}
+# A cell that differs only in settings that never change results is reused; ``rounds``
+# is handled apart (a shorter finished cell is extended by a resume).
+_NOT_RESULTS = set(RESUME_SAFE)
 
 
 def cell_changes(old: dict, new: RunConfig) -> list[str]:

@@ -27,6 +27,22 @@ _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("fp32", "bf16", "fp16")
 _QUANTIZATIONS = ("nf4", "fp4", "int8")
 _EXPORT_FORMATS = ("adapter", "merged")
+RESUME_SAFE = (
+    "rounds",
+    "export",
+    "export_format",
+    "export_dtype",
+    "allow_inexact",
+    "device",
+    "keep_checkpoints",
+    "save_client_adapters",
+    "report_to",
+)
+"""Settings that never change a run's results: how far it goes and what it writes.
+
+A resume may change them, the checkpoint fingerprint leaves them out, and ``compare``
+reuses a cell that differs only in them.
+"""
 _REPORTERS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # name -> module it needs
 
 
