@@ -119,3 +119,13 @@ def test_compare_study_bad_input(args, match, tmp_path):
     assert res.exit_code == 2, res.output
     assert match in " ".join(res.output.split()) and "Traceback" not in res.output
     assert not (tmp_path / "c").exists()
+
+
+def test_holm_correction_by_hand():
+    from fedexlora.compare import _holm
+
+    # 18 tests: thresholds 0.05/18 = 0.00278, then 0.05/17 = 0.00294, ...
+    assert _holm([0.0051, 0.0098, 0.009], 18) == 0
+    assert _holm([0.001, 0.0029, 0.2], 18) == 2  # 0.001 <= 0.00278, 0.0029 <= 0.00294
+    assert _holm([0.001, 0.004], 18) == 1
+    assert _holm([], 18) == 0

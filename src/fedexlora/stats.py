@@ -47,14 +47,14 @@ class Paired:
             return f"{m} (n=1: no interval or test)"
         return (
             f"{m} [95% CI {self.lo * scale:+.3g}, {self.hi * scale:+.3g}]{unit}, "
-            f"paired t-test p={_p(self.p)}, n={self.n}"
+            f"paired t-test p{_p(self.p)}, n={self.n}"
         )
 
 
 def _p(p: float) -> str:
     if math.isnan(p):
-        return "n/a"
-    return f"{p:.2g}" if p >= 1e-4 else "<1e-4"
+        return " n/a"
+    return f"={p:.2g}" if p >= 1e-4 else "<1e-4"
 
 
 def paired(a: list[float], b: list[float], higher_is_better: bool = True) -> Paired:
