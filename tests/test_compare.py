@@ -122,7 +122,7 @@ def test_compare_study_bad_input(args, match, tmp_path):
 
 
 def test_holm_correction_by_hand():
-    from fedexlora.compare import _holm
+    from fedexlora.compare_report import _holm
 
     # 18 tests: thresholds 0.05/18 = 0.00278, then 0.05/17 = 0.00294, ...
     assert _holm([0.0051, 0.0098, 0.009], 18) == 0

@@ -5,7 +5,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from fedexlora import compare, report  # noqa: E402
+from fedexlora import compare, compare_report, report  # noqa: E402
 
 
 def _row(method, rnd, value, metric="accuracy"):
@@ -48,7 +48,7 @@ def test_compare_plot_fits_values_above_one(tmp_path, monkeypatch):
         ]
         for seed in (0, 1)
     }
-    (fig,) = _figures(monkeypatch, compare._plot, rows, tmp_path / "c.png")
+    (fig,) = _figures(monkeypatch, compare_report.plot_comparison, rows, tmp_path / "c.png")
     bottom, top = fig.axes[0].get_ylim()
     assert top >= 9.5 + 0.707  # the tallest bar (mean 9.5) and its error bar (0.707) fit
 
