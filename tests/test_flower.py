@@ -350,83 +350,101 @@ def test_flwr_run_validates_as_fedexlora_validate_does(tiny_cfg, tmp_path):
     assert cfg.client_ranks == [2, 4, 4] and cfg.engine == "flower"
 
 
-def test_ray_starts_on_loopback_with_usage_stats_off(tiny_cfg, tmp_path, monkeypatch):
-    """What the Ray simulation is started with; a user's own setting wins."""
-    import os
+def test_simulation_goes_through_flwr_run_on_loopback_with_statistics_off(
+    tiny_cfg, tmp_path, monkeypatch
+):
+    """What the private SuperLink, SuperExec and ``flwr run`` are started with.
 
-    import flwr.simulation
+    Ray binds to loopback with its statistics off, Flower's telemetry and update check
+    are off (a user's own setting wins), and only the SuperExec, below which Ray's
+    daemons start, gets the private HOME with a local-provider bootstrap config.
+    """
+    import os
 
     import fedexlora.flower.simulation as sim
-    from fedexlora.flower.simulation import run_flower_experiment
+    from fedexlora.pipeline import RunError
 
-    seen, started = [], []
-    monkeypatch.setattr(sim, "start_ray", lambda init_args: started.append(init_args))
+    seen = {}
 
-    def fake_run_simulation(**kw):
-        seen.append((os.environ.get("RAY_USAGE_STATS_ENABLED"), kw["backend_config"]))
-        assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"  # loopback only
+    def fake_start(self):
+        seen["sim"] = self
+        bootstrap = Path(self.exec_env["HOME"]) / "ray_bootstrap_config.yaml"
+        seen["bootstrap"] = bootstrap.read_text() if self.root in bootstrap.parents else None
+        seen["app"] = (self.root / "app" / "pyproject.toml").read_text()
+        return self
 
-    monkeypatch.setattr(flwr.simulation, "run_simulation", fake_run_simulation)
-    monkeypatch.delenv("RAY_USAGE_STATS_ENABLED", raising=False)
-    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
-    cfg = tiny_cfg.replace(methods=["fedex"], rounds=1)
-    with pytest.raises(RuntimeError, match="wrote 0 of 1 metrics rows"):
-        run_flower_experiment(cfg, tmp_path / "a")
-    enabled, backend = seen[-1]
-    assert enabled == "0" and backend["init_args"] == {"include_dashboard": False}
-    assert started[-1] == {"include_dashboard": False}  # Ray is started before Flower's
-    assert "RAY_USAGE_STATS_ENABLED" not in os.environ  # restored afterwards
+    def fake_run(self, app_dir, federation, write=None):
+        seen["federation"] = federation
+        return 0, []
+
+    monkeypatch.setattr(sim.LocalSimulation, "start", fake_start)
+    monkeypatch.setattr(sim.LocalSimulation, "run", fake_run)
+    for var in ("RAY_USAGE_STATS_ENABLED", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+                "FLWR_TELEMETRY_ENABLED", "FLWR_DISABLE_UPDATE_CHECK"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+    home = os.environ["HOME"]
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=1, num_clients=3)
+    with pytest.raises(RunError, match="wrote 0 of 1 metrics rows"):
+        sim.run_flower_experiment(cfg, tmp_path / "a", client_cpus=1)
+    s = seen["sim"]
+    for env in (s.env, s.exec_env):
+        assert env["RAY_USAGE_STATS_ENABLED"] == "0"
+        assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # loopback only
+        assert env["FLWR_TELEMETRY_ENABLED"] == "0" and env["FLWR_DISABLE_UPDATE_CHECK"] == "1"
+        assert env["FLWR_HOME"] == str(s.root / "flwr-home")
+    assert s.env["HOME"] == home and sim.USER_HOME_VAR not in s.env
+    assert s.exec_env["HOME"] != home and s.exec_env[sim.USER_HOME_VAR] == home
+    assert seen["bootstrap"] == "provider:\n  type: local\n"
+    assert 'serverapp = "fedexlora.flower.server_app:app"' in seen["app"]
+    assert "num-clients = 3" in seen["app"] and f'run-dir = "{tmp_path / "a"}"' in seen["app"]
+    assert seen["federation"] == (
+        "num-supernodes=3 client-resources-num-cpus=1 client-resources-num-gpus=0.0"
+    )
+    assert not s.root.exists()  # Flower's home, the app and the private HOME are removed
+    assert not os.environ.get("RAY_USAGE_STATS_ENABLED")  # this process is untouched
+    # the user's own settings win; statistics on: Ray keeps the real HOME, probe included
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")
-    with pytest.raises(RuntimeError):
-        run_flower_experiment(cfg, tmp_path / "b")
-    assert seen[-1][0] == "1"
+    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "1")
+    with pytest.raises(RunError):
+        sim.run_flower_experiment(cfg, tmp_path / "b")
+    s = seen["sim"]
+    assert s.exec_env["RAY_USAGE_STATS_ENABLED"] == "1" and s.exec_env["HOME"] == home
+    assert s.env["FLWR_TELEMETRY_ENABLED"] == "1"
 
 
-def _dashboard_pids():
-    pids = []
-    for d in Path("/proc").iterdir():
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")
-        except (OSError, ValueError):
-            continue
-        if b"dashboard/dashboard.py" in cmd:
-            pids.append(d.name)
-    return pids
+def test_backend_config_maps_to_the_federation_config():
+    from fedexlora.flower.simulation import federation_config
+
+    assert federation_config(
+        2, {"client_resources": {"num_cpus": 2, "num_gpus": 0.5},
+            "init_args": {"include_dashboard": False, "num_cpus": 4,
+                          "logging_level": "warning", "log_to_driver": True}},
+    ) == (
+        "num-supernodes=2 client-resources-num-cpus=2 client-resources-num-gpus=0.5 "
+        'init-args-num-cpus=4 init-args-logging-level="warning" init-args-log-to-driver=true'
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="'address' cannot be passed .* RAY_ADDRESS"):
+        federation_config(2, {"init_args": {"address": "auto"}})
+    assert federation_config(1, {"client_resources": {"num_cpus": 2.0}}) == (
+        "num-supernodes=1 client-resources-num-cpus=2"
+    )  # FEDEXLORA_CLIENT_CPUS=2 reads as 2.0
+    with pytest.raises(ValueError, match=r"\['num_cpus'\] must be a whole number .* 0.5"):
+        federation_config(1, {"client_resources": {"num_cpus": 0.5}})
+    with pytest.raises(ValueError, match="unknown section 'resources'"):
+        federation_config(2, {"resources": {}})
 
 
-def test_ray_daemons_skip_the_cloud_probe_and_workers_keep_home(monkeypatch):
-    """start_ray: the dashboard finds a local-provider bootstrap config, workers our HOME."""
+def test_a_client_app_gets_the_users_home_back(monkeypatch):
     import os
 
-    import ray
+    from fedexlora.flower.simulation import USER_HOME_VAR, restore_user_home
 
-    from fedexlora.flower.simulation import start_ray
-
-    if ray.is_initialized():
-        pytest.skip("Ray is already running in this process")
-    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    home = os.environ["HOME"]
-    private = start_ray({"num_cpus": 1})
-    try:
-        assert private is not None and os.environ["HOME"] == home
-        assert (private / "ray_bootstrap_config.yaml").read_text() == "provider:\n  type: local\n"
-        worker_home = ray.get(ray.remote(lambda: os.environ.get("HOME")).remote())
-        assert worker_home == home  # the ClientApps see the user's HOME
-        pids = _dashboard_pids()
-        assert pids, "no Ray dashboard process found"
-        for pid in pids:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            assert f"HOME={private}".encode() in env  # ~/ray_bootstrap_config.yaml is found
-    finally:
-        ray.shutdown()
-        if private is not None:
-            import shutil
-
-            shutil.rmtree(private, ignore_errors=True)
-    # statistics turned on by the user: Ray is left to Flower, probe included
-    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")
-    assert start_ray({}) is None and not ray.is_initialized()
+    monkeypatch.setenv("HOME", "/tmp/private-ray-home")
+    monkeypatch.setenv(USER_HOME_VAR, "/home/someone")
+    restore_user_home()
+    assert os.environ["HOME"] == "/home/someone" and USER_HOME_VAR not in os.environ
+    restore_user_home()  # idempotent
+    assert os.environ["HOME"] == "/home/someone"
 
 
 @pytest.mark.integration

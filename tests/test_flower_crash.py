@@ -40,11 +40,12 @@ def test_engine_flower_sigkilled_mid_round_resumes_identically(tmp_path, tiny_be
         "FEDEXLORA_CLIENT_CPUS": "1",
     }
     run = tmp_path / "killed"
+    log = tmp_path / "killed.log"
     proc = subprocess.Popen(
         _cmd("--config", str(cfg), "--out", str(run)),
         env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group, Ray included
     )
     deadline = time.monotonic() + 900
@@ -56,7 +57,9 @@ def test_engine_flower_sigkilled_mid_round_resumes_identically(tmp_path, tiny_be
         time.sleep(0.05)
     time.sleep(0.3)  # into round 3: its clients are training
     tree = set(_descendants(proc.pid))
-    assert proc.poll() is None, "the run ended before it could be killed"
+    assert proc.poll() is None, (
+        "the run ended before it could be killed: " + log.read_text()[-3000:]
+    )
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     time.sleep(5)

@@ -40,6 +40,7 @@ from flwr.clientapp import ClientApp
 
 from ..quiet import quiet_libraries
 from .records import from_array_record, resolve_run_config, to_array_record
+from .simulation import restore_user_home
 
 __all__ = ["app", "make_client_app"]
 
@@ -303,8 +304,9 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
 def make_client_app(defaults: Mapping[str, Any] | None = None) -> ClientApp:
     """A ClientApp; ``defaults`` fill in run-config keys the context does not set.
 
-    ``flwr run`` gives the app its run config; ``flwr.simulation.run_simulation`` gives
-    none, so :func:`fedexlora.flower.simulation.run_flower_experiment` bakes it in here.
+    ``flwr run`` gives the app its run config (``[tool.flwr.app.config]`` plus
+    ``--run-config`` overrides); a caller that runs the app itself (a test's in-process
+    grid, ``flwr.simulation.run_simulation``) can bake one in here.
     """
     base = dict(defaults or {})
     client = ClientApp()
@@ -316,6 +318,7 @@ def make_client_app(defaults: Mapping[str, Any] | None = None) -> ClientApp:
         Problems are reported, not raised, so that the server can stop the run at once
         with a message naming this node.
         """
+        restore_user_home()
         quiet_libraries()
         conf = context.node_config
         record = ConfigRecord(
@@ -339,6 +342,7 @@ def make_client_app(defaults: Mapping[str, Any] | None = None) -> ClientApp:
     @client.train()
     def train(msg: Message, context: Context) -> Message:
         """One round of local training on this node's partition."""
+        restore_user_home()
         quiet_libraries()
         return train_step(msg, context, base)
 

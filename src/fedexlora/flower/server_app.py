@@ -22,6 +22,7 @@ from typing import Any
 from flwr.app import Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from ..quiet import quiet_libraries
 from .records import FlowerSettings, resolve_run_config, to_array_record
 
 __all__ = ["app", "make_server_app", "run_server"]
@@ -224,8 +225,8 @@ def make_server_app(
     """A ServerApp; ``defaults`` fill in run-config keys the context does not set.
 
     ``flwr run`` gives the app its run config (``[tool.flwr.app.config]`` plus
-    ``--run-config`` overrides); ``flwr.simulation.run_simulation`` gives none, so
-    :func:`fedexlora.flower.simulation.run_flower_experiment` bakes it in here.
+    ``--run-config`` overrides); a caller that runs the app itself (a test's in-process
+    grid, ``flwr.simulation.run_simulation``) can bake one in here.
     """
     base = dict(defaults or {})
     server_app = ServerApp()
@@ -233,6 +234,7 @@ def make_server_app(
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         """Resolves the run config and runs every method."""
+        quiet_libraries()  # under flwr run the ServerApp has a process of its own
         cfg, settings = resolve_run_config({**base, **dict(context.run_config)})
         run_server(grid, cfg, settings, say=say)
 

@@ -1,42 +1,63 @@
 """``fedexlora run --engine flower``: the same job through Flower's simulation runtime.
 
-:func:`run_flower_experiment` runs the ServerApp and ClientApp of this package in
-process with ``flwr.simulation.run_simulation`` (the Ray backend): one virtual SuperNode
-per client, each holding its own model. With the same seeds and configuration it reaches
-the in-process engine's global model (to float rounding) and writes the same run
-directory.
+:func:`run_flower_experiment` runs the ServerApp and ClientApp of this package the way
+``flwr run`` does, Flower's supported entry point: it starts a private SuperLink in
+simulation mode (``flower-superlink --simulation --isolation process``) and a SuperExec
+(``flower-superexec``) on a free port of 127.0.0.1, writes a one-file app whose run
+config is the run's settings, submits it with ``flwr run APP --stream``, and stops both
+when the run ends. The SuperExec starts ``flwr-simulation``, which runs the ServerApp and
+one virtual SuperNode per client on Ray. Every one of these processes is a child of the
+caller, in its process group, so a kill of the group leaves none behind; Flower's own
+state (``FLWR_HOME``) lives in a temporary directory and is removed afterwards. With the
+same seeds and configuration the run reaches the in-process engine's global model (to
+float rounding) and writes the same run directory.
 
 Client resources on Ray come from ``client_cpus`` / ``client_gpus`` (or the environment
 variables ``FEDEXLORA_CLIENT_CPUS`` / ``FEDEXLORA_CLIENT_GPUS``): Ray runs as many
 ClientApp actors at once as the machine's CPUs and GPUs allow at that size.
 
-Ray is started for this machine alone (:data:`RAY_ENV`, where the environment does not
-already say otherwise): bound to 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, Ray's
-single-machine mode), and with its usage statistics off (``RAY_USAGE_STATS_ENABLED=0``;
-``1`` turns them back on). For a multi-machine Ray cluster set
-``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` and pass a full ``backend_config``, e.g.
-``{"init_args": {"address": "auto"}, "client_resources": ...}``.
+Nothing leaves the machine (:data:`RAY_ENV`, :data:`FLOWER_ENV`, where the environment
+does not already say otherwise): Ray binds to 127.0.0.1
+(``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, Ray's single-machine mode) with its usage
+statistics off (``RAY_USAGE_STATS_ENABLED=0``; ``1`` turns them back on), and Flower's
+telemetry and update check are off. For a multi-machine Ray cluster set
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1`` and ``RAY_ADDRESS`` (Ray's own variable, which
+its ``ray.init`` reads) to the cluster's address.
 
-With the statistics off, Ray is started here (:func:`start_ray`) rather than by Flower,
-so that its daemons find a local-provider ``ray_bootstrap_config.yaml`` in their home
-directory: without one, Ray's dashboard process asks the cloud metadata address
-169.254.169.254 which cloud it runs on, whatever the statistics setting. Ray's workers,
-the ClientApps, get the caller's own ``HOME`` back.
+With the statistics off, Ray's daemons start with ``HOME`` pointing to a private
+directory that holds a local-provider ``ray_bootstrap_config.yaml``: without one, Ray's
+dashboard process asks the cloud metadata address 169.254.169.254 which cloud it runs on,
+whatever the statistics setting. The ClientApps get the caller's ``HOME`` back
+(:func:`restore_user_home`), and Hugging Face's cache stays the caller's (``HF_HOME``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 import tempfile
+import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 from .records import to_run_config
 
-__all__ = ["RAY_ENV", "client_resources", "run_flower_experiment", "start_ray"]
+__all__ = [
+    "FLOWER_ENV",
+    "RAY_ENV",
+    "LocalSimulation",
+    "client_resources",
+    "federation_config",
+    "restore_user_home",
+    "run_flower_experiment",
+]
 
 RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
@@ -46,63 +67,314 @@ RAY_ENV = {
 }
 """Environment the Ray simulation starts with, where the caller's does not say otherwise."""
 
+FLOWER_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+"""Flower's own network calls, off where the caller's environment does not say otherwise."""
 
-def start_ray(init_args: dict[str, Any] | None = None) -> Path | None:
-    """Starts Ray for the simulation, its daemons never probing the cloud metadata address.
+USER_HOME_VAR = "FEDEXLORA_USER_HOME"
+"""Holds the caller's ``HOME`` while Ray's daemons run with a private one."""
 
-    Ray's dashboard process (started even without the dashboard, for usage statistics)
-    reads ``~/ray_bootstrap_config.yaml`` and, when there is none, asks 169.254.169.254
-    and ``metadata.google.internal`` which cloud it is on, before it looks at whether
-    statistics are on. Here Ray's daemons start with ``HOME`` set to a private directory
-    that holds a one-line local-provider config, and every worker gets the caller's
-    ``HOME`` (and ``sys.path``, as Flower passes it) back through the job's runtime env.
+APP_NAME = "fedexlora-simulation"
+_CONNECTION = "fedexlora-simulation"
+_BOOTSTRAP = "provider:\n  type: local\n"
+_START_TIMEOUT = float(os.environ.get("FEDEXLORA_SUPERLINK_START_TIMEOUT", "120"))
 
-    Nothing is done when Ray is already running, or when the caller turned statistics on
-    (``RAY_USAGE_STATS_ENABLED=1``: the probe is part of what they report): Flower then
-    starts Ray as it always does.
 
-    Returns:
-        The private directory (remove it after ``ray.shutdown()``), or None.
+def restore_user_home() -> None:
+    """Gives this process the caller's ``HOME`` back (a ClientApp under Ray; idempotent)."""
+    home = os.environ.pop(USER_HOME_VAR, None)
+    if home:
+        os.environ["HOME"] = home
+
+
+def _executable(name: str) -> str:
+    """A Flower command from this interpreter's environment, else from PATH."""
+    here = Path(sys.executable).parent / name
+    if here.is_file():
+        return str(here)
+    found = shutil.which(name)
+    if found is None:
+        from ..pipeline import RunError
+
+        raise RunError(
+            f"{name!r} was not found next to {sys.executable} or on PATH; "
+            "install Flower with: pip install 'fedex-lora[flower]'"
+        )
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _stop(procs: list[subprocess.Popen], wait: float = 15.0) -> None:
+    """SIGTERM each process and everything below it, then SIGKILL what is left."""
+    pids = []
+    for p in procs:
+        if p.poll() is None:
+            pids += [p.pid, *_descendants(p.pid)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        if sig == signal.SIGTERM:
+            alive = []
+            for pid in pids:
+                try:
+                    os.kill(pid, 0)
+                    alive.append(pid)
+                except OSError:
+                    pass
+            if not alive:
+                return
+            pids = alive
+
+
+def _child_env(root: Path) -> dict[str, str]:
+    """The environment of the SuperLink, the SuperExec and ``flwr run``."""
+    env = dict(os.environ)
+    for key, value in {**RAY_ENV, **FLOWER_ENV}.items():
+        env.setdefault(key, value)
+    env["FLWR_HOME"] = str(root / "flwr-home")
+    # the generated app declares no dependencies; never run `uv sync` for it
+    env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([bindir, env.get("PATH", "")])
+    # every process imports fedex-lora from where this one does
+    paths = [p for p in sys.path if p and Path(p).is_dir()]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    with contextlib.suppress(ImportError):
+        from huggingface_hub import constants
+
+        env.setdefault("HF_HOME", constants.HF_HOME)  # resolved against the real HOME
+    return env
+
+
+def _write_app(app_dir: Path, run_config: dict[str, Any]) -> None:
+    """A Flower app of one ``pyproject.toml``: our ServerApp and ClientApp, this run's config."""
+    import tomli_w
+
+    app_dir.mkdir(parents=True)
+    doc = {
+        "project": {
+            "name": APP_NAME,
+            "version": "1.0.0",
+            "description": "One fedexlora run --engine flower",
+            "license": "Apache-2.0",
+            "dependencies": [],
+        },
+        "tool": {
+            "flwr": {
+                "app": {
+                    "publisher": "fedexlora",
+                    "components": {
+                        "serverapp": "fedexlora.flower.server_app:app",
+                        "clientapp": "fedexlora.flower.client_app:app",
+                    },
+                    "config": run_config,
+                }
+            }
+        },
+    }
+    (app_dir / "pyproject.toml").write_text(tomli_w.dumps(doc))
+
+
+_BACKEND_KEYS = {
+    "client_resources": {"num_cpus": "client-resources-num-cpus",
+                         "num_gpus": "client-resources-num-gpus"},
+    "init_args": {"num_cpus": "init-args-num-cpus", "num_gpus": "init-args-num-gpus",
+                  "logging_level": "init-args-logging-level",
+                  "log_to_driver": "init-args-log-to-driver"},
+}  # fmt: skip
+
+
+def federation_config(num_supernodes: int, backend: dict[str, Any]) -> str:
+    """``flwr run --federation-config`` for a backend config Flower's runtime accepts.
+
+    Raises:
+        ValueError: For a key the simulation runtime cannot take (naming it).
     """
-    import ray
+    pairs = [f"num-supernodes={int(num_supernodes)}"]
+    for section, values in backend.items():
+        known = _BACKEND_KEYS.get(section)
+        if known is None:
+            raise ValueError(
+                f"backend_config: unknown section {section!r}; known: {sorted(_BACKEND_KEYS)}"
+            )
+        for key, value in (values or {}).items():
+            if section == "init_args" and key == "include_dashboard":
+                continue  # Flower's runtime never starts Ray's dashboard UI
+            if key not in known:
+                raise ValueError(
+                    f"backend_config[{section!r}]: {key!r} cannot be passed to Flower's "
+                    f"simulation runtime; it takes {sorted(known)} (a Ray cluster's "
+                    "address goes in the RAY_ADDRESS environment variable)"
+                )
+            if key == "num_cpus":  # whole CPUs: an integer in Flower's federation config
+                if isinstance(value, bool) or float(value) != int(float(value)) or value < 1:
+                    raise ValueError(
+                        f"backend_config[{section!r}]['num_cpus'] must be a whole number "
+                        f">= 1 (Flower's simulation runtime takes whole CPUs), got {value!r}"
+                    )
+                value = int(value)
+            text = ("true" if value else "false") if isinstance(value, bool) else value
+            if isinstance(text, str) and section == "init_args" and key == "logging_level":
+                text = f'"{text}"'
+            pairs.append(f"{known[key]}={text}")
+    return " ".join(pairs)
 
-    if ray.is_initialized() or os.environ.get("RAY_USAGE_STATS_ENABLED", "0") != "0":
-        return None
-    args = {"include_dashboard": False, **(init_args or {})}
-    runtime_env = dict(args.pop("runtime_env", None) or {})
-    pythonpath = os.pathsep.join(sys.path)
-    if os.environ.get("PYTHONPATH"):
-        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
-    home = os.environ.get("HOME")
-    env_vars = {"PYTHONPATH": pythonpath, **({"HOME": home} if home else {})}
-    runtime_env["env_vars"] = {**env_vars, **runtime_env.get("env_vars", {})}
-    private = Path(tempfile.mkdtemp(prefix="fedexlora-ray-home-"))
-    (private / "ray_bootstrap_config.yaml").write_text("provider:\n  type: local\n")
-    os.environ["PYTHONPATH"] = pythonpath  # as Flower's own Ray start does
-    os.environ["HOME"] = str(private)
+
+class LocalSimulation:
+    """A private SuperLink (simulation mode) and SuperExec on 127.0.0.1, for one run.
+
+    Both are children of this process and share its process group; :meth:`close` stops
+    them and everything they started (``flwr-simulation`` and Ray).
+    """
+
+    def __init__(self, root: Path, private_home: Path | None):
+        self.root = root
+        self.port = _free_port()
+        self.env = _child_env(root)
+        (root / "flwr-home").mkdir(parents=True, exist_ok=True)
+        (root / "flwr-home" / "config.toml").write_text(
+            f'[superlink]\ndefault = "{_CONNECTION}"\n\n[superlink.{_CONNECTION}]\n'
+            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n'
+        )
+        self.exec_env = dict(self.env)
+        if private_home is not None:  # Ray's daemons start below the SuperExec
+            self.exec_env[USER_HOME_VAR] = os.environ.get("HOME", "")
+            self.exec_env["HOME"] = str(private_home)
+        self.procs: list[subprocess.Popen] = []
+
+    def log(self, name: str) -> Path:
+        """Where the process ``name`` (superlink, superexec) writes its output."""
+        return self.root / f"{name}.log"
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen:
+        with open(self.log(name), "wb") as log:
+            proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.root
+            )
+        self.procs.append(proc)
+        return proc
+
+    def start(self) -> LocalSimulation:
+        """Starts the SuperLink, waits until it answers, then starts the SuperExec."""
+        import httpx
+
+        from ..pipeline import RunError
+
+        address = f"127.0.0.1:{self.port}"
+        superlink = self._spawn(
+            "superlink",
+            [_executable("flower-superlink"), "--insecure", "--simulation",
+             "--isolation", "process", "--host", "127.0.0.1", "--port", str(self.port)],
+            self.env,
+        )  # fmt: skip
+        deadline = time.monotonic() + _START_TIMEOUT
+        while True:
+            if superlink.poll() is not None:
+                raise RunError(
+                    f"the Flower SuperLink exited with code {superlink.returncode} at start: "
+                    + _tail(self.log("superlink"))
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://{address}/health", timeout=2).is_success:
+                    break
+            if time.monotonic() > deadline:
+                raise RunError(
+                    f"the Flower SuperLink did not answer on {address} within "
+                    f"{_START_TIMEOUT:.0f} s (FEDEXLORA_SUPERLINK_START_TIMEOUT): "
+                    + _tail(self.log("superlink"))
+                )
+            time.sleep(0.3)
+        self._spawn(
+            "superexec",
+            [_executable("flower-superexec"), "--insecure", "--runtime-api-address", address,
+             "--parent-pid", str(os.getpid())],
+            self.exec_env,
+        )  # fmt: skip
+        return self
+
+    def run(self, app_dir: Path, federation: str, write=None) -> tuple[int, list[str]]:
+        """``flwr run APP --stream``; its output goes to ``write`` line by line."""
+        write = write or sys.stdout.write
+        tail: deque[str] = deque(maxlen=200)
+        proc = subprocess.Popen(
+            [_executable("flwr"), "run", str(app_dir), _CONNECTION, "--stream",
+             "--federation-config", federation],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env, cwd=self.root,
+            text=True, errors="replace", bufsize=1,
+        )  # fmt: skip
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line)
+            if not _expected(line):
+                write(line)
+        return proc.wait(), list(tail)
+
+    def close(self) -> None:
+        """Stops every process started here, and what they started."""
+        _stop(list(reversed(self.procs)))
+
+
+def _tail(path: Path, lines: int = 5) -> str:
     try:
-        ray.init(runtime_env=runtime_env, **args)
-    except BaseException:
-        shutil.rmtree(private, ignore_errors=True)
-        raise
-    finally:
-        if home is None:
-            os.environ.pop("HOME", None)
-        else:
-            os.environ["HOME"] = home
-    return private
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    return " | ".join(text[-lines:]) if text else f"(empty log {path})"
 
 
-@contextlib.contextmanager
-def _environment(defaults: dict[str, str]):
-    """Sets each variable the environment does not set already; restores afterwards."""
-    added = [k for k in defaults if k not in os.environ]
-    os.environ.update({k: defaults[k] for k in added})
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
+# What Flower prints about choices made here on purpose (it prints each on every run)
+_EXPECTED = (
+    "Since flwr 1.32, default simulated SuperNodes",  # the count is always given
+    "To change federation size",
+    "flwr federation simulation-config",
+    f"Successfully installed {APP_NAME} to",  # the generated app, in a temporary home
+    "Manually terminating ClientAppActor",  # Ray's actors, stopped at the end of a run
+)
+
+
+def _expected(line: str) -> bool:
+    return any(text in line for text in _EXPECTED)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _last_error(lines: list[str]) -> str:
+    """The last line that names an exception or an error, without colour codes."""
+    for line in reversed(lines):
+        plain = _ANSI.sub("", line).strip()
+        if re.search(r"(Error|Exception)\b.*:|\bERROR\b", plain):
+            return plain
+    return ""
 
 
 def _env_float(name: str) -> float | None:
@@ -159,10 +431,13 @@ def run_flower_experiment(
         cfg: A validated configuration (``engine`` is ignored).
         out_dir: The run directory (same layout as the in-process engine's).
         progress: Unused (clients train without progress bars); kept for the CLI.
-        console: A ``rich`` console for messages (plain ``print`` when ``None``).
+        console: Unused: ``flwr run --stream`` writes the run's log to standard output.
         client_cpus: Ray CPUs per ClientApp actor (see :func:`client_resources`).
         client_gpus: Ray GPUs per ClientApp actor (fractions share a GPU).
-        backend_config: A full Flower backend config, replacing the above.
+        backend_config: Flower backend settings, replacing the above: what Flower's
+            simulation runtime takes (``client_resources``: ``num_cpus``, ``num_gpus``;
+            ``init_args``: ``num_cpus``, ``num_gpus``, ``logging_level``,
+            ``log_to_driver``), see :func:`federation_config`.
         resume: Continue the run in ``out_dir`` from each method's last intact
             checkpoint. Clients find their state in ``out_dir/client-state`` (every
             client writes it there each round); one that cannot is re-synced from W0.
@@ -171,15 +446,16 @@ def run_flower_experiment(
         All metrics rows, as written to ``metrics.jsonl``.
 
     Raises:
-        ValueError: For a configuration the Flower engine cannot run (``centralized``),
-            a run directory that holds a run already (without ``resume``), or none to
-            resume.
+        ValueError: For a configuration the Flower engine cannot run (``centralized``)
+            or a backend setting Flower's runtime cannot take.
+        RunError: For a run directory that holds a run already (without ``resume``),
+            none to resume, Flower that cannot start, or a run that wrote fewer rows
+            than planned (its SuperLink and SuperExec logs are then kept in
+            ``out_dir/flower-logs``).
     """
-    del progress
+    del progress, console
     from ..pipeline import RunError
     from ..report import read_metrics
-    from .client_app import make_client_app
-    from .server_app import make_server_app
 
     cfg = cfg.replace(engine="flower").validate()
     out = Path(out_dir).resolve()
@@ -199,32 +475,42 @@ def run_flower_experiment(
         resume=str(out) if resume else "",
         client_state_dir=str(out / "client-state"),
     )
-    say = console.print if console is not None else print
     backend = backend_config or {
         "client_resources": client_resources(cfg, client_cpus, client_gpus),
-        "init_args": {"include_dashboard": False},
     }
-    with _environment(RAY_ENV):
-        from flwr.simulation import run_simulation  # Ray reads RAY_ENV when first imported
-
-        private = start_ray(backend.get("init_args"))
-        try:
-            run_simulation(
-                server_app=make_server_app(run_config, say=say),
-                client_app=make_client_app(run_config),
-                num_supernodes=cfg.num_clients,
-                backend_config=backend,
+    federation = federation_config(cfg.num_clients, backend)
+    root = Path(tempfile.mkdtemp(prefix="fedexlora-flower-"))
+    private_home = None
+    if os.environ.get("RAY_USAGE_STATS_ENABLED", RAY_ENV["RAY_USAGE_STATS_ENABLED"]) == "0":
+        private_home = root / "ray-home"
+        private_home.mkdir()
+        (private_home / "ray_bootstrap_config.yaml").write_text(_BOOTSTRAP)
+    _write_app(root / "app", run_config)
+    sim = LocalSimulation(root, private_home)
+    failed = True
+    try:
+        sim.start()
+        code, tail = sim.run(root / "app", federation)
+        rows = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
+        want = cfg.rounds * len(cfg.methods)
+        if len(rows) != want:
+            kept = out / "flower-logs"
+            kept.mkdir(parents=True, exist_ok=True)
+            for name in ("superlink", "superexec"):
+                with contextlib.suppress(OSError):
+                    shutil.copy(sim.log(name), kept / f"{name}.log")
+            error = _last_error(tail)
+            raise RunError(
+                f"the Flower simulation wrote {len(rows)} of {want} metrics rows "
+                f"(flwr run exited with {code})"
+                + (f"; last error: {error}" if error else "")
+                + f"; see the log above and {kept}"
             )
-        finally:
-            if private is not None:
-                import ray
-
-                ray.shutdown()  # Flower shuts Ray down too; this covers a failed start
-                shutil.rmtree(private, ignore_errors=True)
-    rows = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
-    want = cfg.rounds * len(cfg.methods)
-    if len(rows) != want:
-        raise RuntimeError(
-            f"the Flower simulation wrote {len(rows)} of {want} metrics rows; see its log above"
-        )
-    return rows
+        failed = False
+        return rows
+    finally:
+        sim.close()
+        if failed:
+            # a failed run may leave Ray's workers writing below root for a moment
+            time.sleep(0.5)
+        shutil.rmtree(root, ignore_errors=True)
