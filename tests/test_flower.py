@@ -160,9 +160,21 @@ def test_simulation_engine_matches_local_engine(tiny_cfg, tmp_path):
     t_local = time.perf_counter() - t0
     t0 = time.perf_counter()
     returned = run_flower_experiment(
-        cfg.replace(engine="flower", report_to=["tensorboard"]), tmp_path / "flower"
+        cfg.replace(engine="flower", report_to=["tensorboard"]), tmp_path / "flower", client_cpus=1
     )
     t_flower = time.perf_counter() - t0
+    # same threads, same bits: Ray gives each ClientApp OMP_NUM_THREADS = its CPUs (1)
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_experiment(cfg, tmp_path / "local-1-thread", progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    same = {m: max_rel_diff(cfg, tmp_path / "flower", tmp_path / "local-1-thread", m)
+            for m in cfg.methods}  # fmt: skip
+    assert set(same.values()) == {0.0}, same
     # same run directory, same rows (up to wall time and float rounding): each engine's
     # metrics.jsonl, as written, against the other's
     for name in ("config.toml", "metrics.jsonl", "summary.md", "metrics.png", "deviation.png"):
