@@ -70,6 +70,9 @@ _RUN_FLAGS = {
     "export_dtype": "export_dtype",
     "allow_inexact": "allow_inexact",
     "report_to": "report_to",
+    "dp_epsilon": "dp_epsilon",
+    "dp_delta": "dp_delta",
+    "dp_max_grad_norm": "dp_max_grad_norm",
 }
 
 
@@ -189,6 +192,15 @@ def run(
     ),
     report_to: str | None = typer.Option(
         None, help="Comma list of tensorboard, mlflow: log every round there [none]."
+    ),
+    dp_epsilon: float | None = typer.Option(
+        None, help="DP-SGD on every client: total epsilon per client over the run [off]."
+    ),
+    dp_delta: float | None = typer.Option(
+        None, help="DP delta, below 1 / the smallest client's examples [1e-5]."
+    ),
+    dp_max_grad_norm: float | None = typer.Option(
+        None, help="DP-SGD per-sample clipping norm [1.0]."
     ),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -107,6 +108,14 @@ class RunConfig:
     export_dtype: str = "fp32"
     allow_inexact: bool = False
     report_to: list[str] | None = None
+    dp_epsilon: float | None = None
+    dp_delta: float = 1e-5
+    dp_max_grad_norm: float = 1.0
+
+    @property
+    def dp(self) -> bool:
+        """Whether clients train with DP-SGD (``dp_epsilon`` set and finite)."""
+        return self.dp_epsilon is not None and math.isfinite(self.dp_epsilon)
 
     @property
     def side_branch(self) -> bool:
@@ -249,6 +258,35 @@ class RunConfig:
             "--export-dtype fp32, use --export-format adapter, or confirm with "
             "--allow-inexact",
         )
+        need(
+            self.dp_epsilon is None or self.dp_epsilon > 0,
+            f"`dp_epsilon` must be > 0, got {self.dp_epsilon}; fix: --dp-epsilon 8 (or "
+            "leave it unset for no differential privacy)",
+        )
+        need(0 < self.dp_delta < 1, f"`dp_delta` must be in (0, 1), got {self.dp_delta}")
+        need(
+            self.dp_max_grad_norm > 0,
+            f"`dp_max_grad_norm` must be > 0, got {self.dp_max_grad_norm}",
+        )
+        if self.dp:
+            cannot = []
+            if self.engine == "flower":
+                cannot.append("--engine flower (DP-SGD runs in the in-process engine so far)")
+            if "centralized" in self.methods:
+                cannot.append("method 'centralized' (it has no clients to hold budgets)")
+            if self.gradient_checkpointing:
+                cannot.append("--gradient-checkpointing (per-sample gradients need the hooks)")
+            if self.side_branch:
+                cannot.append(
+                    "a bf16/fp16 or quantized base (per-sample gradients are checked in fp32 only)"
+                )
+            if cannot:
+                errs.append("`dp_epsilon`: DP-SGD cannot be combined with " + "; ".join(cannot))
+            need(
+                importlib.util.find_spec("opacus") is not None,
+                "`dp_epsilon` needs opacus, which is not installed; fix: pip install "
+                "'fedex-lora[privacy]'",
+            )
         need(
             self.keep_checkpoints >= 1,
             f"`keep_checkpoints` must be >= 1, got {self.keep_checkpoints}",

@@ -288,6 +288,7 @@ def local_update(
     *,
     steps: int | None = None,
     progress: bool = False,
+    dp=None,
 ) -> ClientUpload:
     """One client's local step, shared by every engine: train, then read the upload back.
 
@@ -304,6 +305,7 @@ def local_update(
         client: The client id.
         steps: Local steps; ``None`` takes ``cfg.local_steps``.
         progress: Whether to show a progress bar.
+        dp: This client's DP-SGD budget (:class:`fedexlora.privacy.Budget`), or None.
     """
     res = train_local(
         model,
@@ -320,6 +322,7 @@ def local_update(
         progress=progress,
         device=next(model.parameters()).device,
         autocast=autocast_dtype(cfg),
+        dp=dp,
     )
     return make_upload(
         model, res.num_examples, client_id=client, train_loss=res.loss, include_A=method != "ffa"

@@ -290,6 +290,7 @@ def run_experiment(
                 model=model,
                 server=server,
                 after_round=after_round,
+                history=rows,
             )
             say(
                 f"{method}: {cfg.rounds - (len(done_rows.get(method, [])))} rounds in "

@@ -163,6 +163,29 @@ def write_summary(out_dir: str | Path, rows: list[dict], config_text: str = "") 
             "capped the side branch (`side_rank`); the remainder is kept on the server as "
             "error feedback."
         )
+    private = [r for r in rows if r.get("privacy")]
+    if private:
+        last: dict[str, dict] = {}
+        for r in private:
+            last[r["method"]] = r["privacy"]
+        p0 = next(iter(last.values()))
+        spent = ", ".join(f"{m} {v['epsilon']:.3g}" for m, v in last.items())
+        parts.append(
+            f"- Differential privacy: every client trained with DP-SGD (Opacus; per-sample "
+            f"clipping and Gaussian noise, Poisson sampling) within epsilon "
+            f"{p0['epsilon_budget']:g} at delta {p0['delta']:g} over its planned steps; "
+            f"the largest epsilon any client has spent: {spent} ({p0['accountant']} "
+            f"accountant, orders {p0['orders'][0]}-{p0['orders'][1]}). Each row's `privacy` "
+            "object in metrics.jsonl gives every client's noise multiplier, sampling rate "
+            "and steps, so any accountant can recompute it."
+        )
+        refused = sorted({(r["method"], r["round"], tuple(r["privacy"]["refused"]))
+                          for r in private if r["privacy"]["refused"]})  # fmt: skip
+        for method, rnd, ids in refused:
+            parts.append(
+                f"- {method}, round {rnd}: clients {list(ids)} were not trained, their "
+                "privacy budget spent"
+            )
     rejected = [(r["method"], r["round"], r["rejected"]) for r in rows if r.get("rejected")]
     for method, rnd, rej in rejected:
         for cid, why in rej.items():

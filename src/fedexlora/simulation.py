@@ -48,6 +48,7 @@ def run_method(
     server: Server | None = None,
     after_round: Callable[[dict, Server, torch.nn.Module], None] | None = None,
     on_payload: Callable[[int, Payload, torch.nn.Module], None] | None = None,
+    history: list[dict] | None = None,
 ):
     """Runs one method for ``cfg.rounds`` rounds and returns ``(rows, model, server)``.
 
@@ -66,6 +67,7 @@ def run_method(
         on_payload: Called with ``(client, payload, model)`` for each sampled client
             before it trains, while ``model`` holds the global model that payload must
             bring the client to (checks, benchmarks).
+        history: This method's rows so far (a resume): DP budgets continue from them.
     """
     centralized = method == "centralized"
     if model is None:
@@ -77,12 +79,26 @@ def run_method(
     steps = cfg.local_steps
     if centralized and steps is not None:
         steps *= len(prep.parts)
+    ledger = None
+    if cfg.dp:
+        from .privacy import Ledger, check_model, steps_per_round
+
+        check_model(model)
+        ledger = Ledger.for_run(cfg, [len(d) for d in client_data])
+        if history:
+            ledger.restore(history[-1])
     rows = []
     for rnd in range(server.round + 1, cfg.rounds + 1):
         t0 = time.perf_counter()
         sampled = server.sample(rnd)
         uploads, bytes_up, bytes_down, down_max = [], 0, 0, 0
+        refused = []
         for c in sampled:
+            if ledger is not None:
+                want = steps if steps is not None else steps_per_round(cfg, len(client_data[c]))
+                if not ledger.allow(c, want):
+                    refused.append(c)  # its budget is spent: not trained, nothing sent
+                    continue
             payload = server.payload_for(c)
             bytes_down += payload.nbytes
             down_max = max(down_max, payload.nbytes)
@@ -91,8 +107,11 @@ def run_method(
                 on_payload(c, payload, model)
             with _client_view(model, server, c, client_adapter(cfg, method, c)):
                 up = local_update(
-                    cfg, method, model, client_data[c], rnd, c, steps=steps, progress=progress
-                )
+                    cfg, method, model, client_data[c], rnd, c, steps=steps, progress=progress,
+                    dp=None if ledger is None else ledger.budgets[c],
+                )  # fmt: skip
+            if ledger is not None:
+                ledger.record(c, want)
             num_examples = up.num_examples
             if tamper is not None:
                 up = tamper(rnd, c, up)
@@ -124,6 +143,13 @@ def run_method(
             server_bytes=server.nbytes(),
             test_examples=len(prep.task.test),
         )
+        if ledger is not None:
+            row["privacy"] = ledger.row(refused)
+            if refused:
+                row["note"] = (
+                    f"clients {refused} were not trained: their privacy budget "
+                    f"(epsilon {cfg.dp_epsilon}) would be exceeded"
+                )
         rows.append(row)
         if on_row is not None:
             on_row(row)

@@ -133,6 +133,7 @@ def train_local(
     desc: str = "train",
     progress: bool = True,
     autocast: torch.dtype | None = None,
+    dp=None,
 ) -> TrainResult:
     """Trains the model's trainable parameters on ``data`` with AdamW.
 
@@ -154,7 +155,17 @@ def train_local(
         desc: Progress bar label.
         progress: Whether to show a progress bar.
         autocast: Mixed-precision dtype (bf16/fp16) for the forward pass, or ``None``.
+        dp: DP-SGD (a :class:`fedexlora.privacy.Budget`, or anything with its
+            ``noise_multiplier``, ``sample_rate`` and ``max_grad_norm``): Poisson-sampled
+            batches, per-sample clipping and Gaussian noise (Opacus), instead of plain
+            clipping of the batch gradient. The noise comes from ``seed`` too.
     """
+    if dp is not None:
+        return _train_dp(
+            model, data, dp, epochs=epochs, steps=steps, batch_size=batch_size, lr=lr,
+            weight_decay=weight_decay, warmup_ratio=warmup_ratio, seed=seed, device=device,
+            desc=desc, progress=progress, autocast=autocast,
+        )  # fmt: skip
     n = len(data)
     if n == 0:
         raise ValueError("cannot train on an empty dataset")
@@ -162,14 +173,7 @@ def train_local(
     total = steps if steps is not None else max(1, math.ceil(epochs * per_epoch))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    warm = int(warmup_ratio * total)
-
-    def schedule(step: int) -> float:
-        if step < warm:
-            return (step + 1) / (warm + 1)
-        return max(0.0, (total - step) / max(1, total - warm))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(total, warmup_ratio))
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout
     model.train()
@@ -192,6 +196,73 @@ def train_local(
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
     return TrainResult(loss=sum(losses) / len(losses), steps=total, num_examples=n)
+
+
+def _schedule(total: int, warmup_ratio: float):
+    """Linear warm-up over ``warmup_ratio`` of ``total`` steps, then linear decay to 0."""
+    warm = int(warmup_ratio * total)
+
+    def schedule(step: int) -> float:
+        if step < warm:
+            return (step + 1) / (warm + 1)
+        return max(0.0, (total - step) / max(1, total - warm))
+
+    return schedule
+
+
+def _train_dp(
+    model, data: Encoded, dp, *, epochs, steps, batch_size, lr, weight_decay, warmup_ratio,
+    seed, device, desc, progress, autocast,
+) -> TrainResult:  # fmt: skip
+    """DP-SGD: Poisson sampling, per-sample clipping, Gaussian noise (Opacus)."""
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    n = len(data)
+    if n == 0:
+        raise ValueError("cannot train on an empty dataset")
+    total = steps if steps is not None else max(1, math.ceil(epochs * math.ceil(n / batch_size)))
+    params = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.Generator(device=torch.device(device)).manual_seed(seed + 1)
+    torch.manual_seed(seed)  # dropout
+    gsm = GradSampleModule(model, batch_first=True, loss_reduction="mean", strict=True)
+    try:
+        opt = DPOptimizer(
+            torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay),
+            noise_multiplier=dp.noise_multiplier,
+            max_grad_norm=dp.max_grad_norm,
+            expected_batch_size=max(1, round(dp.sample_rate * n)),
+            loss_reduction="mean",
+            generator=noise,
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt.original_optimizer, _schedule(total, warmup_ratio)
+        )
+        gsm.train()
+        losses = []
+        bar = tqdm(range(total), desc=desc, leave=False, disable=not progress, dynamic_ncols=True)
+        for _ in bar:
+            idx = (torch.rand(n, generator=gen) < dp.sample_rate).nonzero().flatten().tolist()
+            if idx:
+                batch = _collate(data.subset(idx), device)
+                with _amp(device, autocast):
+                    loss = gsm(**batch).loss
+                loss.backward()
+                losses.append(float(loss.detach()))
+            else:  # an empty Poisson batch: the step is noise alone
+                for p in params:
+                    p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if losses:
+                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    finally:
+        gsm.to_standard_module()  # hooks and per-sample gradients removed
+    model.eval()
+    loss = sum(losses) / len(losses) if losses else float("nan")
+    return TrainResult(loss=loss, steps=total, num_examples=n)
 
 
 def _amp(device, dtype: torch.dtype | None):

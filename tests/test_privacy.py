@@ -1,0 +1,176 @@
+"""DP-SGD on every client: the budget by an independent accountant, exactness on top."""
+
+# opacus and dp-accounting are test dependencies ([test] extra): a missing one fails here
+import dp_accounting  # noqa: F401, E402
+import opacus  # noqa: F401, E402
+import pytest
+import torch
+
+
+def independent_epsilon(noise_multiplier, sample_rate, steps, delta, orders=None):
+    """Google's dp-accounting (its own RDP code; its default orders unless given), not Opacus."""
+    from dp_accounting import dp_event, rdp
+
+    acc = rdp.RdpAccountant(orders=orders)
+    event = dp_event.PoissonSampledDpEvent(sample_rate, dp_event.GaussianDpEvent(noise_multiplier))
+    acc.compose(dp_event.SelfComposedDpEvent(event, steps))
+    return acc.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("epsilon", [1.0, 8.0])
+def test_noise_multiplier_spends_the_budget_by_an_independent_accountant(tiny_cfg, epsilon):
+    from fedexlora.privacy import epsilon_spent, plan
+
+    cfg = tiny_cfg.replace(dp_epsilon=epsilon, dp_delta=1e-4, rounds=5, local_steps=7)
+    budgets = plan(cfg, [40, 90, 200])
+    for b in budgets.values():
+        assert b.planned_steps == 35 and b.sample_rate == pytest.approx(8 / [40, 90, 200][b.client])
+        spent = independent_epsilon(b.noise_multiplier, b.sample_rate, b.planned_steps, 1e-4)
+        assert spent <= epsilon * (1 + 1e-9), (b, spent)
+        ours = epsilon_spent(b.noise_multiplier, b.sample_rate, b.planned_steps, 1e-4)
+        assert 0.99 * epsilon <= ours <= epsilon  # the whole budget, no needless noise
+        less = epsilon_spent(0.99 * b.noise_multiplier, b.sample_rate, b.planned_steps, 1e-4)
+        assert less > epsilon  # 1% less noise would pass the budget
+
+
+def test_dp_run_is_private_by_its_log_and_fedex_stays_exact(tiny_cfg):
+    from fedexlora.engine import new_model, prepare
+    from fedexlora.pipeline import load_task_for
+    from fedexlora.simulation import run_method
+    from test_examples import _weights, hand_ideal
+
+    cfg = tiny_cfg.replace(dp_epsilon=3.0, dp_delta=1e-3, rounds=2, local_steps=4).validate()
+    task = load_task_for(cfg)
+    rows_by = {}
+    for method in ("fedex", "fedit"):
+        model, tok = new_model(cfg, task, method)
+        w0 = _weights(model)
+        prep = prepare(cfg, tok, task)
+        history, uploads = [], []
+
+        def keep(rnd, c, up, _ups=uploads):
+            _ups.append(up)
+            return up
+
+        def after_round(row, srv, mdl, _ups=uploads, _hist=history):
+            _hist.append((None, list(_ups)))
+            _ups.clear()
+
+        rows, model, _ = run_method(
+            cfg, method, prep, progress=False, model=model, tamper=keep, after_round=after_round
+        )
+        rows_by[method] = rows
+        if method == "fedex":  # the global model is the ideal average of the DP uploads
+            got, want = _weights(model), hand_ideal(w0, history, scale=cfg.lora_alpha / cfg.lora_r)
+            err = max(
+                float(torch.linalg.norm(got[n] - want[n]) / torch.linalg.norm(want[n] - w0[n]))
+                for n in want
+            )
+            assert err < 1e-5, err
+    sizes = [len(p) for p in prep.parts]
+    for method, rows in rows_by.items():
+        for r, row in enumerate(rows, start=1):
+            priv = row["privacy"]
+            assert priv["delta"] == 1e-3 and priv["accountant"] == "rdp" and not priv["refused"]
+            assert set(priv["clients"]) == {"0", "1", "2"}
+            for cid, rec in priv["clients"].items():
+                assert rec["steps"] == 4 * r and rec["max_grad_norm"] == cfg.dp_max_grad_norm
+                assert rec["sample_rate"] == pytest.approx(cfg.batch_size / sizes[int(cid)])
+                args = (rec["noise_multiplier"], rec["sample_rate"], rec["steps"], priv["delta"])
+                lo, hi = priv["orders"]  # the logged epsilon, recomputed at its own orders
+                again = independent_epsilon(*args, orders=list(range(lo, hi + 1)))
+                assert again == pytest.approx(rec["epsilon"], rel=1e-9)
+                assert rec["epsilon"] <= cfg.dp_epsilon
+                assert independent_epsilon(*args) <= cfg.dp_epsilon, (method, cid)
+            assert priv["epsilon"] == max(c["epsilon"] for c in priv["clients"].values())
+        assert rows[-1]["privacy"]["epsilon"] == pytest.approx(3.0, rel=0.01)  # all spent
+    # DP changed training: the same run without DP ends elsewhere
+    plain, _, _ = run_method(cfg.replace(dp_epsilon=None), "fedex", prep, progress=False)
+    assert plain[-1]["train_loss"] != rows_by["fedex"][-1]["train_loss"]
+    assert "privacy" not in plain[-1]
+
+
+def test_a_resume_past_the_plan_refuses_every_client(tiny_cfg, tmp_path):
+    from fedexlora.pipeline import run_experiment
+    from fedexlora.report import read_metrics
+
+    cfg = tiny_cfg.replace(methods=["fedex"], dp_epsilon=8.0, dp_delta=1e-3, rounds=1)
+    run_experiment(cfg, tmp_path, progress=False)
+    rows = run_experiment(cfg.replace(rounds=2), tmp_path, resume=True, progress=False)
+    assert [r["round"] for r in rows] == [1, 2]
+    last = read_metrics(tmp_path / "metrics.jsonl")[-1]
+    assert last["privacy"]["refused"] == [0, 1, 2] and last["accepted"] == []
+    assert "privacy budget" in last["note"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "within epsilon 8 at delta 0.001" in summary
+    assert "fedex, round 2: clients [0, 1, 2] were not trained" in summary
+    assert last["metrics"] == rows[0]["metrics"]  # nothing trained: the model is unchanged
+    for rec in last["privacy"]["clients"].values():  # the steps carried over the resume
+        assert rec["steps"] == rec["planned_steps"] == 3
+        assert rec["epsilon"] <= 8.0 * (1 + 1e-6)
+
+
+def test_partial_participation_refuses_a_client_sampled_beyond_its_plan(tiny_cfg):
+    from fedexlora.engine import new_model, prepare
+    from fedexlora.pipeline import load_task_for
+    from fedexlora.privacy import planned_rounds
+    from fedexlora.simulation import run_method
+
+    cfg = tiny_cfg.replace(methods=["fedex"], dp_epsilon=8.0, dp_delta=1e-3, rounds=4,
+                           fraction=0.34, local_steps=1).validate()  # fmt: skip
+    assert planned_rounds(cfg) == 2  # 1 of 3 a round, 4 rounds: each client planned twice
+    task = load_task_for(cfg)
+    model, tok = new_model(cfg, task, "fedex")
+    rows, _, _ = run_method(cfg, "fedex", prepare(cfg, tok, task), progress=False, model=model)
+    times: dict[int, int] = {}
+    for row in rows:
+        (c,) = row["sampled"]
+        times[c] = times.get(c, 0) + 1
+        assert (c in row["privacy"]["refused"]) == (times[c] > 2)
+        assert row["privacy"]["clients"][str(c)]["steps"] == min(times[c], 2)
+    assert max(times.values()) > 2, "the seed must sample one client three times"
+
+
+def test_a_trainable_layer_with_buffers_is_named():
+    from fedexlora.privacy import check_model
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match=r"--dp-epsilon: Opacus cannot train 1 privately"):
+        check_model(net)
+    net[1].requires_grad_(False)
+    check_model(net)
+
+
+def test_delta_must_be_below_one_over_the_smallest_client():
+    from fedexlora.privacy import check_delta
+
+    check_delta(1e-3, [50, 999])
+    with pytest.raises(ValueError, match=r"--dp-delta 0.05 must be below 1 / 50 = 0.02"):
+        check_delta(0.05, [50, 999])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--dp-epsilon", "0"], "`dp_epsilon` must be > 0"),
+        (["--dp-epsilon", "1", "--dp-delta", "0"], "`dp_delta` must be in (0, 1)"),
+        (["--dp-epsilon", "1", "--engine", "flower"], "cannot be combined with --engine flower"),
+        (["--dp-epsilon", "1", "--method", "fedex,centralized"], "method 'centralized'"),
+        (["--dp-epsilon", "1", "--gradient-checkpointing"], "--gradient-checkpointing"),
+        (["--dp-epsilon", "1", "--dp-delta", "0.5"], "--dp-delta 0.5 must be below 1 /"),
+    ],
+)
+def test_bad_dp_input_is_one_line_and_exit_2(tiny_bert_dir, tiny_csv, tmp_path, extra, message):
+    from typer.testing import CliRunner
+
+    from fedexlora.cli import app
+
+    res = CliRunner().invoke(
+        app,
+        ["run", "--model", tiny_bert_dir, "--task", tiny_csv, "--clients", "3", "--rounds", "1",
+         "--local-steps", "1", "--min-partition-size", "5", "--max-length", "16",
+         "--out", str(tmp_path / "run"), "--no-progress", *extra],
+    )  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert message in " ".join(res.output.split())
+    assert "Traceback" not in res.output
