@@ -19,7 +19,7 @@ accountant of their own (``noise_multiplier``, ``sample_rate``, ``steps``, ``del
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ACCOUNTANT = "rdp"
 """The accountant: Renyi DP of the Poisson-subsampled Gaussian (Opacus's analysis)."""
@@ -163,7 +163,6 @@ class Ledger:
     epsilon: float
     delta: float
     budgets: dict[int, Budget]
-    refused: list[int] = field(default_factory=list)
 
     @classmethod
     def for_run(cls, cfg, sizes: list[int]) -> Ledger:
