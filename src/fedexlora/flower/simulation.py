@@ -487,7 +487,6 @@ def run_flower_experiment(
         (private_home / "ray_bootstrap_config.yaml").write_text(_BOOTSTRAP)
     _write_app(root / "app", run_config)
     sim = LocalSimulation(root, private_home)
-    failed = True
     try:
         sim.start()
         code, tail = sim.run(root / "app", federation)
@@ -506,11 +505,7 @@ def run_flower_experiment(
                 + (f"; last error: {error}" if error else "")
                 + f"; see the log above and {kept}"
             )
-        failed = False
         return rows
     finally:
-        sim.close()
-        if failed:
-            # a failed run may leave Ray's workers writing below root for a moment
-            time.sleep(0.5)
+        sim.close()  # every process below the SuperLink and SuperExec has stopped
         shutil.rmtree(root, ignore_errors=True)
