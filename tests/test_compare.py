@@ -103,6 +103,40 @@ def test_exactness_study_fixed_total_steps(tiny_bert_dir, tiny_csv, tmp_path):
     assert f"Written by `fedexlora compare --study exactness --out {out} --report {doc}" in text
 
 
+def test_privacy_study_reports_accuracy_against_epsilon(tiny_bert_dir, tiny_csv, tmp_path):
+    import json
+
+    out, doc = tmp_path / "grid", tmp_path / "docs" / "PRIV.md"
+    res = _run("compare", "--study", "privacy", "--out", str(out), "--report", str(doc),
+               "--model", tiny_bert_dir, "--task", tiny_csv, "--seeds", "0,1",
+               "--settings", "iid-2", "--dp-epsilons", "2,inf", "--rounds", "1",
+               "--local-steps", "2", "--fedsb-rank", "4", "--dp-delta", "1e-3",
+               "--max-length", "16", "--max-test", "20", "--min-partition-size", "5",
+               "--batch-size", "8")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    private = out / "iid-2_r8_eps2_seed1"
+    rows = [json.loads(x) for x in (private / "metrics.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["fedex", "fedit", "ffa", "fedsb"]
+    assert all(0 < r["privacy"]["epsilon"] <= 2.0 for r in rows)
+    plain = (out / "iid-2_r8_epsinf_seed0" / "metrics.jsonl").read_text()
+    assert '"privacy"' not in plain  # inf: no DP at all
+    text = doc.read_text()
+    assert "| method | ε=2 | no DP |" in text
+    for m in ("fedex", "fedit", "ffa", "fedsb"):
+        assert f"| {m} | " in text
+    assert "| fedsb − fedex | " in text and "| ffa − fedit | " in text
+    assert "Fed-SB ahead of FedEx-LoRA under DP" in text and "over the 1 private" in text
+    assert "| largest ε spent | " in text and doc.with_suffix(".png").is_file()
+    # the figure in the table is the seeds' own final accuracy, read back by hand
+    finals = [
+        [json.loads(x) for x in (out / f"iid-2_r8_eps2_seed{s}" / "metrics.jsonl").read_text()
+         .splitlines()][3]["metrics"]["accuracy"]
+        for s in (0, 1)
+    ]  # fmt: skip
+    mean = sum(finals) / 2
+    assert f"| fedsb | {mean:.4f} ± " in text
+
+
 @pytest.mark.parametrize(
     "args,match",
     [
@@ -112,6 +146,8 @@ def test_exactness_study_fixed_total_steps(tiny_bert_dir, tiny_csv, tmp_path):
         (["--local-steps", "2", "--report", "x.md"], "--report writes the study over several"),
         (["--local-steps", "0,2"], "--local-steps must be >= 1"),
         (["--full-test", "--max-test", "5"], "--full-test and --max-test contradict"),
+        (["--dp-epsilons", "1,x"], "--dp-epsilons must be a comma list of numbers or inf"),
+        (["--dp-epsilons", "0,inf"], "--dp-epsilons must all be > 0"),
     ],
 )  # fmt: skip
 def test_compare_study_bad_input(args, match, tmp_path):

@@ -131,6 +131,36 @@ def test_partial_participation_refuses_a_client_sampled_beyond_its_plan(tiny_cfg
     assert max(times.values()) > 2, "the seed must sample one client three times"
 
 
+def test_under_flower_the_clients_account_and_the_server_records(tiny_cfg, tmp_path, task_identity):
+    """The real ClientApp and strategy: each client plans, counts and refuses by itself;
+    the rows equal the in-process engine's (same sampling, noise, refusals, epsilons)."""
+    from fedexlora.pipeline import run_experiment
+    from test_flower_parity import _close, _flower
+
+    cfg = tiny_cfg.replace(methods=["fedex", "fedsb"], fedsb_rank=4, dp_epsilon=8.0,
+                           dp_delta=1e-3, rounds=4, fraction=0.34, local_steps=1)  # fmt: skip
+    local = run_experiment(cfg, tmp_path / "local", progress=False)
+    flower, grid = _flower(cfg, tmp_path / "flower")
+    _close(flower, local)
+    refused = 0
+    for f, loc in zip(flower, local):
+        fp, lp = f["privacy"], loc["privacy"]
+        assert fp["refused"] == lp["refused"] and f.get("note") == loc.get("note")
+        refused += len(fp["refused"])
+        for c, rec in lp["clients"].items():
+            if c in fp["clients"]:  # the server knows only what a client reported
+                assert fp["clients"][c] == pytest.approx(rec, rel=1e-12), (f["round"], c)
+            else:
+                assert rec["steps"] == 0, "a client that trained must have reported"
+        for rec in fp["clients"].values():
+            spent = independent_epsilon(
+                rec["noise_multiplier"], rec["sample_rate"], rec["steps"], fp["delta"],
+                orders=list(range(2, 256)),
+            )  # fmt: skip
+            assert spent == pytest.approx(rec["epsilon"], rel=1e-9) and spent <= 8.0
+    assert refused >= 2, "the seed must sample a client past its plan (each method)"
+
+
 def test_a_trainable_layer_with_buffers_is_named():
     from fedexlora.privacy import check_model
 
@@ -154,7 +184,10 @@ def test_delta_must_be_below_one_over_the_smallest_client():
     [
         (["--dp-epsilon", "0"], "`dp_epsilon` must be > 0"),
         (["--dp-epsilon", "1", "--dp-delta", "0"], "`dp_delta` must be in (0, 1)"),
-        (["--dp-epsilon", "1", "--engine", "flower"], "cannot be combined with --engine flower"),
+        (
+            ["--dp-epsilon", "1", "--method", "fedsb", "--fedsb-init", "gradient"],
+            "gradient reads the clients' examples without noise",
+        ),
         (["--dp-epsilon", "1", "--method", "fedex,centralized"], "method 'centralized'"),
         (["--dp-epsilon", "1", "--gradient-checkpointing"], "--gradient-checkpointing"),
         (["--dp-epsilon", "1", "--dp-delta", "0.5"], "--dp-delta 0.5 must be below 1 /"),

@@ -21,6 +21,7 @@ from peft.tuners.lora import LoraLayer
 from transformers.pytorch_utils import Conv1D
 
 from .aggregation import Residual, residuals_from_flat, residuals_to_flat
+from .latent import is_latent
 from .side import SideBranch
 from .state import AdapterState
 
@@ -34,6 +35,7 @@ __all__ = [
     "folded_weights",
     "get_state",
     "layer_info",
+    "lift",
     "load_side_state",
     "lora_layers",
     "restore_base",
@@ -130,15 +132,43 @@ def layer_info(model: torch.nn.Module, adapter: str | None = None) -> dict[str, 
     adapter = _adapter_name(model, adapter)
     info = {}
     for name, layer in lora_layers(model, adapter).items():
-        A = layer.lora_A[adapter].weight
-        B = layer.lora_B[adapter].weight
+        A, B = _factor_shapes(layer, adapter)
         info[name] = LayerInfo(
             scale=float(layer.scaling[adapter]),
             fan_in_fan_out=bool(getattr(layer, "fan_in_fan_out", False)),
-            rank=int(A.shape[0]),
-            shape=(int(B.shape[0]), int(A.shape[1])),
+            rank=int(A[0]),
+            shape=(int(B[0]), int(A[1])),
         )
     return info
+
+
+def _factor_shapes(layer: LoraLayer, adapter: str) -> tuple[tuple, tuple]:
+    """The shapes of ``(A, B)`` as the server sees them.
+
+    A Fed-SB layer is shown in its latent coordinates: ``A = I_r`` and ``B = R``, a layer
+    of shape ``(r, r)`` (see :mod:`fedexlora.latent`).
+    """
+    if is_latent(layer, adapter):
+        r = layer.lora_B[adapter].core.weight.shape[0]
+        return (r, r), (r, r)
+    return tuple(layer.lora_A[adapter].weight.shape), tuple(layer.lora_B[adapter].weight.shape)
+
+
+def _read_factors(layer: LoraLayer, adapter: str, include_A: bool):
+    if is_latent(layer, adapter):
+        R = layer.lora_B[adapter].core.weight
+        return (torch.eye(R.shape[0]) if include_A else None), _host(R)
+    A = _host(layer.lora_A[adapter].weight) if include_A else None
+    return A, _host(layer.lora_B[adapter].weight)
+
+
+def lift(layer: LoraLayer, M: torch.Tensor, adapter: str = "default") -> torch.Tensor:
+    """A ``(d, n)`` update from one in the server's coordinates (``B M A`` for Fed-SB)."""
+    if not is_latent(layer, adapter):
+        return M
+    basis = layer.lora_B[adapter].basis.weight.detach().to(M)
+    A = layer.lora_A[adapter].weight.detach().to(M)
+    return basis @ M @ A
 
 
 def _extra_params(model: torch.nn.Module, adapter: str) -> dict[str, torch.nn.Parameter]:
@@ -164,6 +194,8 @@ def set_trainable(model: torch.nn.Module, *, train_A: bool, adapter: str | None 
     """Freezes or unfreezes every ``lora_A`` (FFA-LoRA freezes it); B stays trainable."""
     adapter = _adapter_name(model, adapter)
     for layer in lora_layers(model, adapter).values():
+        if is_latent(layer, adapter):
+            continue  # Fed-SB: A and the basis stay frozen, the core trains
         layer.lora_A[adapter].weight.requires_grad_(train_A)
         layer.lora_B[adapter].weight.requires_grad_(True)
 
@@ -189,8 +221,7 @@ def get_state(
     adapter = _adapter_name(model, adapter)
     factors = {}
     for name, layer in lora_layers(model, adapter).items():
-        A = _host(layer.lora_A[adapter].weight) if include_A else None
-        factors[name] = (A, _host(layer.lora_B[adapter].weight))
+        factors[name] = _read_factors(layer, adapter, include_A)
     extra = {name: _host(p) for name, p in _extra_params(model, adapter).items()}
     return AdapterState(factors=factors, extra=extra)
 
@@ -208,16 +239,11 @@ def check_compatible(model: torch.nn.Module, state: AdapterState, adapter: str |
             f"{'...' if len(extra_mods) > 3 else ''}"
         )
     for name, (A, B) in state.factors.items():
-        layer = layers[name]
-        wa, wb = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
-        if A is not None and tuple(A.shape) != tuple(wa.shape):
-            raise ValueError(
-                f"module {name!r}: A has shape {tuple(A.shape)}, model expects {tuple(wa.shape)}"
-            )
-        if tuple(B.shape) != tuple(wb.shape):
-            raise ValueError(
-                f"module {name!r}: B has shape {tuple(B.shape)}, model expects {tuple(wb.shape)}"
-            )
+        wa, wb = _factor_shapes(layers[name], adapter)
+        if A is not None and tuple(A.shape) != wa:
+            raise ValueError(f"module {name!r}: A has shape {tuple(A.shape)}, model expects {wa}")
+        if tuple(B.shape) != wb:
+            raise ValueError(f"module {name!r}: B has shape {tuple(B.shape)}, model expects {wb}")
     params = _extra_params(model, adapter)
     if set(params) != set(state.extra):
         raise ValueError(
@@ -245,6 +271,10 @@ def set_state(model: torch.nn.Module, state: AdapterState, adapter: str | None =
     layers = lora_layers(model, adapter)
     for name, (A, B) in state.factors.items():
         layer = layers[name]
+        if is_latent(layer, adapter):  # latent coordinates: A is I_r, B is the core R
+            core = layer.lora_B[adapter].core.weight
+            core.copy_(B.to(core.dtype))
+            continue
         if A is not None:
             wa = layer.lora_A[adapter].weight
             wa.copy_(A.to(wa.dtype))

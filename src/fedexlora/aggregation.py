@@ -29,7 +29,7 @@ __all__ = [
     "split_leading",
 ]
 
-METHODS = ("fedex", "fedit", "ffa", "flora")
+METHODS = ("fedex", "fedit", "ffa", "flora", "fedsb")
 
 
 @dataclass(frozen=True)
@@ -350,7 +350,9 @@ def aggregate(
             uniform.
         method: ``"fedex"`` (exact: averaged factors plus residual), ``"fedit"``
             (averaged factors, inexact), ``"ffa"`` (frozen shared A, average B) or
-            ``"flora"`` (stacking: fold the exact merged update, fresh adapter).
+            ``"flora"`` (stacking: fold the exact merged update, fresh adapter) or
+            ``"fedsb"`` (Fed-SB in latent coordinates, ``A = I`` shared and ``B = R``:
+            FFA-LoRA's aggregation, exact because the update is linear in ``R``).
         generator: Seeded generator for ``flora``'s fresh A.
         atol: Tolerance with which ``ffa`` checks that all clients share A.
 
@@ -381,7 +383,7 @@ def aggregate(
         residual = Residual.zero(d, n, dtype=A.dtype)
         A_new = torch.einsum("k,krn->rn", p, A)
         B_new = torch.einsum("k,kdr->dr", p, B)
-    elif method == "ffa":
+    elif method in ("ffa", "fedsb"):  # fedsb: latent coordinates, A = I and B = R
         spread = (A - A[0]).abs().amax().item()
         scale = A[0].abs().amax().item()
         if spread > atol + 1e-5 * scale:

@@ -49,12 +49,13 @@ __all__ = [
     "shape_from_model",
 ]
 
-COMM_METHODS = ("fedit", "ffa", "flora", "fedex-dense", "fedex", "full-ft")
+COMM_METHODS = ("fedit", "ffa", "flora", "fedsb", "fedex-dense", "fedex", "full-ft")
 
 _LABELS = {
     "fedit": "FedIT",
     "ffa": "FFA-LoRA",
     "flora": "FLoRA",
+    "fedsb": "Fed-SB: only the r x r core, at its own (larger) rank",
     "fedex-dense": "FedEx-LoRA, dense residual (released code)",
     "fedex": "FedEx-LoRA, factored residual (ours)",
     "full-ft": "full fine-tuning of the adapted layers only",
@@ -190,7 +191,9 @@ def _nbytes(t) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def _layer_bytes(d: int, n: int, rank: int, clients: int, seed: int) -> dict[str, dict]:
+def _layer_bytes(
+    d: int, n: int, rank: int, clients: int, seed: int, sb_rank: int
+) -> dict[str, dict]:
     """Down and up bytes of one layer for every method, from real tensors."""
     import torch
 
@@ -208,6 +211,12 @@ def _layer_bytes(d: int, n: int, rank: int, clients: int, seed: int) -> dict[str
     shared = [As[0]] * clients
     ffa = aggregate(shared, Bs, method="ffa")
     out["ffa"] = {"down": _nbytes(ffa.B), "up": _nbytes(Bs[0]), "residual": 0}
+
+    # Fed-SB in the server's (latent) coordinates: A = I shared, B = the r x r core R
+    q = min(sb_rank, d, n)
+    cores = [torch.randn(q, q, generator=g) for _ in range(clients)]
+    sb = aggregate([torch.eye(q)] * clients, cores, method="fedsb")
+    out["fedsb"] = {"down": _nbytes(sb.B), "up": _nbytes(cores[0]), "residual": 0}
 
     flora = aggregate(As, Bs, method="flora", generator=g)
     res = flora.residual
@@ -243,7 +252,9 @@ def _layer_bytes(d: int, n: int, rank: int, clients: int, seed: int) -> dict[str
     return out
 
 
-def comm_table(shape: ModelShape, rank: int, clients: int, *, seed: int = 0) -> list[dict]:
+def comm_table(
+    shape: ModelShape, rank: int, clients: int, *, seed: int = 0, fedsb_rank: int = 64
+) -> list[dict]:
     """Bytes per round, down and up, for every method of :data:`COMM_METHODS`.
 
     Args:
@@ -252,6 +263,8 @@ def comm_table(shape: ModelShape, rank: int, clients: int, *, seed: int = 0) -> 
         clients: The number of clients ``k`` taking part in the round.
         seed: Seed of the random client factors (the bytes do not depend on it unless
             the factors are rank-deficient, which random ones are not).
+        fedsb_rank: Fed-SB's rank (its core is ``fedsb_rank`` squared per layer, capped by
+            the layer's smaller side).
 
     Returns:
         One dict per method with ``model``, ``method``, ``label``, ``rank``, ``clients``,
@@ -274,7 +287,8 @@ def comm_table(shape: ModelShape, rank: int, clients: int, *, seed: int = 0) -> 
         raise ValueError(f"`clients` must be positive, got {clients}")
     extra = sum(_nbytes(torch.empty(s, dtype=torch.float32)) for s in shape.extra)
     per_group = [
-        (g, _layer_bytes(g.d, g.n, rank, clients, seed + i)) for i, g in enumerate(shape.layers)
+        (g, _layer_bytes(g.d, g.n, rank, clients, seed + i, fedsb_rank))
+        for i, g in enumerate(shape.layers)
     ]
     rows = []
     for m in COMM_METHODS:
@@ -294,6 +308,8 @@ def comm_table(shape: ModelShape, rank: int, clients: int, *, seed: int = 0) -> 
             "residual_per_client": sum(g.count * b[m]["residual"] for g, b in per_group),
             "extra_bytes": extra,
         }
+        if m == "fedsb":
+            row["rank"] = fedsb_rank
         if "residual_rank" in per_group[0][1][m]:
             row["residual_rank"] = {
                 f"{g.name} {g.d}x{g.n}": b[m]["residual_rank"] for g, b in per_group
@@ -397,6 +413,7 @@ def comm(
         help="Comma list of embedded (the model above, with --rank/--clients), "
         "roberta-base (q,v, r=4, k=3) and llama-7b (all linear, r=32, k=10).",
     ),
+    fedsb_rank: int = typer.Option(64, help="Fed-SB's rank, for every shape [64]."),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON instead."),
 ) -> None:
     """Bytes per round, down and up, per method, counted from real tensors."""
@@ -413,10 +430,10 @@ def comm(
             highlight=False,
         )
         raise typer.Exit(2)
-    if rank < 1 or clients < 1:
+    if rank < 1 or clients < 1 or fedsb_rank < 1:
         err.print(
-            f"[bold red]error:[/bold red] `--rank` and `--clients` must be >= 1, got "
-            f"{rank} and {clients}"
+            f"[bold red]error:[/bold red] `--rank`, `--clients` and `--fedsb-rank` must be "
+            f">= 1, got {rank}, {clients} and {fedsb_rank}"
         )
         raise typer.Exit(2)
     tables = []
@@ -428,11 +445,11 @@ def comm(
             except ValueError as exc:
                 err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", highlight=False)
                 raise typer.Exit(2) from None
-            tables.append(comm_table(shape, rank, clients))
+            tables.append(comm_table(shape, rank, clients, fedsb_rank=fedsb_rank))
         elif s == "roberta-base":
-            tables.append(comm_table(roberta_base_shape(), 4, 3))
+            tables.append(comm_table(roberta_base_shape(), 4, 3, fedsb_rank=fedsb_rank))
         else:
-            tables.append(comm_table(llama7b_shape(), 32, 10))
+            tables.append(comm_table(llama7b_shape(), 32, 10, fedsb_rank=fedsb_rank))
     if as_json:
         typer.echo(json.dumps([r for t in tables for r in t], indent=2))
         return

@@ -73,6 +73,9 @@ _RUN_FLAGS = {
     "dp_epsilon": "dp_epsilon",
     "dp_delta": "dp_delta",
     "dp_max_grad_norm": "dp_max_grad_norm",
+    "fedsb_rank": "fedsb_rank",
+    "fedsb_init": "fedsb_init",
+    "fedsb_init_samples": "fedsb_init_samples",
 }
 
 
@@ -118,7 +121,7 @@ def run(
         None, help="bbc-news, gsm8k, sst2..., or a .csv/.jsonl [bbc-news]."
     ),
     method: str | None = typer.Option(
-        None, help="Comma list of fedex,fedit,ffa,flora,centralized [fedex]."
+        None, help="Comma list of fedex,fedit,ffa,flora,fedsb,centralized [fedex]."
     ),
     num_clients: int | None = typer.Option(None, "--num-clients", "--clients", help="Clients [3]."),
     partition: str | None = typer.Option(None, help="iid or dirichlet [dirichlet]."),
@@ -201,6 +204,17 @@ def run(
     ),
     dp_max_grad_norm: float | None = typer.Option(
         None, help="DP-SGD per-sample clipping norm [1.0]."
+    ),
+    fedsb_rank: int | None = typer.Option(
+        None, help="Fed-SB's rank: its r x r core is what clients train and send [64]."
+    ),
+    fedsb_init: str | None = typer.Option(
+        None,
+        help="Fed-SB's frozen A and B: gradient (the authors' SVD of a sign-gradient step) "
+        "or random; auto is random with --dp-epsilon, else gradient [auto].",
+    ),
+    fedsb_init_samples: int | None = typer.Option(
+        None, help="Examples Fed-SB's gradient init is estimated on [256]."
     ),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
 ) -> None:
@@ -381,7 +395,22 @@ _STUDIES = {
         batch_size=4,
         lr=5e-3,
         max_test=None,
-    )
+    ),
+    # The private comparison (docs/PRIVACY.md): accuracy against epsilon, 4 methods.
+    "privacy": dict(
+        method="fedex,fedit,ffa,fedsb",
+        ranks="8",
+        seeds="0,1,2",
+        settings="iid-3,dir0.1-3",
+        rounds=3,
+        local_steps="8",
+        batch_size=32,
+        lr=3e-2,
+        lora_alpha=16.0,
+        dp_epsilons="1,3,8,inf",
+        dp_max_grad_norm=0.1,
+        fedsb_init="random",
+    ),
 }
 
 
@@ -389,7 +418,9 @@ _STUDIES = {
 def compare(
     out: Path = typer.Option(Path("runs/compare"), help="Directory of the grid."),
     study: str | None = typer.Option(
-        None, help="A preset grid: 'exactness' (local steps x heterogeneity x clients)."
+        None,
+        help="A preset grid: 'exactness' (local steps x heterogeneity x clients) or "
+        "'privacy' (methods x epsilon, docs/PRIVACY.md).",
     ),
     report: Path | None = typer.Option(
         None, help="Also write the study report here (with several --local-steps)."
@@ -418,6 +449,20 @@ def compare(
     max_test: int | None = typer.Option(None, help="Test examples per evaluation [200]."),
     full_test: bool = typer.Option(False, help="Evaluate on the whole test split."),
     min_partition_size: int | None = typer.Option(None, help="Minimum examples per client [10]."),
+    dp_epsilons: str | None = typer.Option(
+        None,
+        help="Comma list of DP budgets per client, inf for none (e.g. 1,3,8,inf): an axis, "
+        "reported in privacy.md (or --report) [no DP].",
+    ),
+    dp_delta: float | None = typer.Option(None, help="DP delta of the private cells [1e-5]."),
+    dp_max_grad_norm: float | None = typer.Option(
+        None, help="DP-SGD clipping norm of the private cells [1.0]."
+    ),
+    fedsb_rank: int | None = typer.Option(None, help="Fed-SB's rank [64]."),
+    fedsb_init: str | None = typer.Option(
+        None, help="Fed-SB's init, gradient or random; auto: random with DP [auto]."
+    ),
+    max_train: int | None = typer.Option(None, help="Training examples in all [all]."),
 ) -> None:
     """Grid of methods x settings x ranks x seeds on identical partitions -> comparison.md.
 
@@ -446,6 +491,12 @@ def compare(
         max_length=max_length,
         max_test=max_test,
         min_partition_size=min_partition_size,
+        dp_epsilons=dp_epsilons,
+        dp_delta=dp_delta,
+        dp_max_grad_norm=dp_max_grad_norm,
+        fedsb_rank=fedsb_rank,
+        fedsb_init=fedsb_init,
+        max_train=max_train,
     )
     if study is not None and study not in _STUDIES:
         _fail(f"--study: unknown study {study!r}; choose from {', '.join(_STUDIES)}")
@@ -487,8 +538,21 @@ def compare(
         _fail(f"--local-steps must be >= 1, got {opts['local_steps']!r}")
     if opts["total_steps"] is not None and opts["total_steps"] < 1:
         _fail(f"--total-steps must be >= 1, got {opts['total_steps']}")
-    if report is not None and len(steps_list) < 2:
-        _fail("--report writes the study over several --local-steps; give at least two")
+    eps_list = None
+    if opts.get("dp_epsilons") is not None:
+        try:
+            eps_list = [float(x) for x in items("--dp-epsilons", opts["dp_epsilons"])]
+        except ValueError:
+            _fail(
+                f"--dp-epsilons must be a comma list of numbers or inf, got {opts['dp_epsilons']!r}"
+            )
+        if any(not e > 0 for e in eps_list):
+            _fail(f"--dp-epsilons must all be > 0 (inf: no DP), got {opts['dp_epsilons']!r}")
+    if report is not None and len(steps_list) < 2 and not eps_list:
+        _fail(
+            "--report writes the study over several --local-steps or --dp-epsilons; "
+            "give at least two local steps, or --dp-epsilons"
+        )
     cfg, errs = validate_mapping(
         dict(
             model=opts["model"],
@@ -502,6 +566,11 @@ def compare(
             max_length=opts["max_length"],
             max_test=opts["max_test"],
             min_partition_size=opts["min_partition_size"],
+            **{
+                k: opts[k]
+                for k in ("dp_delta", "dp_max_grad_norm", "fedsb_rank", "fedsb_init", "max_train")
+                if opts.get(k) is not None
+            },
         )
     )
     if errs:
@@ -521,6 +590,7 @@ def compare(
             seeds=seed_list,
             local_steps=steps_list if len(steps_list) > 1 else None,
             total_steps=opts["total_steps"],
+            epsilons=eps_list,
             report=report,
             console=console,
         )

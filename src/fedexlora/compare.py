@@ -7,6 +7,7 @@ reports are in :mod:`fedexlora.compare_report`.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import MISSING, dataclass, fields
@@ -23,6 +24,8 @@ from .compare_report import (
     exactness_report,
     plot_comparison,
     plot_gap,
+    plot_privacy,
+    privacy_report,
 )
 from .config import RESUME_SAFE, RunConfig, validate_mapping
 from .report import read_metrics
@@ -74,18 +77,20 @@ class Cell:
     steps: int | None
     seed: int
     ceiling: bool = False
+    epsilon: float | None = None  # the DP axis (``inf``: no DP); None when not an axis
 
     @property
     def group(self) -> tuple:
         """The cell without its seed: the unit that a table row summarises."""
-        return (self.setting, self.rank, self.steps, self.ceiling)
+        return (self.setting, self.rank, self.steps, self.ceiling, self.epsilon)
 
     def dirname(self) -> str:
         """The cell's run directory name."""
         if self.ceiling:
             return f"centralized-{self.setting.num_clients}_r{self.rank}_seed{self.seed}"
         steps = "" if self.steps is None else f"_s{self.steps}"
-        return f"{self.setting.name}_r{self.rank}{steps}_seed{self.seed}"
+        eps = "" if self.epsilon is None else f"_eps{self.epsilon:g}"
+        return f"{self.setting.name}_r{self.rank}{steps}{eps}_seed{self.seed}"
 
 
 # A cell that differs only in settings that never change results is reused; ``rounds``
@@ -119,10 +124,13 @@ def _num(x) -> bool:
 
 
 def _plan(
-    base: RunConfig, settings, ranks, seeds, local_steps, total_steps
+    base: RunConfig, settings, ranks, seeds, local_steps, total_steps, epsilons=None
 ) -> list[tuple[Cell, RunConfig]]:
     """Every cell of the grid with its validated configuration."""
     steps_axis: list[int | None] = list(local_steps) if local_steps else [None]
+    eps_axis: list[float | None] = [float(e) for e in epsilons] if epsilons else [None]
+    if any(e is not None and not e > 0 for e in eps_axis):
+        raise ValueError(f"--dp-epsilons must be > 0 (inf: no DP), got {epsilons}")
     if total_steps is not None:
         bad = [s for s in steps_axis if s is None or s < 1 or total_steps % s]
         if bad:
@@ -141,19 +149,23 @@ def _plan(
         for r in ranks:
             for st in steps_axis:
                 for seed in seeds:
-                    changes = dict(
-                        num_clients=s.num_clients,
-                        partition=s.partition,
-                        alpha=s.alpha,
-                        lora_r=r,
-                        seed=seed,
-                        methods=fed_methods,
-                    )
-                    if st is not None:
-                        changes["local_steps"] = st
-                    if total_steps is not None:
-                        changes["rounds"] = total_steps // st
-                    plan.append((Cell(s, r, st, seed), base.replace(**changes).validate()))
+                    for eps in eps_axis:
+                        changes = dict(
+                            num_clients=s.num_clients,
+                            partition=s.partition,
+                            alpha=s.alpha,
+                            lora_r=r,
+                            seed=seed,
+                            methods=fed_methods,
+                        )
+                        if st is not None:
+                            changes["local_steps"] = st
+                        if total_steps is not None:
+                            changes["rounds"] = total_steps // st
+                        if eps is not None:
+                            changes["dp_epsilon"] = None if math.isinf(eps) else eps
+                        cell = Cell(s, r, st, seed, epsilon=eps)
+                        plan.append((cell, base.replace(**changes).validate()))
     if ceiling:  # centralized once per client count: all clients' steps in one round
         for k in sorted({s.num_clients for s in settings}):
             s = Setting(f"centralized-{k}", k, "iid")
@@ -181,6 +193,7 @@ def run_grid(
     seeds=(0, 1, 2),
     local_steps=None,
     total_steps: int | None = None,
+    epsilons=None,
     report: str | Path | None = None,
     command: str | None = None,
     progress: bool = False,
@@ -205,7 +218,10 @@ def run_grid(
         total_steps: Local steps per client in all. Each cell then runs
             ``total_steps // local_steps`` rounds, so every cell costs the same, and
             ``centralized`` runs once per client count (the ceiling) instead of per cell.
-        report: Where to also write the study report (with ``local_steps``).
+        epsilons: Optional DP budgets per client (``inf``: no DP): an axis of its own,
+            reported in ``privacy.md`` (accuracy against epsilon, paired differences).
+        report: Where to also write the study report (with ``local_steps`` or
+            ``epsilons``).
         command: The command line, quoted in the study report.
         progress: Progress bars.
         console: A ``rich`` console.
@@ -217,7 +233,7 @@ def run_grid(
 
     say = console.print if console is not None else print
     out = Path(out)
-    plan = _plan(base, settings, ranks, seeds, local_steps, total_steps)
+    plan = _plan(base, settings, ranks, seeds, local_steps, total_steps, epsilons)
     if not plan:
         raise ValueError("the grid is empty: give at least one setting, rank and seed")
     out.mkdir(parents=True, exist_ok=True)
@@ -254,12 +270,16 @@ def run_grid(
     path.write_text(md)
     plot_comparison(rows, out / "comparison.png")
     (out / "comparison.json").write_text(json.dumps(_aggregate(rows), indent=1))
-    if local_steps:
-        target = Path(report) if report else out / "exactness.md"
+    studies = [("exactness.md", exactness_report, plot_gap)] if local_steps else []
+    if epsilons:  # the private comparison (with a local-steps axis too: beside it)
+        report = None if studies else report
+        studies.append(("privacy.md", privacy_report, plot_privacy))
+    for name, write, plot in studies:
+        target = Path(report) if report else out / name
         target.parent.mkdir(parents=True, exist_ok=True)
         png = target.with_suffix(".png")
-        target.write_text(exactness_report(rows, cfgs, png.name, elapsed, reused, command))
-        plot_gap(rows, png)
+        target.write_text(write(rows, cfgs, png.name, elapsed, reused, command))
+        plot(rows, png)
         say(f"wrote {target}")
     return path
 

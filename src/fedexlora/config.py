@@ -20,7 +20,7 @@ import tomli_w
 
 __all__ = ["ALL_METHODS", "ConfigError", "RunConfig", "load_config", "validate_mapping"]
 
-ALL_METHODS = ("fedex", "fedit", "ffa", "flora", "centralized")
+ALL_METHODS = ("fedex", "fedit", "ffa", "flora", "fedsb", "centralized")
 _PARTITIONS = ("iid", "dirichlet")
 _WEIGHTINGS = ("examples", "uniform")
 _ENGINES = ("local", "flower")
@@ -111,11 +111,21 @@ class RunConfig:
     dp_epsilon: float | None = None
     dp_delta: float = 1e-5
     dp_max_grad_norm: float = 1.0
+    fedsb_rank: int = 64
+    fedsb_init: str = "auto"
+    fedsb_init_samples: int = 256
 
     @property
     def dp(self) -> bool:
         """Whether clients train with DP-SGD (``dp_epsilon`` set and finite)."""
         return self.dp_epsilon is not None and math.isfinite(self.dp_epsilon)
+
+    @property
+    def fedsb_init_resolved(self) -> str:
+        """Fed-SB's initialisation: ``auto`` is ``random`` with DP, else ``gradient``."""
+        if self.fedsb_init != "auto":
+            return self.fedsb_init
+        return "random" if self.dp else "gradient"
 
     @property
     def side_branch(self) -> bool:
@@ -268,10 +278,28 @@ class RunConfig:
             self.dp_max_grad_norm > 0,
             f"`dp_max_grad_norm` must be > 0, got {self.dp_max_grad_norm}",
         )
+        need(self.fedsb_rank >= 1, f"`fedsb_rank` must be >= 1, got {self.fedsb_rank}")
+        need(
+            self.fedsb_init in ("auto", "gradient", "random"),
+            f"`fedsb_init` must be auto, gradient or random, got {self.fedsb_init!r}",
+        )
+        need(
+            self.fedsb_init_samples >= 1,
+            f"`fedsb_init_samples` must be >= 1, got {self.fedsb_init_samples}",
+        )
+        if "fedsb" in self.methods and self.fedsb_init_resolved == "gradient":
+            if self.dp:
+                errs.append(
+                    "`fedsb_init` gradient reads the clients' examples without noise, so it "
+                    "cannot be combined with --dp-epsilon; fix: --fedsb-init random (or auto)"
+                )
+            if self.engine == "flower":
+                errs.append(
+                    "`fedsb_init` gradient needs the sum of every client's gradient before "
+                    "round 1, which the Flower engine does not collect; fix: --fedsb-init random"
+                )
         if self.dp:
             cannot = []
-            if self.engine == "flower":
-                cannot.append("--engine flower (DP-SGD runs in the in-process engine so far)")
             if "centralized" in self.methods:
                 cannot.append("method 'centralized' (it has no clients to hold budgets)")
             if self.gradient_checkpointing:
@@ -322,7 +350,7 @@ class RunConfig:
             "`residual_rank` and `side_rank` are two lossy modes; choose one",
         )
         if self.residual_rank is not None:
-            lossless = [m for m in self.methods if m in ("ffa", "fedit", "centralized", "flora")]
+            lossless = [m for m in self.methods if m not in ("fedex",)]
             need(
                 not lossless,
                 f"`residual_rank` applies to fedex only; it cannot be combined "

@@ -86,12 +86,13 @@ def new_model(cfg: RunConfig, task, method: str):
     """
     from .models import load_model
 
+    fedsb = method == "fedsb"
     model, tokenizer = load_model(
         cfg.model,
         causal=task.kind == "causal_lm",
         num_labels=max(task.num_labels, 1),
-        r=cfg.lora_r,
-        alpha=cfg.lora_alpha,
+        r=cfg.fedsb_rank if fedsb else cfg.lora_r,
+        alpha=float(cfg.fedsb_rank) if fedsb else cfg.lora_alpha,  # Fed-SB: alpha = r
         dropout=cfg.lora_dropout,
         target_modules=cfg.target_modules,
         rslora=cfg.rslora,
@@ -102,6 +103,8 @@ def new_model(cfg: RunConfig, task, method: str):
         double_quant=cfg.double_quant,
     )
     check_max_length(cfg, model)
+    if fedsb:
+        _install_fedsb(cfg, task, model, tokenizer)
     for r in sorted(set(cfg.client_ranks or [])):
         if method in ("fedex", "flora") and r != cfg.lora_r:  # heterogeneous client ranks
             model.add_adapter(f"rank{r}", dataclasses.replace(model.peft_config["default"], r=r))
@@ -109,6 +112,31 @@ def new_model(cfg: RunConfig, task, method: str):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     return model.to(resolve_device(cfg.device)), tokenizer
+
+
+def _install_fedsb(cfg: RunConfig, task, model, tokenizer) -> None:
+    """Fed-SB's frozen A and B (the same in every process: seeded, or from the same data)."""
+    from .latent import install
+
+    init = cfg.fedsb_init_resolved
+    data = None
+    if init == "gradient":
+        # The sum of every client's gradient equals the gradient on the pooled examples:
+        # the simulation computes that sum here (a deployment would collect it once).
+        g = torch.Generator().manual_seed(cfg.seed)
+        pick = torch.randperm(len(task.train), generator=g)[: cfg.fedsb_init_samples].tolist()
+        data = encode(task.train.select(pick), tokenizer, kind=task.kind, max_length=cfg.max_length)
+    steps = cfg.local_steps or 1
+    install(
+        model,
+        init=init,
+        seed=cfg.seed,
+        data=data,
+        lr=cfg.lr,
+        total_steps=cfg.rounds * steps,
+        samples=cfg.fedsb_init_samples,
+        batch_size=cfg.batch_size,
+    )
 
 
 def client_adapter(cfg: RunConfig, method: str, client: int) -> str | None:
@@ -324,8 +352,9 @@ def local_update(
         autocast=autocast_dtype(cfg),
         dp=dp,
     )
+    frozen_A = method in ("ffa", "fedsb")  # fedsb: A is I in its latent coordinates
     return make_upload(
-        model, res.num_examples, client_id=client, train_loss=res.loss, include_A=method != "ffa"
+        model, res.num_examples, client_id=client, train_loss=res.loss, include_A=not frozen_A
     )
 
 

@@ -34,11 +34,14 @@ __all__ = [
     "ACCOUNTANT",
     "Budget",
     "Ledger",
+    "budget_for",
     "check_delta",
     "check_model",
     "epsilon_spent",
     "noise_multiplier",
     "plan",
+    "privacy_row",
+    "report",
     "steps_per_round",
 ]
 
@@ -47,13 +50,17 @@ def epsilon_spent(noise_multiplier: float, sample_rate: float, steps: int, delta
     """Epsilon of ``steps`` Poisson-subsampled Gaussian steps at ``delta`` (RDP, :data:`ORDERS`)."""
     if steps <= 0:
         return 0.0
+    import warnings
+
     from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
 
     rdp = compute_rdp(
         q=float(sample_rate), noise_multiplier=float(noise_multiplier), steps=int(steps),
         orders=list(ORDERS),
     )  # fmt: skip
-    eps, _ = get_privacy_spent(orders=list(ORDERS), rdp=rdp, delta=float(delta))
+    with warnings.catch_warnings():  # "optimal order is the smallest alpha": by design,
+        warnings.simplefilter("ignore", UserWarning)  # whole orders only (see ORDERS)
+        eps, _ = get_privacy_spent(orders=list(ORDERS), rdp=rdp, delta=float(delta))
     return float(eps)
 
 
@@ -147,13 +154,44 @@ def plan(cfg, sizes: list[int]) -> dict[int, Budget]:
         cfg: A run configuration with ``dp_epsilon`` set.
         sizes: Examples per client.
     """
-    out = {}
-    for c, n in enumerate(sizes):
-        q = min(1.0, cfg.batch_size / n)
-        steps = planned_rounds(cfg) * steps_per_round(cfg, n)
-        sigma = noise_multiplier(cfg.dp_epsilon, cfg.dp_delta, q, steps)
-        out[c] = Budget(c, sigma, q, cfg.dp_max_grad_norm, steps)
-    return out
+    return {c: budget_for(cfg, c, n) for c, n in enumerate(sizes)}
+
+
+def budget_for(cfg, client: int, n: int) -> Budget:
+    """One client's plan, from the run's settings and its own example count alone.
+
+    What a Flower client computes for itself; :func:`plan` does it for every client.
+    """
+    q = min(1.0, cfg.batch_size / n)
+    steps = planned_rounds(cfg) * steps_per_round(cfg, n)
+    sigma = noise_multiplier(cfg.dp_epsilon, cfg.dp_delta, q, steps)
+    return Budget(client, sigma, q, cfg.dp_max_grad_norm, steps)
+
+
+def report(budget: Budget, delta: float) -> dict:
+    """One client's accounting as it appears in a row: what a Flower client reports."""
+    return {
+        "epsilon": budget.epsilon(delta),
+        "noise_multiplier": budget.noise_multiplier,
+        "sample_rate": budget.sample_rate,
+        "steps": budget.steps,
+        "planned_steps": budget.planned_steps,
+        "max_grad_norm": budget.max_grad_norm,
+    }
+
+
+def privacy_row(epsilon: float, delta: float, clients: dict, refused: list[int]) -> dict:
+    """A round's ``privacy`` object from each client's :func:`report` (keyed by id)."""
+    clients = {str(c): dict(v) for c, v in sorted(clients.items(), key=lambda kv: int(kv[0]))}
+    return {
+        "epsilon": max((v["epsilon"] for v in clients.values()), default=0.0),
+        "epsilon_budget": float(epsilon),
+        "delta": float(delta),
+        "accountant": ACCOUNTANT,
+        "orders": [ORDERS[0], ORDERS[-1]],
+        "clients": clients,
+        "refused": sorted(refused),
+    }
 
 
 @dataclass
@@ -195,23 +233,5 @@ class Ledger:
 
     def row(self, refused: list[int]) -> dict:
         """The round's ``privacy`` object (after its clients trained)."""
-        clients = {
-            str(c): {
-                "epsilon": b.epsilon(self.delta),
-                "noise_multiplier": b.noise_multiplier,
-                "sample_rate": b.sample_rate,
-                "steps": b.steps,
-                "planned_steps": b.planned_steps,
-                "max_grad_norm": b.max_grad_norm,
-            }
-            for c, b in sorted(self.budgets.items())
-        }
-        return {
-            "epsilon": max((v["epsilon"] for v in clients.values()), default=0.0),
-            "epsilon_budget": self.epsilon,
-            "delta": self.delta,
-            "accountant": ACCOUNTANT,
-            "orders": [ORDERS[0], ORDERS[-1]],
-            "clients": clients,
-            "refused": sorted(refused),
-        }
+        clients = {c: report(b, self.delta) for c, b in self.budgets.items()}
+        return privacy_row(self.epsilon, self.delta, clients, refused)

@@ -114,7 +114,7 @@ class Server:
 
     def upload_template(self) -> AdapterState:
         """What a valid upload contains (FFA-LoRA clients send no A)."""
-        if self.method == "ffa":
+        if self.method in ("ffa", "fedsb"):
             return AdapterState(
                 factors={k: (None, B) for k, (_, B) in self.state.factors.items()},
                 extra=self.state.extra,
@@ -170,7 +170,7 @@ class Server:
             residuals = from_w0
             self.remainder.pop(client_id, None)  # heterogeneous ranks: nothing folded
         state = self.state
-        if self.method == "ffa" and not reset:
+        if self.method in ("ffa", "fedsb") and not reset:
             state = self.upload_template()  # A is frozen and already held
         if client_id in self.client_layers:
             state, residuals = self._hetero_view(client_id, residuals)
@@ -347,7 +347,7 @@ class Server:
         elif self.side_rank is not None:
             residuals, capped, feedback_norm = self._cap_side(residuals)
         new_state = agg.state
-        if self.method == "ffa":  # keep the frozen global A
+        if self.method in ("ffa", "fedsb"):  # keep the frozen global A (fedsb: I)
             new_state = AdapterState(
                 factors={
                     k: (self.state.factors[k][0], B) for k, (_, B) in new_state.factors.items()

@@ -30,6 +30,7 @@ from .adapters import (
     fold_layer,
     fold_residuals,
     get_state,
+    lift,
     load_side_state,
     lora_layers,
     set_state,
@@ -157,11 +158,12 @@ def apply_outcome(
         if before is None:
             continue
         after = effective_weight(layer)
-        ideal = before + server.ideal_update(name, uploads, outcome).to(before.device)
+        # in the server's coordinates, lifted to the layer's (B M A for Fed-SB)
+        update = lift(layer, server.ideal_update(name, uploads, outcome))
+        ideal = before + update.to(before.device)
         A0, B0 = outcome.previous.factors[name]
-        move = (ideal - before) - server.layers[name].scale * (B0.double() @ A0.double()).to(
-            before.device
-        )
+        start = lift(layer, server.layers[name].scale * (B0.double() @ A0.double()))
+        move = (ideal - before) - start.to(before.device)
         den = float(torch.linalg.norm(move))
         out[name] = float(torch.linalg.norm(after - ideal)) / den if den > 0 else 0.0
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -248,7 +249,11 @@ def _train_dp(
                 batch = _collate(data.subset(idx), device)
                 with _amp(device, autocast):
                     loss = gsm(**batch).loss
-                loss.backward()
+                with warnings.catch_warnings():  # Opacus's hook on the first adapted layer,
+                    warnings.filterwarnings(  # whose input needs no gradient: as meant
+                        "ignore", "Full backward hook is firing", UserWarning
+                    )
+                    loss.backward()
                 losses.append(float(loss.detach()))
             else:  # an empty Poisson batch: the step is noise alone
                 for p in params:

@@ -46,6 +46,7 @@ __all__ = ["app", "make_client_app"]
 
 _META = "fedexlora.meta"  # ConfigRecord: method, version (of the base held), token
 _BASE = "fedexlora.client"  # ArrayRecord: fedexlora.steps.client_state(model)
+_DP = "fedexlora.dp"  # ConfigRecord: DP-SGD steps taken per method, and the run token
 
 _DATA: dict[str, tuple] = {}  # config fingerprint -> (task, Prepared), one entry
 _MODELS: OrderedDict[tuple, tuple] = OrderedDict()  # (run, partition) -> (token, model); spares
@@ -95,6 +96,51 @@ def _save_to_disk(folder: Path, model, version: int) -> None:
     os.replace(tmp, folder / f"v{version}.safetensors")
     for old in _on_disk(folder)[:-_KEEP_ON_DISK]:
         (folder / f"v{old}.safetensors").unlink(missing_ok=True)
+
+
+def _dp_steps(context: Context, method: str, run_token: str, disk: Path | None) -> int:
+    """DP-SGD steps this client already took for ``method`` in this run (Context, disk)."""
+    steps = 0
+    rec = context.state.get(_DP)
+    if isinstance(rec, ConfigRecord) and rec.get("run-token", "") == run_token:
+        steps = int(rec.get(method, 0))
+    if disk is not None and (disk / "dp.json").is_file():
+        steps = max(steps, int(json.loads((disk / "dp.json").read_text()).get("steps", 0)))
+    return steps
+
+
+def _dp_record(context: Context, method: str, run_token: str, disk, steps: int) -> None:
+    rec = context.state.get(_DP)
+    if not isinstance(rec, ConfigRecord) or rec.get("run-token", "") != run_token:
+        rec = ConfigRecord({"run-token": run_token})
+    rec[method] = int(steps)
+    context.state[_DP] = rec
+    if disk is not None:
+        disk.mkdir(parents=True, exist_ok=True)
+        tmp = disk / ".dp.json.tmp"
+        tmp.write_text(json.dumps({"steps": int(steps)}))
+        os.replace(tmp, disk / "dp.json")
+
+
+def _dp_budget(cfg, context, conf, method: str, pid: int, n: int, run_token: str, disk):
+    """This client's DP-SGD plan and the steps it has taken: its own accounting.
+
+    The count is the largest of what its Context, its state directory and the server's
+    record of its last report say, so a client that lost its state does not spend its
+    budget twice.
+    """
+    from ..privacy import budget_for, check_delta
+
+    check_delta(cfg.dp_delta, [n])
+    budget = budget_for(cfg, pid, n)
+    budget.steps = max(_dp_steps(context, method, run_token, disk), int(conf.get("dp-steps", 0)))
+    return budget
+
+
+def _dp_metrics(budget, delta: float) -> dict:
+    from ..privacy import report
+
+    return {f"dp-{k.replace('_', '-')}": v for k, v in report(budget, delta).items()}
 
 
 def held_versions(context: Context, settings, token: str, pid: int) -> dict[str, list[int]]:
@@ -284,20 +330,36 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     apply_payload(
         model, payload, side_rank=cfg.side_rank, adapter=client_adapter_name(cfg, method, pid)
     )
-    up = local_update(cfg, method, model, prep.train.subset(prep.parts[pid]), rnd, pid)
+    data = prep.train.subset(prep.parts[pid])
+    budget, refused = None, False
+    if cfg.dp:  # the accounting is the client's own; the server records what it reports
+        from ..privacy import check_model, steps_per_round
+
+        budget = _dp_budget(cfg, context, conf, method, pid, len(data), run_token, disk)
+        want = steps_per_round(cfg, len(data))
+        refused = budget.steps + want > budget.planned_steps
+        if not refused:
+            check_model(model)
+    up = None
+    if not refused:
+        up = local_update(cfg, method, model, data, rnd, pid, dp=budget)
+        if budget is not None:
+            budget.steps += want
+            _dp_record(context, method, run_token, disk, budget.steps)
     if bool(conf.get("keep-state", True)):
         _remember(context, model, method, version, pid, disk, run_token)
     else:  # the server will reset this client next time: keep nothing of it
         _forget(context, model, method, pid, disk)
+    metrics = {} if budget is None else _dp_metrics(budget, cfg.dp_delta)
     content = RecordDict(
-        {
-            "arrays": to_array_record(up.state.to_flat()),
-            "metrics": MetricRecord(
-                {"num-examples": int(up.num_examples), "train-loss": float(up.train_loss)}
-            ),
-            "config": ConfigRecord({"partition-id": pid, "server-round": rnd, "method": method}),
-        }
+        {"config": ConfigRecord({"partition-id": pid, "server-round": rnd, "method": method})}
     )
+    if refused:  # past its budget: not trained, nothing of its data sent
+        metrics["dp-refused"] = 1
+    else:
+        content["arrays"] = to_array_record(up.state.to_flat())
+        metrics.update({"num-examples": int(up.num_examples), "train-loss": float(up.train_loss)})
+    content["metrics"] = MetricRecord(metrics)
     return Message(content, reply_to=msg)
 
 

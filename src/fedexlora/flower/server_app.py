@@ -104,6 +104,10 @@ def run_server(
     prep = prepare(cfg, tokenizer, task)
     say(f"task {cfg.task}: {len(task.train)} train / {len(task.test)} test")
     say(prep.partition_table)
+    if cfg.dp:  # each client checks its own too; this names the problem before round 1
+        from ..privacy import check_delta
+
+        check_delta(cfg.dp_delta, [len(p) for p in prep.parts])
     if not settings.resume:
         note_partition(cfg, task, out)
     nodes = NodeDirectory(
@@ -150,6 +154,10 @@ def run_server(
             wait_timeout=settings.wait_timeout,
             fingerprint=fingerprint,
         )
+        if rows and rows[-1].get("privacy"):  # a resume: the clients' last reports
+            strategy.dp_reports = {
+                int(c): dict(v) for c, v in rows[-1]["privacy"].get("clients", {}).items()
+            }
 
         def evaluate_fn(rnd, _arrays, m=method, mdl=model, srv=server, st=strategy, rs=rows):
             """After each round: fold, evaluate, write the row and a checkpoint."""
@@ -177,6 +185,17 @@ def run_server(
                 server_bytes=srv.nbytes(),
                 test_examples=len(prep.task.test),
             )
+            if cfg.dp:  # what the clients reported of their own accounting
+                from ..privacy import privacy_row
+
+                row["privacy"] = privacy_row(
+                    cfg.dp_epsilon, cfg.dp_delta, st.dp_reports, rec.refused
+                )
+                if rec.refused:
+                    row["note"] = (
+                        f"clients {sorted(rec.refused)} were not trained: their privacy "
+                        f"budget (epsilon {cfg.dp_epsilon}) would be exceeded"
+                    )
             rs.append(row)
             append_row(metrics_path, row)
             trackers.log_row(row)

@@ -36,7 +36,7 @@ from .records import from_array_record, to_array_record
 
 __all__ = ["FedExLoRA", "NodeDirectory", "RoundRecord"]
 
-FLOWER_METHODS = ("fedex", "fedit", "ffa", "flora")
+FLOWER_METHODS = ("fedex", "fedit", "ffa", "flora", "fedsb")
 
 # What Flower logs about choices this strategy makes on purpose: the server evaluates the
 # global model itself, so there is no federated evaluation and no initial evaluation.
@@ -82,6 +82,8 @@ class RoundRecord:
         bytes_up: Bytes of every upload tensor received.
         started: ``time.perf_counter()`` when the round was configured.
         errors: Partition -> why its upload is missing.
+        refused: Partitions that did not train: their DP budget would be exceeded (their
+            own accounting says so).
     """
 
     round: int
@@ -95,6 +97,7 @@ class RoundRecord:
     bytes_up: int = 0
     started: float = 0.0
     errors: dict[int, str] = field(default_factory=dict)
+    refused: list[int] = field(default_factory=list)
 
 
 class NodeDirectory:
@@ -284,6 +287,8 @@ class FedExLoRA(FedAvg):
         self.current: RoundRecord | None = None
         self.offset = server.round  # rounds done before this strategy started
         self._waited = False
+        # DP: each client's latest report of its own accounting (fedexlora.privacy.report)
+        self.dp_reports: dict[int, dict] = {}
 
     @property
     def method(self) -> str:
@@ -375,6 +380,9 @@ class FedExLoRA(FedAvg):
                     "keep-state": payload.keep,
                     "fingerprint": self.fingerprint,
                     "run-token": self.nodes.run_token,
+                    # what the client last reported spending: a client that lost its
+                    # state counts from there, never from zero
+                    "dp-steps": int(self.dp_reports.get(c, {}).get("steps", 0)),
                 }
             )
             content = RecordDict(
@@ -414,6 +422,27 @@ class FedExLoRA(FedAvg):
             float(metrics.get("train-loss", float("nan"))),
         )
 
+    def _dp_report(self, msg: Message, rec: RoundRecord) -> bool:
+        """Records a reply's DP accounting; True when the client refused to train."""
+        c = self.nodes.partition_of.get(msg.metadata.src_node_id)
+        metrics = msg.content.get("metrics") if msg.has_content() else None
+        if c is None or metrics is None or "dp-epsilon" not in metrics:
+            return False
+        keys = ("epsilon", "noise_multiplier", "sample_rate", "steps", "planned_steps")
+        try:
+            report = {k: float(metrics[f"dp-{k.replace('_', '-')}"]) for k in keys}
+            report["max_grad_norm"] = float(metrics["dp-max-grad-norm"])
+        except (KeyError, TypeError, ValueError) as exc:
+            rec.errors[c] = f"malformed privacy report: {exc}"
+            return True
+        for k in ("steps", "planned_steps"):
+            report[k] = int(report[k])
+        self.dp_reports[c] = report
+        if int(metrics.get("dp-refused", 0)):
+            rec.refused.append(c)
+            return True
+        return False
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -431,6 +460,8 @@ class FedExLoRA(FedAvg):
             else:
                 rec.errors[c] = msg.error.reason
         for msg in valid:
+            if self._dp_report(msg, rec):
+                continue  # refused by its own budget: nothing to aggregate
             try:
                 up = self._upload(msg)
             except (KeyError, TypeError, ValueError) as exc:
@@ -444,7 +475,7 @@ class FedExLoRA(FedAvg):
         rec.uploads = ups
         rec.bytes_up = sum(u.nbytes for u in ups)
         for c in rec.sent:
-            if c not in uploads:
+            if c not in uploads and c not in rec.refused:
                 rec.dropped.append(c)
                 why = unmatched.pop(0) if unmatched else "no reply within the round timeout"
                 rec.errors.setdefault(c, why)
