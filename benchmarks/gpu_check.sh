@@ -34,3 +34,16 @@ PY
 
 echo "== aggregation benchmark on the GPU =="
 python benchmarks/aggregation.py --device cuda --json "$OUT/aggregation.json"
+
+echo "== short paper-glue-roberta-base (SST-2 only, 3 rounds), when the hub is reachable =="
+if HF_HUB_OFFLINE=0 python -c "
+import huggingface_hub as h; h.model_info('FacebookAI/roberta-base'); h.dataset_info('nyu-mll/glue')
+" >/dev/null 2>&1; then
+  HF_HUB_OFFLINE=0 TRANSFORMERS_OFFLINE=0 fedexlora run --recipe paper-glue-roberta-base \
+    --task glue/sst2 --rounds 3 --local-epochs 1 --device cuda --dtype bf16 --no-progress \
+    --out "$OUT/glue-sst2"
+  # the paper's figure is the 6-task average: SST-2 alone is printed beside it for scale
+  sed -n '/## Paper beside this run/,/^- /p' "$OUT/glue-sst2/summary.md"
+else
+  echo "skipped: the Hugging Face hub is not reachable from here"
+fi

@@ -109,7 +109,12 @@ def test_glue_offline_error(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     sub = name.lower().removeprefix("glue/")
-    with pytest.raises(ValueError, match=rf"task '{sub}' \(GLUE\) needs network access to the"):
+    with pytest.raises(
+        ValueError,
+        match=rf"task '{sub}' needs the Hugging Face dataset 'nyu-mll/glue' \(subset '{sub}'\), "
+        r"and loading it failed: ConnectionError: hub unreachable\. Run online once, or put a "
+        r"copy in the hub's file layout under --data-dir",
+    ):
         load_task(name)
 
 

@@ -76,6 +76,8 @@ _RUN_FLAGS = {
     "fedsb_rank": "fedsb_rank",
     "fedsb_init": "fedsb_init",
     "fedsb_init_samples": "fedsb_init_samples",
+    "data_dir": "data_dir",
+    "recipe": "recipe",
 }
 
 
@@ -216,6 +218,16 @@ def run(
     fedsb_init_samples: int | None = typer.Option(
         None, help="Examples Fed-SB's gradient init is estimated on [256]."
     ),
+    recipe: str | None = typer.Option(
+        None,
+        help="A paper experiment (see `fedexlora recipes`): its settings, and the paper's "
+        "figures beside this run's; other flags override it.",
+    ),
+    data_dir: str | None = typer.Option(
+        None,
+        help="Local copies of hub datasets, in the hub's file layout "
+        "(DIR/nyu-mll/glue/sst2/...) [$FEDEXLORA_DATA_DIR].",
+    ),
     no_progress: bool = typer.Option(False, "--no-progress", help="Hide progress bars."),
 ) -> None:
     """Federated LoRA fine-tuning: every method on identical partitions, reported side by side."""
@@ -240,10 +252,13 @@ def run(
         if isinstance(value, Path):
             value = str(value)
         overrides[key] = value
+    recipe_tasks: tuple[str, ...] = ()
     try:
         if resume is not None:
             cfg = _resumed_config(resume, overrides, config, out)
             out = resume
+        elif "recipe" in overrides:
+            cfg, recipe_tasks = _recipe_config(overrides, config)
         elif config is not None:
             cfg = load_config(config, overrides)
         else:
@@ -257,7 +272,7 @@ def run(
         import time
 
         out = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    _execute(cfg, out, resume=resume is not None, progress=not no_progress)
+    _execute(cfg, out, resume=resume is not None, progress=not no_progress, tasks=recipe_tasks)
 
 
 def _resumed_config(resume: Path, overrides: dict, config: Path | None, out: Path | None):
@@ -296,7 +311,34 @@ def _resumed_config(resume: Path, overrides: dict, config: Path | None, out: Pat
     )
 
 
-def _execute(cfg, out: Path, *, resume: bool, progress: bool) -> None:
+def _recipe_config(overrides: dict, config: Path | None):
+    """The config of ``--recipe``, and the tasks to run.
+
+    The recipe's settings with the other flags on top (each said); all of a multi-task
+    recipe's tasks, unless ``--task`` picks one.
+    """
+    from .config import ConfigError, validate_mapping
+    from .recipes import apply_recipe, get_recipe
+
+    if config is not None:
+        _fail("--recipe cannot be combined with --config: give the recipe, and flags on top")
+    rest = {k: v for k, v in overrides.items() if k != "recipe"}
+    try:
+        recipe = get_recipe(str(overrides["recipe"]))
+    except ValueError as exc:
+        _fail(str(exc))
+    if recipe.needs is not None:
+        _fail(f"--recipe {recipe.name} cannot run yet: fedex-lora lacks {recipe.needs}")
+    mapping, notes = apply_recipe(recipe, rest)
+    for note in notes:
+        console.print(f"note: {note}", highlight=False)
+    cfg, errs = validate_mapping(mapping)
+    if errs:
+        raise ConfigError(errs)
+    return cfg, (recipe.tasks if "task" not in rest else (cfg.task,))
+
+
+def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
     from .checkpoint import CheckpointError
     from .export import export_model
     from .pipeline import RunError, run_experiment
@@ -309,6 +351,12 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool) -> None:
             rows = run_flower_experiment(
                 cfg, out, progress=progress, console=console, resume=resume
             )
+        elif len(tasks) > 1:
+            from .recipes import get_recipe, run_recipe
+
+            run_recipe(cfg, get_recipe(cfg.recipe), out, progress=progress, console=console)
+            console.print(f"wrote {out / 'summary.md'}")
+            return
         else:
             rows = run_experiment(cfg, out, resume=resume, progress=progress, console=console)
         _print_final_table(rows)
@@ -320,6 +368,20 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool) -> None:
         _fail(str(exc))
     except ImportError as exc:
         _fail(f"a required package is missing: {exc}")
+
+
+@app.command("recipes")
+def recipes_cmd() -> None:
+    """The paper's experiments: one command each, with the paper's figure per method."""
+    from .recipes import recipe_table
+
+    header, rows = recipe_table()
+    table = Table(title="fedexlora run --recipe NAME (figures: the FedEx-LoRA paper)")
+    for h in header:
+        table.add_column(h)
+    for r in rows:
+        table.add_row(*r)
+    (console if console.is_terminal else Console(width=200)).print(table)
 
 
 @app.command("export")

@@ -30,6 +30,7 @@ _QUANTIZATIONS = ("nf4", "fp4", "int8")
 _EXPORT_FORMATS = ("adapter", "merged")
 RESUME_SAFE = (
     "rounds",
+    "data_dir",
     "export",
     "export_format",
     "export_dtype",
@@ -114,6 +115,8 @@ class RunConfig:
     fedsb_rank: int = 64
     fedsb_init: str = "auto"
     fedsb_init_samples: int = 256
+    data_dir: str | None = None
+    recipe: str | None = None
 
     @property
     def dp(self) -> bool:

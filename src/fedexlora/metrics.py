@@ -13,7 +13,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["MetricTask", "compute_metrics", "exact_match", "extract_final_number"]
+__all__ = [
+    "MetricTask",
+    "compute_metrics",
+    "exact_match",
+    "extract_boxed",
+    "extract_final_number",
+    "math_equal",
+    "normalize_math_answer",
+]
 
 
 class MetricTask(Protocol):
@@ -74,15 +82,106 @@ def extract_final_number(text: str) -> str | None:
     return _normalise_number(last.group("sign") or "", last.group("num"))
 
 
-def exact_match(predicted_texts: Iterable[str], answers: Iterable[str]) -> float:
-    """Fraction of predictions whose final number equals the reference's final number.
+def extract_boxed(text: str) -> str | None:
+    r"""The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, or None.
 
-    Both sides go through :func:`extract_final_number`; a reference without a number is
-    compared as stripped text. A prediction without a number never matches.
+    Braces are balanced. MATH solutions put their final answer there.
+    """
+    if text is None:
+        return None
+    text = str(text)
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:  # "\\boxed 5": the rest of the token
+        rest = text[start + len("\\boxed") :].strip().split()
+        return rest[0].rstrip(".$") if rest else None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+    return None
+
+
+def _fix_fracs(s: str) -> str:
+    parts = s.split("\\frac")
+    out = parts[0]
+    for part in parts[1:]:
+        out += "\\frac"
+        if part.startswith("{") or len(part) < 2:
+            out += part
+            continue
+        a, b, rest = part[0], part[1], part[2:]
+        if b == "{":
+            out += "{" + a + "}" + b + rest
+        else:
+            out += "{" + a + "}{" + b + "}" + rest
+    return out
+
+
+def _fix_slash(s: str) -> str:
+    a, sep, b = s.partition("/")
+    if sep and a.lstrip("-").isdigit() and b.isdigit():
+        return "\\frac{" + a + "}{" + b + "}"
+    return s
+
+
+def normalize_math_answer(answer: str) -> str:
+    r"""A MATH answer in canonical form, as Hendrycks et al.'s ``is_equiv`` compares them.
+
+    Drops spaces, ``\\left``/``\\right``, ``\\!``, dollar signs, degrees, percent signs
+    and a trailing ``\\text{...}`` unit; reads ``dfrac``/``tfrac`` as ``frac``; writes
+    ``\\frac12`` and ``1/2`` as ``\\frac{1}{2}``, ``0.5`` as ``\\frac{1}{2}``, ``\\sqrt2`` as
+    ``\\sqrt{2}`` and ``.5`` as ``0.5``; keeps the right side of a short ``x = ...``.
+    """
+    s = str(answer).replace("\n", "").replace("\\!", "").replace("\\\\", "\\")
+    s = s.replace("tfrac", "frac").replace("dfrac", "frac")
+    s = s.replace("\\left", "").replace("\\right", "")
+    s = s.replace("^{\\circ}", "").replace("^\\circ", "")
+    s = s.replace("\\$", "").replace("$", "")
+    s = re.sub(r"\\text\{\s*[^}]*\}\s*$", "", s) if not s.startswith("\\text") else s
+    s = s.replace("\\%", "").replace("%", "")
+    s = s.replace(" .", " 0.").replace("{.", "{0.")
+    if s.startswith("."):
+        s = "0" + s
+    lhs, eq, rhs = s.partition("=")
+    if eq and len(lhs.strip()) <= 2:
+        s = rhs
+    s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
+    s = s.replace(" ", "")
+    s = _fix_fracs(s)
+    if s == "0.5":
+        s = "\\frac{1}{2}"
+    return _fix_slash(s)
+
+
+def math_equal(predicted: str | None, reference: str | None) -> bool:
+    """Whether two MATH answers are equal after :func:`normalize_math_answer`."""
+    if predicted is None or reference is None:
+        return False
+    return normalize_math_answer(predicted) == normalize_math_answer(reference)
+
+
+def exact_match(
+    predicted_texts: Iterable[str], answers: Iterable[str], style: str = "number"
+) -> float:
+    r"""Fraction of predictions whose final answer equals the reference's.
+
+    ``style="number"`` (GSM8K): both sides go through :func:`extract_final_number`; a
+    reference without a number is compared as stripped text, and a prediction without a
+    number never matches. ``style="boxed"`` (MATH): the prediction's last
+    ``\\boxed{...}`` (else its last number) against the reference answer, both
+    normalised (:func:`math_equal`).
 
     Args:
         predicted_texts: Generated texts.
         answers: Reference answers (e.g. ``"42"`` or a full ``"... #### 42"`` solution).
+        style: ``number`` or ``boxed``.
 
     Returns:
         The exact-match rate in [0, 1].
@@ -98,6 +197,11 @@ def exact_match(predicted_texts: Iterable[str], answers: Iterable[str]) -> float
         )
     if not preds:
         raise ValueError("exact_match needs at least one example, got 0")
+    if style == "boxed":
+        got = [extract_boxed(p) or extract_final_number(p) for p in preds]
+        return sum(math_equal(g, r) for g, r in zip(got, refs, strict=True)) / len(preds)
+    if style != "number":
+        raise ValueError(f"exact_match style must be number or boxed, got {style!r}")
     hits = 0
     for pred, ref in zip(preds, refs, strict=True):
         want = extract_final_number(ref)

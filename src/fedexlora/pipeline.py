@@ -300,7 +300,7 @@ def run_experiment(
         del model
     if resume:  # restored rows were written first: put every method's rows in order
         write_rows(metrics_path, all_rows)
-    write_summary(out, all_rows, cfg.to_toml())
+    write_summary(out, all_rows, cfg.to_toml(), recipe=cfg.recipe, task=cfg.task)
     trackers.finish()
     return all_rows
 
@@ -345,4 +345,5 @@ def load_task_for(cfg: RunConfig):
         test_fraction=cfg.test_fraction,
         max_train=cfg.max_train,
         max_test=cfg.max_test,
+        data_dir=cfg.data_dir,
     )

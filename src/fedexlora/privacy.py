@@ -18,6 +18,7 @@ accountant of their own (``noise_multiplier``, ``sample_rate``, ``steps``, ``del
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -64,8 +65,13 @@ def epsilon_spent(noise_multiplier: float, sample_rate: float, steps: int, delta
     return float(eps)
 
 
+@functools.lru_cache(maxsize=256)
 def noise_multiplier(epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
-    """The smallest noise multiplier (to 0.1%) whose epsilon over ``steps`` is <= ``epsilon``."""
+    """The smallest noise multiplier (to 0.1%) whose epsilon over ``steps`` is <= ``epsilon``.
+
+    Cached: a Flower client asks again every round, and each answer takes dozens of
+    accountant calls.
+    """
     lo, hi = 0.0, 1.0
     while epsilon_spent(hi, sample_rate, steps, delta) > epsilon:
         lo, hi = hi, hi * 2

@@ -125,8 +125,18 @@ def _markdown(header: list[str], cells: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def write_summary(out_dir: str | Path, rows: list[dict], config_text: str = "") -> Path:
-    """Writes ``summary.md`` (final table, plots, notes) and the PNG plots it references."""
+def write_summary(
+    out_dir: str | Path,
+    rows: list[dict],
+    config_text: str = "",
+    recipe: str | None = None,
+    task: str | None = None,
+) -> Path:
+    """Writes ``summary.md`` (final table, plots, notes) and the PNG plots it references.
+
+    With ``recipe`` (a paper recipe, run on ``task``), the paper's figures go beside the
+    run's.
+    """
     out = Path(out_dir)
     header, cells = summary_table(rows)
     plot_metrics(rows, out / "metrics.png")
@@ -190,6 +200,11 @@ def write_summary(out_dir: str | Path, rows: list[dict], config_text: str = "") 
     for method, rnd, rej in rejected:
         for cid, why in rej.items():
             parts.append(f"- {method}, round {rnd}: rejected client {cid}: {why}")
+    if recipe is not None:
+        from .recipes import get_recipe, paper_section
+
+        r = get_recipe(recipe)
+        parts += ["", paper_section(r, {task or r.tasks[0]: rows})]
     parts += ["", "![metric per round](metrics.png)"]
     if has_dev:
         parts += ["", "![per-layer deviation](deviation.png)"]

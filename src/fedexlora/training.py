@@ -78,7 +78,7 @@ def encode(dataset, tokenizer, *, kind: str, max_length: int) -> Encoded:
             prompts.append(p[:max_length])
         answers = list(dataset["answer"]) if "answer" in dataset.column_names else None
         return Encoded(ids, labels, kind, pad_id, prompts=prompts, answers=answers)
-    pair = dataset["text_pair"] if "text_pair" in dataset.column_names else None
+    pair = list(dataset["text_pair"]) if "text_pair" in dataset.column_names else None
     enc = tokenizer(list(dataset["text"]), pair, truncation=True, max_length=max_length)
     return Encoded(list(enc["input_ids"]), list(dataset["label"]), kind, pad_id)
 
@@ -334,7 +334,9 @@ def evaluate(
     if data.answers is not None and tokenizer is not None:
         with _amp(device, autocast):
             texts = _generate(model, data, tokenizer, max_new_tokens, batch_size, device)
-        out["exact_match"] = exact_match(texts, data.answers)
+        out["exact_match"] = exact_match(
+            texts, data.answers, style=getattr(task, "answer_style", "number")
+        )
     # The task's primary metric first (exact match where there are answers): reports and
     # `compare` read the first key as the headline metric.
     order = [k for k in task.metric_names if k in out]

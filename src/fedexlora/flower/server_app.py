@@ -228,7 +228,7 @@ def run_server(
         del model
     if settings.resume:  # restored rows were written first: every method's rows in order
         write_rows(metrics_path, all_rows)
-    write_summary(out, all_rows, cfg.to_toml())
+    write_summary(out, all_rows, cfg.to_toml(), recipe=cfg.recipe, task=cfg.task)
     trackers.finish()
     say(f"wrote {metrics_path}")
     return all_rows
