@@ -161,6 +161,29 @@ def test_under_flower_the_clients_account_and_the_server_records(tiny_cfg, tmp_p
     assert refused >= 2, "the seed must sample a client past its plan (each method)"
 
 
+def test_under_flower_a_resume_past_the_plan_keeps_it(tiny_cfg, tmp_path, task_identity):
+    """Rounds 1-2 planned; the run is resumed to 3 with every Context lost (a new
+    federation): each client takes back the plan it last reported and refuses."""
+    from fedexlora.flower.client_app import make_client_app
+    from test_flower import InProcessGrid
+    from test_flower_parity import _flower
+
+    cfg = tiny_cfg.replace(methods=["fedex"], dp_epsilon=4.0, dp_delta=1e-3, rounds=2,
+                           local_steps=1)  # fmt: skip
+    run = tmp_path / "run"
+    first, _ = _flower(cfg, run, grid=InProcessGrid(make_client_app({}), 3))
+    longer = cfg.replace(rounds=3)
+    (run / "config.toml").write_text(longer.to_toml())
+    rows, grid = _flower(longer, run, grid=InProcessGrid(make_client_app({}), 3), resume=str(run))
+    last = rows[-1]["privacy"]
+    assert rows[-1]["round"] == 3 and last["refused"] == [0, 1, 2]
+    assert rows[-1]["accepted"] == [] and rows[-1]["metrics"] == rows[1]["metrics"]
+    for c, rec in last["clients"].items():
+        before = first[-1]["privacy"]["clients"][c]
+        assert rec == before, c  # the same plan and steps: nothing more was spent
+        assert rec["steps"] == rec["planned_steps"] == 2
+
+
 def test_a_trainable_layer_with_buffers_is_named():
     from fedexlora.privacy import check_model
 

@@ -98,42 +98,60 @@ def _save_to_disk(folder: Path, model, version: int) -> None:
         (folder / f"v{old}.safetensors").unlink(missing_ok=True)
 
 
-def _dp_steps(context: Context, method: str, run_token: str, disk: Path | None) -> int:
-    """DP-SGD steps this client already took for ``method`` in this run (Context, disk)."""
-    steps = 0
+_PLAN = ("noise_multiplier", "sample_rate", "planned_steps")
+
+
+def _dp_saved(context: Context, method: str, run_token: str, disk: Path | None) -> dict:
+    """This client's own record for ``method`` in this run: its plan and steps taken.
+
+    From its Context, else its state directory; ``{}`` when it has none.
+    """
     rec = context.state.get(_DP)
-    if isinstance(rec, ConfigRecord) and rec.get("run-token", "") == run_token:
-        steps = int(rec.get(method, 0))
+    if isinstance(rec, ConfigRecord) and rec.get("run-token", "") == run_token and method in rec:
+        return json.loads(str(rec[method]))
     if disk is not None and (disk / "dp.json").is_file():
-        steps = max(steps, int(json.loads((disk / "dp.json").read_text()).get("steps", 0)))
-    return steps
+        return json.loads((disk / "dp.json").read_text())
+    return {}
 
 
-def _dp_record(context: Context, method: str, run_token: str, disk, steps: int) -> None:
+def _dp_record(context: Context, method: str, run_token: str, disk, budget) -> None:
+    """Keeps the plan and the steps taken, in the Context and the state directory."""
+    record = {k: getattr(budget, k) for k in _PLAN} | {"steps": int(budget.steps)}
     rec = context.state.get(_DP)
     if not isinstance(rec, ConfigRecord) or rec.get("run-token", "") != run_token:
         rec = ConfigRecord({"run-token": run_token})
-    rec[method] = int(steps)
+    rec[method] = json.dumps(record)
     context.state[_DP] = rec
     if disk is not None:
         disk.mkdir(parents=True, exist_ok=True)
         tmp = disk / ".dp.json.tmp"
-        tmp.write_text(json.dumps({"steps": int(steps)}))
+        tmp.write_text(json.dumps(record))
         os.replace(tmp, disk / "dp.json")
 
 
 def _dp_budget(cfg, context, conf, method: str, pid: int, n: int, run_token: str, disk):
     """This client's DP-SGD plan and the steps it has taken: its own accounting.
 
-    The count is the largest of what its Context, its state directory and the server's
-    record of its last report say, so a client that lost its state does not spend its
-    budget twice.
+    The plan is made once, from the run's settings and this client's example count, and
+    kept: a resume that extends the run finds the budget spent rather than a new plan.
+    A client that lost its state takes the plan and count it last reported, which the
+    server sends back; the count is the largest of all it knows, so a budget is never
+    spent twice.
     """
     from ..privacy import budget_for, check_delta
 
     check_delta(cfg.dp_delta, [n])
     budget = budget_for(cfg, pid, n)
-    budget.steps = max(_dp_steps(context, method, run_token, disk), int(conf.get("dp-steps", 0)))
+    saved = _dp_saved(context, method, run_token, disk)
+    echo = {
+        k: conf[f"dp-{k.replace('_', '-')}"] for k in _PLAN if f"dp-{k.replace('_', '-')}" in conf
+    }
+    plan = saved if all(k in saved for k in _PLAN) else echo if len(echo) == len(_PLAN) else {}
+    if plan:
+        budget.noise_multiplier = float(plan["noise_multiplier"])
+        budget.sample_rate = float(plan["sample_rate"])
+        budget.planned_steps = int(plan["planned_steps"])
+    budget.steps = max(int(saved.get("steps", 0)), int(conf.get("dp-steps", 0)))
     return budget
 
 
@@ -345,7 +363,7 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
         up = local_update(cfg, method, model, data, rnd, pid, dp=budget)
         if budget is not None:
             budget.steps += want
-            _dp_record(context, method, run_token, disk, budget.steps)
+            _dp_record(context, method, run_token, disk, budget)
     if bool(conf.get("keep-state", True)):
         _remember(context, model, method, version, pid, disk, run_token)
     else:  # the server will reset this client next time: keep nothing of it

@@ -380,9 +380,7 @@ class FedExLoRA(FedAvg):
                     "keep-state": payload.keep,
                     "fingerprint": self.fingerprint,
                     "run-token": self.nodes.run_token,
-                    # what the client last reported spending: a client that lost its
-                    # state counts from there, never from zero
-                    "dp-steps": int(self.dp_reports.get(c, {}).get("steps", 0)),
+                    **self._dp_echo(c),
                 }
             )
             content = RecordDict(
@@ -421,6 +419,21 @@ class FedExLoRA(FedAvg):
             int(num) if float(num).is_integer() else num,
             float(metrics.get("train-loss", float("nan"))),
         )
+
+    def _dp_echo(self, c: int) -> dict:
+        """What client ``c`` last reported of its plan and steps, sent back to it.
+
+        A client that lost its state continues from there, never from a new plan or zero.
+        """
+        rep = self.dp_reports.get(c)
+        if not rep:
+            return {}
+        return {
+            "dp-steps": int(rep["steps"]),
+            "dp-noise-multiplier": float(rep["noise_multiplier"]),
+            "dp-sample-rate": float(rep["sample_rate"]),
+            "dp-planned-steps": int(rep["planned_steps"]),
+        }
 
     def _dp_report(self, msg: Message, rec: RoundRecord) -> bool:
         """Records a reply's DP accounting; True when the client refused to train."""
