@@ -538,10 +538,15 @@ def privacy_report(
         "",
         f"Task `{first.task}`, model `{first.model}`; methods {', '.join(methods)}; seeds "
         f"{seeds}; {_steps_text(first)} ({_describe(list(cfgs.values()))}); LoRA rank "
-        f"{first.lora_r}, Fed-SB rank {first.fedsb_rank} (init {sb}). DP-SGD on every "
-        f"client: δ={first.dp_delta:g}, clipping norm {first.dp_max_grad_norm:g}, each "
-        "client's noise multiplier set so that its ε over all its planned steps meets the "
-        f"budget. {len(rows)} runs; time in the rounds {compute / 60:.1f} min, wall time "
+        f"{first.lora_r}, Fed-SB rank {first.fedsb_rank} (init {sb}). "
+        + (
+            f"DP-SGD on every client: δ={first.dp_delta:g}, clipping norm "
+            f"{first.dp_max_grad_norm:g}, each client's noise multiplier set so that its ε "
+            "over all its planned steps meets the budget. "
+            if any(not math.isinf(e) for e in epsilons)
+            else "No cell uses DP: this is the reference without it. "
+        )
+        + f"{len(rows)} runs; time in the rounds {compute / 60:.1f} min, wall time "
         f"of this invocation {elapsed / 60:.1f} min"
         + (f" ({reused} runs reused)" if reused else "")
         + ".",
@@ -593,7 +598,8 @@ def privacy_report(
                 cells.append(f"{p.mean:+.3f}{ci}, p={_pval(p.p)}")
             lines.append(f"| {a} − {b} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["## The published claims, here", ""]
+    if pooled:
+        lines += ["## The published claims, here", ""]
     for a, b, text in CLAIMS:
         if (a, b) not in pooled:
             continue
