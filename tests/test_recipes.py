@@ -96,7 +96,7 @@ def test_hub_layout_copies_load_offline(hub_dir):
         load_task("math/poetry", data_dir=hub_dir)
 
 
-def test_a_missing_hub_dataset_is_one_clear_error(tmp_path, monkeypatch):
+def test_a_missing_hub_dataset_is_one_clear_error(tmp_path):
     from fedexlora.data import load_task
 
     (tmp_path / "openai/gsm8k").mkdir(parents=True)

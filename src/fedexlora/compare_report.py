@@ -30,7 +30,7 @@ __all__ = [
 
 def _key(cell: Cell, method: str) -> str:
     steps = "" if cell.steps is None else f"|s{cell.steps}"
-    eps = "" if getattr(cell, "epsilon", None) is None else f"|eps{cell.epsilon:g}"
+    eps = "" if cell.epsilon is None else f"|eps{cell.epsilon:g}"
     return f"{cell.setting.name}|r{cell.rank}{steps}{eps}|{method}"
 
 
