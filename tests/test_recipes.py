@@ -47,6 +47,16 @@ def hub_dir(tmp_path_factory):
             for i in range(n)
         ]  # fmt: skip
         _parquet(root / "openai/gsm8k/main" / f"{split}-00000-of-00001.parquet", rows)
+    metamath = [
+        {
+            "query": f"What is {i} plus 2?",
+            "type": "GSM_Rephrased",
+            "response": f"{i} + 2 = {i + 2}.\nThe answer is: {i + 2}",
+        }
+        for i in range(24)
+    ]
+    (root / "meta-math/MetaMathQA").mkdir(parents=True)
+    (root / "meta-math/MetaMathQA/MetaMathQA-395K.json").write_text(json.dumps(metamath))
     for sub in SUBJECTS:
         for split, n in (("train", 4), ("test", 2)):
             rows = [
@@ -118,13 +128,6 @@ def test_recipes_lists_all_six_with_the_papers_figures():
 def _run(tmp_path, *args):
     return runner.invoke(app, ["run", "--out", str(tmp_path / "run"), "--no-progress", *args],
                          env={"COLUMNS": "250"})  # fmt: skip
-
-
-@pytest.mark.parametrize("name", ["paper-e2e-gpt2", "paper-commonsense-llama3.2-3b"])
-def test_recipes_not_built_yet_say_so(tmp_path, name):
-    res = _run(tmp_path, "--recipe", name)
-    assert res.exit_code == 2 and "cannot run yet: fedex-lora lacks" in res.output
-    assert "Traceback" not in res.output and not (tmp_path / "run").exists()
 
 
 def test_unknown_recipe(tmp_path):

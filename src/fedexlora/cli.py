@@ -59,6 +59,7 @@ _RUN_FLAGS = {
     "eval_batch_size": "eval_batch_size",
     "max_grad_norm": "max_grad_norm",
     "max_new_tokens": "max_new_tokens",
+    "num_beams": "num_beams",
     "test_fraction": "test_fraction",
     "warmup_ratio": "warmup_ratio",
     "weight_decay": "weight_decay",
@@ -149,6 +150,9 @@ def run(
     test_fraction: float | None = typer.Option(None, help="Held-out test fraction [0.2]."),
     max_new_tokens: int | None = typer.Option(
         None, help="Tokens generated per answer (causal LM exact match) [64]."
+    ),
+    num_beams: int | None = typer.Option(
+        None, help="Beams when generating answers; 1 is greedy [1]."
     ),
     client_ranks: str | None = typer.Option(
         None, help="Comma list: each client's LoRA rank (global rank = the largest)."
@@ -327,8 +331,6 @@ def _recipe_config(overrides: dict, config: Path | None):
         recipe = get_recipe(str(overrides["recipe"]))
     except ValueError as exc:
         _fail(str(exc))
-    if recipe.needs is not None:
-        _fail(f"--recipe {recipe.name} cannot run yet: fedex-lora lacks {recipe.needs}")
     mapping, notes = apply_recipe(recipe, rest)
     for note in notes:
         console.print(f"note: {note}", highlight=False)

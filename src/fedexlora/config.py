@@ -93,6 +93,7 @@ class RunConfig:
     max_train: int | None = None
     max_test: int | None = None
     max_new_tokens: int = 64
+    num_beams: int = 1
     residual_rank: int | None = None
     max_update_norm: float | None = None
     engine: str = "local"
@@ -180,6 +181,8 @@ class RunConfig:
         need(
             self.eval_batch_size >= 1, f"`eval_batch_size` must be >= 1, got {self.eval_batch_size}"
         )
+        need(self.num_beams >= 1, f"`num_beams` must be >= 1, got {self.num_beams}")
+        need(self.max_new_tokens >= 1, f"`max_new_tokens` must be >= 1, got {self.max_new_tokens}")
         need(self.lr > 0, f"`lr` must be > 0, got {self.lr}")
         need(self.weight_decay >= 0, f"`weight_decay` must be >= 0, got {self.weight_decay}")
         need(

@@ -6,7 +6,9 @@ Every task is returned as a :class:`Task` whose ``train`` and ``test`` members a
 * classification / regression: ``"text"`` (str), optionally ``"text_pair"`` (str), and
   ``"label"`` (int class id for classification, float for regression);
 * causal language modelling: ``"prompt"`` and ``"response"`` (str) and, where the final
-  answer is known, ``"answer"`` (str, the final number).
+  answer is known, ``"answer"`` (str: the final number, the boxed answer or the answer
+  word); a test split may add ``"group"`` (the sub-task of a multi-task test set) or
+  ``"references"`` (every human reference, for text generation).
 
 Supported task names are listed in :data:`TASK_NAMES`; a path to a local ``.csv``,
 ``.jsonl`` or ``.json`` file is accepted as well.
@@ -52,27 +54,15 @@ GLUE_TASKS: dict[str, tuple[str, str | None, list[str], str]] = {
     "stsb": ("sentence1", "sentence2", ["pearson"], "regression"),
 }
 
-# Hub datasets behind the named tasks (loaded by name, or from DATA_DIR/<repo> when there)
-HUB_DATASETS = {
-    "glue": "nyu-mll/glue",
-    "gsm8k-full": "openai/gsm8k",
-    "math": "EleutherAI/hendrycks_math",
-}
-MATH_SUBJECTS = (
-    "algebra",
-    "counting_and_probability",
-    "geometry",
-    "intermediate_algebra",
-    "number_theory",
-    "prealgebra",
-    "precalculus",
-)
-
 TASK_NAMES: tuple[str, ...] = (
     "bbc-news",
     "gsm8k",
     "gsm8k-full",
     "math",
+    "metamath-gsm8k",
+    "metamath-math",
+    "e2e_nlg",
+    "commonsense",
     "synthetic",
     *GLUE_TASKS,
 )
@@ -97,8 +87,14 @@ class Task:
             for causal LM).
         metric_names: Metrics to report, primary metric first.
         text_pair: True when the datasets have a second text column ``"text_pair"``.
-        answer_style: How a causal task's final answers compare: ``number`` (the last
-            number, GSM8K) or ``boxed`` (the last ``\\boxed{}``, normalised, MATH).
+        answer_style: How a causal task's generations are scored: ``number`` (the last
+            number, GSM8K), ``boxed`` (the last ``\\boxed{}``, normalised, MATH), ``choice``
+            (the first answer word, accuracy per ``group`` and their mean, commonsense)
+            or ``nlg`` (BLEU, NIST, METEOR, ROUGE-L and CIDEr against the test rows'
+            ``references``, E2E).
+        template: How a causal prompt is laid out: ``qa``, ``alpaca`` or ``e2e`` (see
+            :data:`fedexlora.training.TEMPLATES`).
+        generation: Extra :meth:`generate` arguments for evaluation (E2E's decoding).
     """
 
     name: str
@@ -110,6 +106,8 @@ class Task:
     metric_names: list[str] = field(default_factory=list)
     text_pair: bool = False
     answer_style: str = "number"
+    template: str = "qa"
+    generation: dict[str, Any] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------
@@ -167,6 +165,8 @@ def load_task(
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{arg} must be a positive integer or None, got {arg}={value!r}")
 
+    from . import hubtasks
+
     key = name.strip().lower()
     if key.endswith(_FILE_SUFFIXES):
         task = _load_file(name, seed=int(seed), test_fraction=float(test_fraction))
@@ -177,16 +177,22 @@ def load_task(
     elif key == "synthetic" or key.startswith("synthetic:"):
         task = _load_synthetic(key, seed=int(seed), test_fraction=float(test_fraction))
     elif key.removeprefix("glue/") in GLUE_TASKS:
-        task = _load_glue(key.removeprefix("glue/"), seed=int(seed), data_dir=data_dir)
+        task = hubtasks.load_glue(key.removeprefix("glue/"), seed=int(seed), data_dir=data_dir)
     elif key == "gsm8k-full":
-        task = _load_gsm8k_full(seed=int(seed), data_dir=data_dir)
+        task = hubtasks.load_gsm8k_full(seed=int(seed), data_dir=data_dir)
     elif key == "math" or key.startswith("math/"):
-        task = _load_math(key, seed=int(seed), data_dir=data_dir)
+        task = hubtasks.load_math(key, seed=int(seed), data_dir=data_dir)
+    elif key in ("metamath-gsm8k", "metamath-math"):
+        task = hubtasks.load_metamath(key, seed=int(seed), data_dir=data_dir)
+    elif key in ("e2e_nlg", "e2e"):
+        task = hubtasks.load_e2e(seed=int(seed), data_dir=data_dir)
+    elif key == "commonsense" or key.startswith("commonsense/"):
+        task = hubtasks.load_commonsense(key, seed=int(seed), data_dir=data_dir)
     else:
         choices = ", ".join(repr(n) for n in TASK_NAMES)
         raise ValueError(
             f"unknown task {name!r}; choose from {choices}, 'synthetic:<N>', 'glue/<task>', "
-            "or a path to a .csv/.jsonl/.json file"
+            "'math/<subject>', 'commonsense/<task>', or a path to a .csv/.jsonl/.json file"
         )
 
     if max_train is not None and max_train < len(task.train):
@@ -430,125 +436,6 @@ def _load_gsm8k(*, seed: int, test_fraction: float) -> Task:
         {"prompt": prompts, "response": responses, "answer": answers},
         seed=seed,
         test_fraction=test_fraction,
-    )
-
-
-def _hub(task: str, repo: str, config: str | None, data_dir) -> datasets.DatasetDict:
-    """A hub dataset, from a local copy when there is one, else by name.
-
-    The copy is ``<data_dir>/<repo>/<config>`` in the hub's own file layout (e.g.
-    parquet shards named by split).
-    """
-    root = data_dir if data_dir is not None else os.environ.get("FEDEXLORA_DATA_DIR")
-    local = Path(root) / repo if root else None
-    if local is not None and local.is_dir():
-        sub = local / config if config else local
-        if not sub.is_dir():
-            raise ValueError(
-                f"task {task!r}: {str(local)!r} holds no {config!r} folder; lay the files "
-                f"out as on the hub ({repo}/{config}/<split>-*.parquet)"
-            )
-        try:
-            return datasets.load_dataset(str(local), data_dir=config)
-        except Exception as err:  # a local copy that does not parse
-            raise ValueError(
-                f"task {task!r}: cannot read the local copy {str(sub)!r}: "
-                f"{type(err).__name__}: {err}"
-            ) from err
-    try:
-        return datasets.load_dataset(repo, config)
-    except Exception as err:  # any failure here means the data could not be fetched
-        raise ValueError(
-            f"task {task!r} needs the Hugging Face dataset {repo!r}"
-            + (f" (subset {config!r})" if config else "")
-            + f", and loading it failed: {type(err).__name__}: {err}. Run online once, or "
-            f"put a copy in the hub's file layout under --data-dir DIR (DIR/{repo}/"
-            f"{config or ''}), or use 'bbc-news', 'gsm8k' or a local .csv/.jsonl file"
-        ) from err
-
-
-def _load_gsm8k_full(*, seed: int, data_dir) -> Task:
-    """GSM8K's own splits (7,473 train / 1,319 test), ``openai/gsm8k`` subset ``main``."""
-    raw = _hub("gsm8k-full", HUB_DATASETS["gsm8k-full"], "main", data_dir)
-    out = {}
-    for split in ("train", "test"):
-        cols: dict[str, list[str]] = {"prompt": [], "response": [], "answer": []}
-        for row in raw[split]:
-            response = _CALCULATOR.sub("", str(row["answer"])).strip()
-            answer = extract_final_number(response)
-            if answer is None:
-                raise ValueError(f"task 'gsm8k-full': no final number in {response[-60:]!r}")
-            cols["prompt"].append(str(row["question"]).strip())
-            cols["response"].append(response)
-            cols["answer"].append(answer)
-        out[split] = datasets.Dataset.from_dict(cols).shuffle(seed=seed)
-    return Task("gsm8k-full", "causal_lm", out["train"], out["test"], 0, [], list(_CAUSAL_METRICS))
-
-
-def _load_math(key: str, *, seed: int, data_dir) -> Task:
-    r"""MATH (Hendrycks et al.), every subject or ``math/<subject>``.
-
-    The answer is the solution's last ``\\boxed{}``.
-    """
-    from .metrics import extract_boxed
-
-    subject = key.partition("/")[2]
-    subjects = [subject] if subject else list(MATH_SUBJECTS)
-    if subject and subject not in MATH_SUBJECTS:
-        raise ValueError(f"unknown MATH subject {subject!r}; choose from {MATH_SUBJECTS}")
-    out = {}
-    for split in ("train", "test"):
-        cols: dict[str, list[str]] = {"prompt": [], "response": [], "answer": []}
-        for sub in subjects:
-            raw = _hub(key, HUB_DATASETS["math"], sub, data_dir)
-            for row in raw[split]:
-                answer = extract_boxed(row["solution"])
-                if answer is None:
-                    continue  # a handful of MATH solutions box nothing: not gradable
-                cols["prompt"].append(str(row["problem"]).strip())
-                cols["response"].append(str(row["solution"]).strip())
-                cols["answer"].append(answer)
-        out[split] = datasets.Dataset.from_dict(cols).shuffle(seed=seed)
-    return Task(
-        key,
-        "causal_lm",
-        out["train"],
-        out["test"],
-        0,
-        [],
-        list(_CAUSAL_METRICS),
-        answer_style="boxed",
-    )
-
-
-def _load_glue(sub: str, *, seed: int, data_dir=None) -> Task:
-    text_col, pair_col, metrics, kind = GLUE_TASKS[sub]
-    raw = _hub(sub, HUB_DATASETS["glue"], sub, data_dir)
-
-    rename = {text_col: "text"}
-    if pair_col is not None:
-        rename[pair_col] = "text_pair"
-    keep = [*rename, "label"]
-
-    def prepare(split: datasets.Dataset) -> datasets.Dataset:
-        split = split.select_columns(keep).rename_columns(rename)
-        return split.shuffle(seed=seed)
-
-    train, test = prepare(raw["train"]), prepare(raw["validation"])
-    if kind == "regression":
-        num_labels, label_names = 1, ["score"]
-    else:
-        label_names = list(getattr(train.features["label"], "names", None) or ["0", "1"])
-        num_labels = len(label_names)
-    return Task(
-        name=sub,
-        kind=kind,
-        train=train,
-        test=test,
-        num_labels=num_labels,
-        label_names=label_names,
-        metric_names=list(metrics),
-        text_pair=pair_col is not None,
     )
 
 

@@ -125,7 +125,13 @@ def _install_fedsb(cfg: RunConfig, task, model, tokenizer) -> None:
         # the simulation computes that sum here (a deployment would collect it once).
         g = torch.Generator().manual_seed(cfg.seed)
         pick = torch.randperm(len(task.train), generator=g)[: cfg.fedsb_init_samples].tolist()
-        data = encode(task.train.select(pick), tokenizer, kind=task.kind, max_length=cfg.max_length)
+        data = encode(
+            task.train.select(pick),
+            tokenizer,
+            kind=task.kind,
+            max_length=cfg.max_length,
+            template=task.template,
+        )
     steps = cfg.local_steps or 1
     install(
         model,
@@ -221,8 +227,12 @@ def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
     table = describe_partitions(task.train, parts, task.label_names or None)
     if note:
         table = f"note: {note}\n{table}"
-    train = encode(task.train, tokenizer, kind=task.kind, max_length=cfg.max_length)
-    test = encode(task.test, tokenizer, kind=task.kind, max_length=cfg.max_length)
+    train = encode(
+        task.train, tokenizer, kind=task.kind, max_length=cfg.max_length, template=task.template
+    )
+    test = encode(
+        task.test, tokenizer, kind=task.kind, max_length=cfg.max_length, template=task.template
+    )
     return Prepared(task, parts, train, test, tokenizer, table)
 
 
@@ -392,6 +402,7 @@ def apply_round(
         prep.task,
         batch_size=cfg.eval_batch_size,
         max_new_tokens=cfg.max_new_tokens,
+        num_beams=cfg.num_beams,
         tokenizer=prep.tokenizer,
         device=next(model.parameters()).device,
         autocast=autocast_dtype(cfg),

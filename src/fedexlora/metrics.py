@@ -17,7 +17,9 @@ __all__ = [
     "MetricTask",
     "compute_metrics",
     "exact_match",
+    "choice_accuracy",
     "extract_boxed",
+    "extract_choice",
     "extract_final_number",
     "math_equal",
     "normalize_math_answer",
@@ -167,16 +169,77 @@ def math_equal(predicted: str | None, reference: str | None) -> bool:
     return normalize_math_answer(predicted) == normalize_math_answer(reference)
 
 
+_CHOICES = {
+    "boolq": r"true|false",
+    "piqa": r"solution1|solution2",
+    "social_i_qa": r"answer1|answer2|answer3|answer4|answer5",
+    "arc-challenge": r"answer1|answer2|answer3|answer4|answer5",
+    "arc-easy": r"answer1|answer2|answer3|answer4|answer5",
+    "openbookqa": r"answer1|answer2|answer3|answer4|answer5",
+    "hellaswag": r"ending1|ending2|ending3|ending4",
+    "winogrande": r"option1|option2",
+}
+
+
+def extract_choice(text: str, task: str) -> str:
+    """The answer word a generation gives for a commonsense task, as LLM-Adapters reads it.
+
+    The first of the task's answer words (``true``/``false`` for BoolQ, ``solution1``/
+    ``solution2`` for PIQA, ``answer1``..``answer5`` for SIQA, ARC and OBQA, ``ending1``..
+    ``ending4`` for HellaSwag, ``option1``/``option2`` for WinoGrande) in the lower-cased
+    text, or ``""`` when there is none.
+    """
+    pattern = _CHOICES.get(task.lower())
+    if pattern is None:
+        raise ValueError(f"no answer words known for task {task!r}; known: {sorted(_CHOICES)}")
+    found = re.findall(pattern, str(text).strip().lower())
+    return found[0] if found else ""
+
+
+def choice_accuracy(
+    predicted_texts: Iterable[str], answers: Iterable[str], groups: Iterable[str]
+) -> dict[str, float]:
+    """Commonsense accuracy: per task (``accuracy_<task>``) and their unweighted mean.
+
+    ``accuracy`` is the mean over the tasks present, as the paper's "Avg." column is.
+    """
+    preds, refs, tasks = list(predicted_texts), list(answers), list(groups)
+    if not (len(preds) == len(refs) == len(tasks)):
+        raise ValueError(
+            f"predicted_texts, answers and groups differ in length: "
+            f"{len(preds)}, {len(refs)}, {len(tasks)}"
+        )
+    if not preds:
+        raise ValueError("choice_accuracy needs at least one example, got 0")
+    hits: dict[str, list[int]] = {}
+    for p, a, t in zip(preds, refs, tasks, strict=True):
+        hits.setdefault(t, []).append(int(extract_choice(p, t) == str(a).strip().lower()))
+    per = {f"accuracy_{t}": sum(h) / len(h) for t, h in hits.items()}
+    return {"accuracy": sum(per.values()) / len(per)} | dict(sorted(per.items()))
+
+
+def _answer_is(text: str) -> str | None:
+    """What follows the last "The answer is" (MetaMath's closing line), to the line's end."""
+    text = str(text)
+    at = text.lower().rfind("the answer is")
+    if at < 0:
+        return None
+    rest = text[at + len("the answer is") :].lstrip(":").strip()
+    line = rest.splitlines()[0].strip().rstrip(".").strip() if rest else ""
+    return line or None
+
+
 def exact_match(
     predicted_texts: Iterable[str], answers: Iterable[str], style: str = "number"
 ) -> float:
     r"""Fraction of predictions whose final answer equals the reference's.
 
-    ``style="number"`` (GSM8K): both sides go through :func:`extract_final_number`; a
+    ``style="number"`` (GSM8K): both sides go through :func:`extract_final_number` (for
+    the prediction, of what follows its last "The answer is" when that holds a number); a
     reference without a number is compared as stripped text, and a prediction without a
     number never matches. ``style="boxed"`` (MATH): the prediction's last
-    ``\\boxed{...}`` (else its last number) against the reference answer, both
-    normalised (:func:`math_equal`).
+    ``\\boxed{...}`` (else what follows MetaMath's "The answer is:", else its last
+    number) against the reference answer, both normalised (:func:`math_equal`).
 
     Args:
         predicted_texts: Generated texts.
@@ -198,14 +261,14 @@ def exact_match(
     if not preds:
         raise ValueError("exact_match needs at least one example, got 0")
     if style == "boxed":
-        got = [extract_boxed(p) or extract_final_number(p) for p in preds]
+        got = [extract_boxed(p) or _answer_is(p) or extract_final_number(p) for p in preds]
         return sum(math_equal(g, r) for g, r in zip(got, refs, strict=True)) / len(preds)
     if style != "number":
         raise ValueError(f"exact_match style must be number or boxed, got {style!r}")
     hits = 0
     for pred, ref in zip(preds, refs, strict=True):
         want = extract_final_number(ref)
-        got = extract_final_number(pred)
+        got = extract_final_number(_answer_is(pred) or "") or extract_final_number(pred)
         if want is None:
             hits += int(got is None and str(pred).strip() == str(ref).strip())
         else:

@@ -29,8 +29,10 @@ class Encoded:
             with ``-100`` on the prompt (causal LM).
         kind: ``classification``, ``regression`` or ``causal_lm``.
         prompts: For causal LM, the prompt ids alone (for generation).
-        answers: For causal LM, the reference final answers.
+        answers: For causal LM, the reference final answers (or, for text generation,
+            each example's list of references).
         pad_id: The tokenizer's pad id.
+        groups: For a multi-task test set, each example's task.
     """
 
     input_ids: list[list[int]]
@@ -38,7 +40,8 @@ class Encoded:
     kind: str
     pad_id: int
     prompts: list[list[int]] | None = None
-    answers: list[str | None] | None = None
+    answers: list | None = None
+    groups: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -53,22 +56,36 @@ class Encoded:
             pad_id=self.pad_id,
             prompts=pick(self.prompts),
             answers=pick(self.answers),
+            groups=pick(self.groups),
         )
 
 
-def format_prompt(prompt: str) -> str:
-    """The instruction template used for causal-LM tasks."""
-    return f"Question: {prompt.strip()}\nAnswer:"
+TEMPLATES = {
+    "qa": "Question: {prompt}\nAnswer:",
+    # Alpaca's, as LLM-Adapters (commonsense) and MetaMath train and evaluate with it
+    "alpaca": "Below is an instruction that describes a task. Write a response that "
+    "appropriately completes the request.\n\n### Instruction:\n{prompt}\n\n### Response:",
+    # E2E: the meaning representation, then the text
+    "e2e": "{prompt} ||",
+}
 
 
-def encode(dataset, tokenizer, *, kind: str, max_length: int) -> Encoded:
+def format_prompt(prompt: str, template: str = "qa") -> str:
+    """A causal-LM prompt laid out by one of :data:`TEMPLATES`."""
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown prompt template {template!r}; choose from {list(TEMPLATES)}")
+    return TEMPLATES[template].format(prompt=prompt.strip())
+
+
+def encode(dataset, tokenizer, *, kind: str, max_length: int, template: str = "qa") -> Encoded:
     """Tokenizes a task split (columns as produced by :func:`fedexlora.data.load_task`)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if kind == "causal_lm":
         ids, labels, prompts = [], [], []
         eos = tokenizer.eos_token or ""
         for row in dataset:
-            p = tokenizer(format_prompt(row["prompt"]), add_special_tokens=True)["input_ids"]
+            text = format_prompt(row["prompt"], template)
+            p = tokenizer(text, add_special_tokens=True)["input_ids"]
             r = tokenizer(" " + row["response"].strip() + eos, add_special_tokens=False)[
                 "input_ids"
             ]
@@ -76,8 +93,13 @@ def encode(dataset, tokenizer, *, kind: str, max_length: int) -> Encoded:
             ids.append(full)
             labels.append(([-100] * len(p) + r)[:max_length])
             prompts.append(p[:max_length])
-        answers = list(dataset["answer"]) if "answer" in dataset.column_names else None
-        return Encoded(ids, labels, kind, pad_id, prompts=prompts, answers=answers)
+        cols = dataset.column_names
+        answers = list(dataset["answer"]) if "answer" in cols else None
+        if "references" in cols:  # text generation: every reference is an answer
+            answers = [list(r) for r in dataset["references"]]
+        groups = list(dataset["group"]) if "group" in cols else None
+        return Encoded(ids, labels, kind, pad_id, prompts=prompts, answers=answers,
+                       groups=groups)  # fmt: skip
     pair = list(dataset["text_pair"]) if "text_pair" in dataset.column_names else None
     enc = tokenizer(list(dataset["text"]), pair, truncation=True, max_length=max_length)
     return Encoded(list(enc["input_ids"]), list(dataset["label"]), kind, pad_id)
@@ -303,9 +325,17 @@ def evaluate(
     max_new_tokens: int = 64,
     tokenizer=None,
     autocast: torch.dtype | None = None,
+    num_beams: int = 1,
 ) -> dict[str, float]:
-    """Task metrics of the model on ``data`` (see :func:`fedexlora.data.compute_metrics`)."""
-    from .metrics import compute_metrics, exact_match
+    """Task metrics of the model on ``data`` (see :func:`fedexlora.data.compute_metrics`).
+
+    A causal task with answers is also scored on generations: greedy, or beam search with
+    ``num_beams`` > 1, plus the task's own ``generation`` arguments. ``task.answer_style``
+    says how: exact match of the final number or boxed answer, commonsense accuracy
+    (:func:`fedexlora.metrics.choice_accuracy`), or the E2E metrics
+    (:func:`fedexlora.nlg_metrics.e2e_scores`).
+    """
+    from .metrics import choice_accuracy, compute_metrics, exact_match
 
     model.eval()
     if data.kind != "causal_lm":
@@ -332,18 +362,29 @@ def evaluate(
     loss = tot_loss / max(1, tot_tok)
     out = {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
     if data.answers is not None and tokenizer is not None:
+        style = getattr(task, "answer_style", "number")
+        gen_kwargs = dict(getattr(task, "generation", None) or {}) if num_beams > 1 else {}
         with _amp(device, autocast):
-            texts = _generate(model, data, tokenizer, max_new_tokens, batch_size, device)
-        out["exact_match"] = exact_match(
-            texts, data.answers, style=getattr(task, "answer_style", "number")
-        )
+            texts = _generate(model, data, tokenizer, max_new_tokens, batch_size, device,
+                              num_beams=num_beams, **gen_kwargs)  # fmt: skip
+        if style == "nlg":
+            from .nlg_metrics import e2e_scores
+
+            out.update(e2e_scores(texts, data.answers))
+        elif style == "choice":
+            groups = data.groups or [task.name.partition("/")[2]] * len(texts)
+            out.update(choice_accuracy(texts, data.answers, groups))
+        else:
+            out["exact_match"] = exact_match(texts, data.answers, style=style)
     # The task's primary metric first (exact match where there are answers): reports and
     # `compare` read the first key as the headline metric.
     order = [k for k in task.metric_names if k in out]
     return {k: out[k] for k in order} | {k: v for k, v in out.items() if k not in order}
 
 
-def _generate(model, data: Encoded, tokenizer, max_new_tokens, batch_size, device) -> list[str]:
+def _generate(
+    model, data: Encoded, tokenizer, max_new_tokens, batch_size, device, num_beams=1, **kwargs
+) -> list[str]:
     texts = []
     pad = data.pad_id
     for start in range(0, len(data), batch_size):
@@ -359,7 +400,9 @@ def _generate(model, data: Encoded, tokenizer, max_new_tokens, batch_size, devic
             attention_mask=mask.to(device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
+            num_beams=num_beams,
             pad_token_id=pad,
+            **kwargs,
         )
         texts += tokenizer.batch_decode(gen[:, n:], skip_special_tokens=True)
     return texts
