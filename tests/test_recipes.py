@@ -147,6 +147,8 @@ def _paper_rows(text: str) -> dict[str, tuple[float, float, float]]:
 
 @pytest.mark.parametrize("recipe", ["paper-gsm8k-mistral-7b", "paper-math-gemma2-9b"])
 def test_llm_recipe_end_to_end_with_the_paper_beside(tmp_path, hub_dir, tiny_llama_dir, recipe):
+    from fedexlora.recipes import RECIPES
+
     res = _run(tmp_path, "--recipe", recipe, "--model", tiny_llama_dir, "--data-dir",
                str(hub_dir), "--max-train", "12", "--max-test", "4", "--max-length", "48",
                "--max-new-tokens", "4", "--local-steps", "1", "--batch-size", "4",
@@ -155,13 +157,14 @@ def test_llm_recipe_end_to_end_with_the_paper_beside(tmp_path, hub_dir, tiny_lla
     out = " ".join(res.output.split())
     assert f"--model {tiny_llama_dir} overrides recipe {recipe}'s" in out
     assert "--max-new-tokens 4 overrides" in out
+    # the final table has the paper's figure and the difference beside each method
+    fedex_line = next(ln for ln in res.output.splitlines() if ln.startswith("│ fedex "))
+    assert f"{RECIPES[recipe].paper['fedex']:.2f}" in fedex_line
     cfg = (tmp_path / "run" / "config.toml").read_text()
     assert f'recipe = "{recipe}"' in cfg and "lora_r = 32" in cfg and 'dtype = "bf16"' in cfg
     rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [r["method"] for r in rows] == ["centralized", "fedit", "ffa", "fedex"]
     table = _paper_rows((tmp_path / "run/summary.md").read_text())
-    from fedexlora.recipes import RECIPES
-
     for r in rows:
         paper, ours, diff = table[r["method"]]
         assert paper == RECIPES[recipe].paper[r["method"]]

@@ -96,10 +96,18 @@ def _quiet_libraries() -> None:
     quiet_libraries()
 
 
-def _print_final_table(rows: list[dict]) -> None:
+def _print_final_table(rows: list[dict], recipe: str | None = None) -> None:
     from .report import summary_table
 
     header, cells = summary_table(rows)
+    if recipe is not None:  # the paper's figure beside the run's, as summary.md has it
+        from .recipes import get_recipe, paper_beside
+
+        paper = paper_beside(get_recipe(recipe), rows)
+        header = [*header, "paper", "run x100 − paper"]
+        for c in cells:
+            theirs, diff = paper.get(c[0].split(" ")[0], (None, None))
+            c += ["—", "—"] if theirs is None else [f"{theirs:.2f}", f"{diff:+.2f}"]
     table = Table(title="final results")
     # logs and pipes get 80 columns by default, which truncates this table
     out = console if console.is_terminal else Console(width=160)
@@ -361,7 +369,7 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
             return
         else:
             rows = run_experiment(cfg, out, resume=resume, progress=progress, console=console)
-        _print_final_table(rows)
+        _print_final_table(rows, cfg.recipe)
         console.print(f"wrote {out / 'metrics.jsonl'}, {out / 'summary.md'}")
         if cfg.export:
             res = export_model(out, cfg.export)

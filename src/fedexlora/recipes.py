@@ -25,6 +25,7 @@ __all__ = [
     "Recipe",
     "apply_recipe",
     "get_recipe",
+    "paper_beside",
     "paper_section",
     "recipe_table",
     "run_recipe",
@@ -73,6 +74,7 @@ def _glue(size: str, paper: dict[str, float]) -> Recipe:
             rounds=50,
             local_epochs=3.0,
             num_clients=3,
+            device="auto",
             partition="iid",
             max_length=128,
             methods=list(PAPER_METHODS),
@@ -100,6 +102,7 @@ def _llm(name, title, model, task, metric, paper, notes=(), max_new_tokens=512) 
             rounds=1,
             local_epochs=1.0,
             num_clients=3,
+            device="auto",
             partition="iid",
             dtype="bf16",
             max_length=512,
@@ -132,6 +135,7 @@ RECIPES: dict[str, Recipe] = {
                 rounds=5,
                 local_epochs=1.0,
                 num_clients=3,
+                device="auto",
                 partition="iid",
                 max_length=128,
                 max_new_tokens=64,
@@ -259,6 +263,13 @@ def _measured(rows: list[dict], metric: str) -> dict[str, float]:
     for r in rows:
         last[r["method"]] = float(r["metrics"][key])
     return {m: 100.0 * v for m, v in last.items()}
+
+
+def paper_beside(recipe: Recipe, rows: list[dict]) -> dict[str, tuple[float, float]]:
+    """Per method of a one-task run: the paper's figure, and the run's final x100 minus it."""
+    measured = _measured(rows, recipe.metric)
+    return {m: (recipe.paper[m], v - recipe.paper[m]) for m, v in measured.items()
+            if m in recipe.paper}  # fmt: skip
 
 
 def _every_metric(rows: list[dict]) -> list[str]:
