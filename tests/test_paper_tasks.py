@@ -397,3 +397,25 @@ def test_evaluate_scores_each_generation_against_its_own_references(
            for g in set(cs.test["group"])}  # fmt: skip
     for g, hits in per.items():
         assert got[f"accuracy_{g}"] == pytest.approx(sum(hits) / len(hits))
+
+
+def test_commonsense_downloads_once_then_reads_its_cache(paper_dir, tmp_path, monkeypatch):
+    """Online, the files come from the LLM-Adapters repository (here a file:// stand-in)."""
+    import shutil
+
+    from fedexlora import hubtasks
+    from fedexlora.data import load_task
+
+    src = tmp_path / "github"
+    shutil.copytree(paper_dir / "AGI-Edgerunners", src / "AGI-Edgerunners")
+    monkeypatch.setattr(hubtasks, "_RAW_GITHUB", f"file://{src}/{{repo}}/{{path}}")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("FEDEXLORA_DATA_DIR", raising=False)
+    first = load_task("commonsense")
+    cached = tmp_path / "cache/fedexlora/AGI-Edgerunners/LLM-Adapters/dataset/boolq/test.json"
+    assert cached.is_file() and len(first.test) == 24
+    shutil.rmtree(src)  # gone "online": the cache serves the same task
+    assert load_task("commonsense").test["prompt"] == first.test["prompt"]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="needs 'ft-training_set/commonsense_170k.json' from"):
+        load_task("commonsense")

@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import datasets
+from tqdm.auto import tqdm
 
 from .data import _CALCULATOR, _CAUSAL_METRICS, GLUE_TASKS, Task
 from .metrics import extract_boxed, extract_final_number
@@ -136,7 +137,11 @@ def _github_json(task: str, repo: str, path: str, data_dir) -> list[dict]:
             local.parent.mkdir(parents=True, exist_ok=True)
             tmp = local.with_suffix(".part")
             with urllib.request.urlopen(url, timeout=60) as resp, tmp.open("wb") as fh:
-                fh.write(resp.read())
+                size = int(resp.headers.get("Content-Length") or 0) or None
+                with tqdm(total=size, unit="B", unit_scale=True, desc=path, leave=False) as bar:
+                    while chunk := resp.read(1 << 20):
+                        fh.write(chunk)
+                        bar.update(len(chunk))
             tmp.replace(local)
         except Exception as err:  # offline, or the file moved
             raise ValueError(
