@@ -211,6 +211,17 @@ def test_metamath_answers_by_hand():
     # GSM8K: the number after the last "The answer is", even if more text follows
     preds = ["6 + 2 = 8.\nThe answer is: 8\n\nQuestion: what is 3 + 4? 7", "so 1,234 in all"]
     assert exact_match(preds, ["8", "#### 1234"]) == 1.0
+    # the made-up next example a model runs on into is cut off before an answer is read
+    from fedexlora.training import cut_at_stop
+
+    ran_on = (
+        "2+6=8.\nThe answer is: 8\n\n### Instruction:\nWhat is 3+4?\n\n"
+        "### Response:\nThe answer is: 7"
+    )
+    assert exact_match([cut_at_stop(ran_on, "alpaca")], ["8"]) == 1.0
+    assert exact_match([ran_on], ["8"]) == 0.0  # what reading it uncut would give
+    assert cut_at_stop("so 5\nQuestion: and 6?", "qa") == "so 5"
+    assert cut_at_stop(" The Eagle is nice.\nname[x]", "e2e") == " The Eagle is nice."
     # MATH: the boxed answer, else what follows "The answer is"
     preds = ["x = 1/2.\nThe answer is: \\frac{1}{2}", "The answer is: 3.", "\\boxed{4} or 5"]
     assert exact_match(preds, ["\\frac12", "3", "5"], style="boxed") == pytest.approx(2 / 3)
@@ -368,8 +379,10 @@ def test_evaluate_scores_each_generation_against_its_own_references(
 
     def fake(model, data, tokenizer, max_new_tokens, batch_size, device, num_beams=1, **kw):
         seen.update(kw, num_beams=num_beams)
-        # the first reference for the first two examples, nonsense for the third
-        return [refs[0] if i < 2 else "zzz" for i, refs in enumerate(data.answers)]
+        # the first reference for the first two examples (the first running on into a made-up
+        # next example, which evaluation cuts off), nonsense for the third
+        out = [refs[0] if i < 2 else "zzz" for i, refs in enumerate(data.answers)]
+        return [out[0] + "\nname[Zizzi] || Zizzi zzz", *out[1:]]
 
     monkeypatch.setattr(training, "_generate", fake)
     e2e = load_task("e2e_nlg", data_dir=paper_dir)
@@ -419,3 +432,38 @@ def test_commonsense_downloads_once_then_reads_its_cache(paper_dir, tmp_path, mo
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="needs 'ft-training_set/commonsense_170k.json' from"):
         load_task("commonsense")
+
+
+def test_no_repeat_counts_the_generated_tokens_only():
+    """A 4-gram of the prompt may be written out; a 4-gram already generated may not."""
+    import torch
+
+    from fedexlora.training import NoRepeatGeneratedNGrams
+
+    proc = NoRepeatGeneratedNGrams(4, prompt_length=4)
+    # prompt 1 2 3 4, generated 1 2 3: writing 4 repeats the prompt's 4-gram, allowed
+    # (Hugging Face's no_repeat_ngram_size would ban it)
+    assert torch.isfinite(proc(torch.tensor([[1, 2, 3, 4, 1, 2, 3]]), torch.zeros(1, 10))).all()
+    # generated 5 6 7 9 5 6 7: a 9 now would repeat a generated 4-gram, banned alone
+    scores = proc(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 9, 5, 6, 7]]), torch.zeros(1, 10))
+    assert scores[0, 9] == -float("inf") and torch.isfinite(scores[0, :9]).all()
+    # prompt 5 6 7 9, generated 0 5 6 7: 9 allowed
+    assert torch.isfinite(proc(torch.tensor([[5, 6, 7, 9, 0, 5, 6, 7]]), torch.zeros(1, 10))).all()
+
+
+def test_commonsense_accuracy_gets_no_single_wilson_interval():
+    from fedexlora.report import sampled_examples
+
+    row = {"test_examples": 200, "metrics": {"accuracy": 0.5, "accuracy_boolq": 0.5}}
+    assert sampled_examples(row) == 0
+    assert sampled_examples({"test_examples": 200, "metrics": {"accuracy": 0.5}}) == 200
+
+
+def test_e2e_says_what_to_install_before_training(paper_dir, monkeypatch):
+    import sys
+
+    from fedexlora.data import load_task
+
+    monkeypatch.setitem(sys.modules, "nltk.translate.meteor_score", None)  # not installed
+    with pytest.raises(ValueError, match=r"install them with `pip install 'fedex-lora\[nlg\]'`"):
+        load_task("e2e_nlg", data_dir=paper_dir)

@@ -206,3 +206,6 @@ def test_one_task_of_a_multi_task_recipe(tmp_path, hub_dir, tiny_bert_dir):
     text = " ".join((run / "summary.md").read_text().split())
     assert "This run covers glue/sst2 only; the paper's figure is the average over" in text
     assert _paper_rows((run / "summary.md").read_text())["fedex"][0] == 86.39
+    out = " ".join(res.output.split())
+    assert "note: the paper's figure for paper-glue-roberta-large is the average over 6" in out
+    assert "86.39" not in next(ln for ln in res.output.splitlines() if ln.startswith("│ fedex"))

@@ -103,7 +103,14 @@ def _print_final_table(rows: list[dict], recipe: str | None = None) -> None:
     if recipe is not None:  # the paper's figure beside the run's, as summary.md has it
         from .recipes import get_recipe, paper_beside
 
-        paper = paper_beside(get_recipe(recipe), rows)
+        found = get_recipe(recipe)
+        paper = paper_beside(found, rows)
+        if not paper:
+            console.print(
+                f"note: the paper's figure for {found.name} is the average over "
+                f"{len(found.tasks)} tasks; summary.md says how this task compares",
+                highlight=False,
+            )
         header = [*header, "paper", "run x100 − paper"]
         for c in cells:
             theirs, diff = paper.get(c[0].split(" ")[0], (None, None))

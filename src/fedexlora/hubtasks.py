@@ -294,6 +294,9 @@ def load_e2e(*, seed: int, data_dir) -> Task:
     ROUGE-L and CIDEr score a generation against all of them, as the E2E challenge does.
     From ``tuetschek/e2e_nlg`` (the hub's parquet conversion, subset ``default``).
     """
+    from .nlg_metrics import check_installed
+
+    check_installed()  # before training, not after it
     raw = _hub("e2e_nlg", HUB_DATASETS["e2e_nlg"], "default", data_dir,
                revision="refs/convert/parquet")  # fmt: skip
     for split in ("train", "test"):

@@ -218,13 +218,18 @@ def choice_accuracy(
     return {"accuracy": sum(per.values()) / len(per)} | dict(sorted(per.items()))
 
 
+_ANSWER_IS = re.compile(r"the answer is", re.IGNORECASE)
+
+
 def _answer_is(text: str) -> str | None:
     """What follows the last "The answer is" (MetaMath's closing line), to the line's end."""
     text = str(text)
-    at = text.lower().rfind("the answer is")
-    if at < 0:
+    last = None
+    for last in _ANSWER_IS.finditer(text):  # noqa: B007 - the last match is wanted
+        pass
+    if last is None:
         return None
-    rest = text[at + len("the answer is") :].lstrip(":").strip()
+    rest = text[last.end() :].lstrip(":").strip()
     line = rest.splitlines()[0].strip().rstrip(".").strip() if rest else ""
     return line or None
 

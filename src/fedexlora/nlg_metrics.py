@@ -31,7 +31,16 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-__all__ = ["E2E_METRICS", "bleu", "cider", "e2e_scores", "meteor", "nist", "rouge_l"]
+__all__ = [
+    "E2E_METRICS",
+    "bleu",
+    "check_installed",
+    "cider",
+    "e2e_scores",
+    "meteor",
+    "nist",
+    "rouge_l",
+]
 
 E2E_METRICS = ("bleu", "nist", "meteor", "rouge_l", "cider")
 _INSTALL = "pip install 'fedex-lora[nlg]'"
@@ -50,6 +59,12 @@ def _need(module: str):
             f"the E2E metrics need the {module.split('.')[0]!r} package; install them with "
             f"`{_INSTALL}`"
         ) from err
+
+
+def check_installed() -> None:
+    """Raises the install hint now if a package the metrics need is missing."""
+    for module in ("sacrebleu.metrics", "nltk.translate.meteor_score", "pycocoevalcap.cider.cider"):
+        _need(module)
 
 
 def _check(hyps: Sequence[str], refs: Sequence[Sequence[str]]) -> None:

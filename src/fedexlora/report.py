@@ -69,6 +69,17 @@ def wilson(p: float, n: int, z: float = 1.959964) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def sampled_examples(row: dict) -> int:
+    """How many test examples a row's headline proportion is a plain fraction of.
+
+    0 when it is a mean over sub-tasks (commonsense's ``accuracy`` averages eight
+    ``accuracy_<task>``), whose interval a single Wilson interval would understate.
+    """
+    if any(str(k).startswith("accuracy_") for k in row.get("metrics", {})):
+        return 0
+    return int(row.get("test_examples") or 0)
+
+
 def _final(metric: str, value: float, n: int) -> str:
     if metric in PROPORTIONS and n and math.isfinite(value):
         lo, hi = wilson(value, n)
@@ -106,7 +117,7 @@ def summary_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         cells.append(
             [
                 label,
-                _final(metric, vals[-1], int(last.get("test_examples") or 0)),
+                _final(metric, vals[-1], sampled_examples(last)),
                 f"{best:.4f}",
                 f"{last['train_loss']:.4f}",
                 _fmt_bytes(sum(r["bytes_up"] for r in rs)),
@@ -158,7 +169,7 @@ def write_summary(
         "FedIT's is what plain factor averaging loses.",
         "- Bytes are counted from the tensors sent; `centralized` sends nothing.",
     ]
-    n = max((int(r.get("test_examples") or 0) for r in rows), default=0)
+    n = max((sampled_examples(r) for r in rows), default=0)
     if n and primary_metric(rows) in PROPORTIONS:
         parts.append(
             f"- Uncertainty: the final {primary_metric(rows)} is measured on {n} test "

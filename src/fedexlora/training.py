@@ -70,6 +70,29 @@ TEMPLATES = {
 }
 
 
+# Where a generation stops being the answer: the model starting the next example
+STOPS = {
+    "qa": ("\nQuestion:",),
+    "alpaca": ("### Instruction", "### Response", "### Input"),
+    "e2e": ("\n",),
+}
+
+
+def cut_at_stop(text: str, template: str = "qa") -> str:
+    """``text`` up to the first marker of a new example in ``template`` (:data:`STOPS`).
+
+    Greedy decoding runs on past the answer into a made-up next question; reading a final
+    answer from that would score the wrong one. (Fed-SB's evaluation stops generation on
+    such markers; LLM-Adapters' splits on them.)
+    """
+    cut = len(text)
+    for stop in STOPS.get(template, ()):
+        at = text.find(stop)
+        if 0 <= at < cut:
+            cut = at
+    return text[:cut]
+
+
 def format_prompt(prompt: str, template: str = "qa") -> str:
     """A causal-LM prompt laid out by one of :data:`TEMPLATES`."""
     if template not in TEMPLATES:
@@ -367,6 +390,7 @@ def evaluate(
         with _amp(device, autocast):
             texts = _generate(model, data, tokenizer, max_new_tokens, batch_size, device,
                               num_beams=num_beams, **gen_kwargs)  # fmt: skip
+        texts = [cut_at_stop(t, getattr(task, "template", "qa")) for t in texts]
         if style == "nlg":
             from .nlg_metrics import e2e_scores
 
@@ -382,11 +406,43 @@ def evaluate(
     return {k: out[k] for k in order} | {k: v for k, v in out.items() if k not in order}
 
 
+class NoRepeatGeneratedNGrams:
+    """Bans an n-gram's repeat within the generated tokens only (a ``LogitsProcessor``).
+
+    Hugging Face's ``no_repeat_ngram_size`` also counts the prompt (and its padding), so a
+    name of n tokens that the E2E meaning representation holds could never be written
+    out. The LoRA paper's beam search (``gpt2_beam.py``) bans repeats of the generated
+    text alone; so does this.
+    """
+
+    def __init__(self, n: int, prompt_length: int):
+        self.n = int(n)
+        self.start = int(prompt_length)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor):
+        gen = input_ids[:, self.start :].tolist()
+        for row, toks in enumerate(gen):
+            if len(toks) < self.n:
+                continue
+            prefix = tuple(toks[len(toks) - self.n + 1 :])
+            banned = {
+                toks[i + self.n - 1]
+                for i in range(len(toks) - self.n + 1)
+                if tuple(toks[i : i + self.n - 1]) == prefix
+            }
+            if banned:
+                scores[row, list(banned)] = -float("inf")
+        return scores
+
+
 def _generate(
     model, data: Encoded, tokenizer, max_new_tokens, batch_size, device, num_beams=1, **kwargs
 ) -> list[str]:
+    from transformers import LogitsProcessorList
+
     texts = []
     pad = data.pad_id
+    no_repeat = kwargs.pop("no_repeat_ngram_size", None)
     for start in range(0, len(data), batch_size):
         prompts = data.prompts[start : start + batch_size]
         n = max(len(p) for p in prompts)
@@ -402,6 +458,9 @@ def _generate(
             do_sample=False,
             num_beams=num_beams,
             pad_token_id=pad,
+            logits_processor=LogitsProcessorList(
+                [NoRepeatGeneratedNGrams(no_repeat, n)] if no_repeat else []
+            ),
             **kwargs,
         )
         texts += tokenizer.batch_decode(gen[:, n:], skip_special_tokens=True)
