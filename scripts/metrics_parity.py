@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
         out.mkdir(parents=True, exist_ok=True)
         _run(out / "local", "local", "fedex,fedit,ffa,flora,fedsb,centralized", [])
         _run(out / "local-hetero", "local", "fedex,flora", ["--client-ranks", "2,4,4"])
-        _run(out / "flower", "flower", "fedex,fedit,ffa,flora,fedsb", [])
+        _run(out / "flower", "flower", "fedex,fedit,ffa,flora,fedsb", ["--fedsb-init", "random"])
         return 0
     if len(argv) == 3 and argv[0] == "diff":
         return _diff(Path(argv[1]), Path(argv[2]))
