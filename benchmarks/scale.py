@@ -13,7 +13,7 @@ Each configuration runs in its own process (``fedexlora run``'s engines on the g
 - exactness (in-process engine): before it trains, every sampled client's model is
   rebuilt from what that client held (the global model at the version it last received,
   kept on disk for this check) plus its payload, through
-  :func:`fedexlora.steps.apply_payload`, on a separate copy of the model; the worst
+  :func:`fedexlora.bridge.steps.apply_payload`, on a separate copy of the model; the worst
   ``||W_client - W_global|| / ||W_global||`` over its adapted layers' effective weights
   is reported, and the same relative to the accumulated update ``||W_global - W0||``.
   The check's model copy is in every in-process run's RSS alike.
@@ -46,7 +46,7 @@ def tiny_model(dest: Path) -> str:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from fedexlora.models import resolve_model
+    from fedexlora.bridge.models import resolve_model
 
     if (dest / "config.json").exists():
         return str(dest)
@@ -97,11 +97,11 @@ def child(args) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from fedexlora.adapters import effective_weight, load_side_state, lora_layers, side_state
-    from fedexlora.engine import new_model, prepare
-    from fedexlora.pipeline import load_task_for
-    from fedexlora.simulation import run_method
-    from fedexlora.steps import apply_payload
+    from fedexlora.bridge.adapters import effective_weight, load_side_state, lora_layers, side_state
+    from fedexlora.bridge.steps import apply_payload
+    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.simulation import run_method
 
     torch.set_num_threads(args.threads)
     cfg = config(args, args.clients, args.fraction)

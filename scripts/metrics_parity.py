@@ -91,7 +91,9 @@ def _diff(before: Path, after: Path) -> int:
             continue
         for ra, rb in zip(a, b):
             if _strip(ra) != _strip(rb):
-                keys = sorted(k for k in set(ra) | set(rb) if _strip(ra.get(k)) != _strip(rb.get(k)))
+                keys = sorted(
+                    k for k in set(ra) | set(rb) if _strip(ra.get(k)) != _strip(rb.get(k))
+                )
                 print(f"{sub}: {ra['method']} round {ra['round']} differs in {keys}")
                 bad += 1
         print(f"{sub}: {len(a)} rows compared")
@@ -105,7 +107,7 @@ def main(argv: list[str]) -> int:
         out.mkdir(parents=True, exist_ok=True)
         _run(out / "local", "local", "fedex,fedit,ffa,flora,fedsb,centralized", [])
         _run(out / "local-hetero", "local", "fedex,flora", ["--client-ranks", "2,4,4"])
-        _run(out / "flower", "flower", "fedex,fedit,ffa,flora,fedsb", [])
+        _run(out / "flower", "flower", "fedex,fedit,ffa,flora,fedsb", ["--fedsb-init", "random"])
         return 0
     if len(argv) == 3 and argv[0] == "diff":
         return _diff(Path(argv[1]), Path(argv[2]))

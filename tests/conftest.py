@@ -21,7 +21,7 @@ def tiny_bert_dir(tmp_path_factory):
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from fedexlora.models import resolve_model
+    from fedexlora.bridge.models import resolve_model
 
     d = tmp_path_factory.mktemp("tiny-bert")
     src = resolve_model("minilm").path
@@ -88,7 +88,7 @@ def tiny_llama_dir(tmp_path_factory):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from fedexlora.models import resolve_model
+    from fedexlora.bridge.models import resolve_model
 
     d = tmp_path_factory.mktemp("tiny-llama")
     tok = AutoTokenizer.from_pretrained(resolve_model("minilm").path)

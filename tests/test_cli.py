@@ -176,8 +176,8 @@ def test_every_config_field_is_a_run_flag():
 
 
 def test_compare_best_of_a_loss_is_its_minimum():
-    from fedexlora.compare import Cell, Setting, comparison_table
     from fedexlora.config import RunConfig
+    from fedexlora.experiments.compare import Cell, Setting, comparison_table
 
     def row(method, rnd, loss):
         return {"method": method, "round": rnd, "metrics": {"loss": loss}, "seconds": 1.0,
@@ -234,7 +234,7 @@ def test_resume_refuses_result_changing_flags_and_applies_safe_ones(
     tiny_bert_dir, tiny_csv, tmp_path
 ):
     """No flag is ignored on --resume: a result-changing one is refused, naming it."""
-    from fedexlora.report import read_metrics
+    from fedexlora.run.report import read_metrics
 
     base = ("--max-length", "16", "--rank", "2", "--local-steps", "2", "--batch-size", "8")
     res = _run_tiny(tiny_bert_dir, tiny_csv, tmp_path, "--rounds", "1", *base)

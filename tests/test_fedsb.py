@@ -5,7 +5,7 @@ import torch
 
 
 def _bases(model):
-    from fedexlora.adapters import lora_layers
+    from fedexlora.bridge.adapters import lora_layers
 
     return {
         name: (
@@ -17,7 +17,7 @@ def _bases(model):
 
 
 def _effective(model):
-    from fedexlora.adapters import effective_weight, lora_layers
+    from fedexlora.bridge.adapters import effective_weight, lora_layers
 
     return {name: effective_weight(layer) for name, layer in lora_layers(model).items()}
 
@@ -25,10 +25,10 @@ def _effective(model):
 @pytest.mark.parametrize("init", ["gradient", "random"])
 def test_fedsb_global_model_is_the_average_of_the_clients_models(tiny_cfg, init):
     """Each round's effective weights equal, by hand in fp64, W0 + s B (sum p_i R_i) A."""
-    from fedexlora.adapters import base_weight, lora_layers
-    from fedexlora.engine import new_model, prepare
-    from fedexlora.pipeline import load_task_for
-    from fedexlora.simulation import run_method
+    from fedexlora.bridge.adapters import base_weight, lora_layers
+    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.simulation import run_method
 
     cfg = tiny_cfg.replace(methods=["fedsb"], fedsb_rank=6, fedsb_init=init).validate()
     task = load_task_for(cfg)
@@ -78,11 +78,10 @@ def test_fedsb_global_model_is_the_average_of_the_clients_models(tiny_cfg, init)
 
 def test_fedsb_gradient_init_is_the_svd_of_a_sign_step(tiny_cfg):
     """The authors' init: B S A is the rank-r SVD part of -lr/T sign(G), R = S / scale."""
-    from fedexlora.adapters import lora_layers
-    from fedexlora.engine import new_model
-    from fedexlora.latent import estimate_gradients
-    from fedexlora.pipeline import load_task_for
-    from fedexlora.training import encode
+    from fedexlora.bridge.adapters import lora_layers
+    from fedexlora.run.engine import new_model
+    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.training.local import encode, estimate_gradients
 
     cfg = tiny_cfg.replace(methods=["fedsb"], fedsb_rank=4, fedsb_init="gradient").validate()
     task = load_task_for(cfg)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from fedexlora.checkpoint import latest_checkpoint
-from fedexlora.report import read_metrics
+from fedexlora.run.checkpoint import latest_checkpoint
+from fedexlora.run.report import read_metrics
 from test_flower_deploy import _descendants
 from test_resume import _cmd
 from test_resume import _rows_without_timing as _rows

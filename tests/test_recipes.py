@@ -70,7 +70,7 @@ def hub_dir(tmp_path_factory):
 
 
 def test_math_answers_by_hand():
-    from fedexlora.metrics import exact_match, extract_boxed, math_equal
+    from fedexlora.tasks.metrics import exact_match, extract_boxed, math_equal
 
     assert extract_boxed(r"so $\boxed{\frac{1}{2}}$, not \boxed{3}") == "3"
     assert extract_boxed(r"nested \boxed{\sqrt{x^{2}}} end") == r"\sqrt{x^{2}}"
@@ -87,7 +87,7 @@ def test_math_answers_by_hand():
 
 
 def test_hub_layout_copies_load_offline(hub_dir):
-    from fedexlora.data import load_task
+    from fedexlora.tasks.data import load_task
 
     sst2 = load_task("glue/sst2", data_dir=hub_dir)
     assert (len(sst2.train), len(sst2.test)) == (30, 12)  # validation is the test split
@@ -107,7 +107,7 @@ def test_hub_layout_copies_load_offline(hub_dir):
 
 
 def test_a_missing_hub_dataset_is_one_clear_error(tmp_path):
-    from fedexlora.data import load_task
+    from fedexlora.tasks.data import load_task
 
     (tmp_path / "openai/gsm8k").mkdir(parents=True)
     with pytest.raises(ValueError, match=r"holds no 'main' folder"):
@@ -147,7 +147,7 @@ def _paper_rows(text: str) -> dict[str, tuple[float, float, float]]:
 
 @pytest.mark.parametrize("recipe", ["paper-gsm8k-mistral-7b", "paper-math-gemma2-9b"])
 def test_llm_recipe_end_to_end_with_the_paper_beside(tmp_path, hub_dir, tiny_llama_dir, recipe):
-    from fedexlora.recipes import RECIPES
+    from fedexlora.run.recipes import RECIPES
 
     res = _run(tmp_path, "--recipe", recipe, "--model", tiny_llama_dir, "--data-dir",
                str(hub_dir), "--max-train", "12", "--max-test", "4", "--max-length", "48",

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedexlora.checkpoint import CheckpointError, latest_checkpoint
-from fedexlora.pipeline import run_experiment
-from fedexlora.report import read_metrics
+from fedexlora.run.checkpoint import CheckpointError, latest_checkpoint
+from fedexlora.run.pipeline import run_experiment
+from fedexlora.run.report import read_metrics
 
 
 def _cfg_file(tmp_path, tiny_bert_dir, tiny_csv):
@@ -120,8 +120,8 @@ def test_checkpoint_from_other_config_is_refused(tiny_cfg, tmp_path):
 
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tiny_cfg, tmp_path, monkeypatch):
     """Everything of a checkpoint lands before it is renamed into place and older ones pruned."""
-    import fedexlora.checkpoint as checkpoint
-    from fedexlora.pipeline import restore_model
+    import fedexlora.run.checkpoint as checkpoint
+    from fedexlora.run.pipeline import restore_model
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=1, keep_checkpoints=1)
     run_experiment(cfg, tmp_path, progress=False)
@@ -138,8 +138,8 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tiny_cfg, tmp_p
     monkeypatch.setattr(checkpoint, "save_file", real)
     ckpt = latest_checkpoint(tmp_path / "checkpoints" / "fedex")
     assert ckpt.name == "round-0001"
-    from fedexlora.checkpoint import config_fingerprint
-    from fedexlora.pipeline import load_task_for
+    from fedexlora.run.checkpoint import config_fingerprint
+    from fedexlora.run.pipeline import load_task_for
 
     task = load_task_for(cfg)
     server = restore_model(cfg, task, "fedex", ckpt, config_fingerprint(cfg.to_dict()))[2]
@@ -174,7 +174,7 @@ def clean_run(tiny_cfg, tmp_path_factory):
 @pytest.mark.parametrize("step", SAVE_STEPS)
 def test_crash_at_each_step_of_a_save_resumes_identically(clean_run, tmp_path, monkeypatch, step):
     """keep_checkpoints=1: a crash anywhere in round 2's save loses nothing."""
-    import fedexlora.checkpoint as checkpoint
+    import fedexlora.run.checkpoint as checkpoint
 
     cfg, clean = clean_run
     seen = []
@@ -207,7 +207,7 @@ def test_crash_at_each_step_of_a_save_resumes_identically(clean_run, tmp_path, m
 
 def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tiny_cfg, tmp_path):
     """A truncated file in the newest checkpoint: resume warns, uses the previous one."""
-    from fedexlora.checkpoint import checkpoints
+    from fedexlora.run.checkpoint import checkpoints
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=2, keep_checkpoints=2)
     run_experiment(cfg, tmp_path, progress=False)
@@ -229,9 +229,9 @@ def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tiny_cfg, tmp_pa
 
 def test_load_checkpoint_restores_all_or_nothing(tiny_cfg, tmp_path):
     """A checkpoint missing one of its parts raises CheckpointError; the server is untouched."""
-    from fedexlora.checkpoint import load_checkpoint
-    from fedexlora.engine import new_model, new_server
-    from fedexlora.pipeline import load_task_for
+    from fedexlora.run.checkpoint import load_checkpoint
+    from fedexlora.run.engine import new_model, new_server
+    from fedexlora.run.pipeline import load_task_for
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=1)
     run_experiment(cfg, tmp_path, progress=False)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_info
-from fedexlora.adapters import effective_weight, lora_layers
-from fedexlora.models import load_model
+from fedexlora.bridge.adapters import effective_weight, lora_layers
+from fedexlora.bridge.models import load_model
+from fedexlora.core.state import AdapterState
 from fedexlora.server import ClientUpload
-from fedexlora.state import AdapterState
 
 
 def _model(path):
@@ -148,7 +148,7 @@ def test_reset_payload_round_trips_and_drops_what_was_folded(tiny_bert_dir):
 
 @pytest.mark.parametrize("method", ["fedex", "ffa"])
 def test_old_style_payload_without_reset_flag_still_loads(tiny_bert_dir, method):
-    from fedexlora.messages import Payload, _to_bytes
+    from fedexlora.server.messages import Payload, _to_bytes
 
     model = _model(tiny_bert_dir)
     server = Server(get_state(model), layer_info(model), num_clients=1, method=method)
@@ -183,10 +183,10 @@ def _scale_cfg(tiny_bert_dir, clients=200, rounds=20):
 def test_200_clients_in_process_each_sampled_client_is_exact_after_its_payload(tiny_bert_dir):
     """Every sampled client's model, rebuilt from what it held plus its payload, is the
     global model; the server's memory stays within its bound every round."""
-    from fedexlora.adapters import load_side_state, side_state
-    from fedexlora.engine import new_model, prepare
-    from fedexlora.pipeline import load_task_for
-    from fedexlora.simulation import run_method
+    from fedexlora.bridge.adapters import load_side_state, side_state
+    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.simulation import run_method
 
     cfg = _scale_cfg(tiny_bert_dir)
     task = load_task_for(cfg)
@@ -222,10 +222,10 @@ def test_200_clients_in_process_each_sampled_client_is_exact_after_its_payload(t
 
 
 def test_200_virtual_clients_under_flower_match_the_in_process_engine(tiny_bert_dir, tmp_path):
-    from fedexlora.engine import new_model, prepare
     from fedexlora.flower.simulation import run_flower_experiment
-    from fedexlora.pipeline import load_task_for
-    from fedexlora.simulation import run_method
+    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.simulation import run_method
 
     cfg = _scale_cfg(tiny_bert_dir, rounds=4)
     task = load_task_for(cfg)
@@ -252,7 +252,7 @@ def test_200_virtual_clients_under_flower_match_the_in_process_engine(tiny_bert_
     # measured: at most 1.9e-7 apart, and 1.0e-5 with that fault)
     from safetensors.torch import load_file
 
-    from fedexlora.checkpoint import latest_checkpoint
+    from fedexlora.run.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(tmp_path / "flower" / "checkpoints" / "fedex")
     theirs = load_file(str(ckpt / "tensors.safetensors"))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fedexlora import aggregate_states
+from fedexlora.core.state import AdapterState
 from fedexlora.server import ClientUpload, Server
-from fedexlora.state import AdapterState
 
 
 def _state(seed, d=6, n=5, r=2):
@@ -24,7 +24,7 @@ def _state(seed, d=6, n=5, r=2):
 
 
 def _server(**kw):
-    from fedexlora.adapters import LayerInfo
+    from fedexlora.bridge.adapters import LayerInfo
 
     layers = {"l0": LayerInfo(1.0, False, 2, (6, 5)), "l1": LayerInfo(1.0, False, 2, (5, 6))}
     return Server(_state(0), layers, num_clients=3, **kw)
@@ -107,8 +107,8 @@ def test_all_rejected_changes_nothing():
 
 
 def test_engine_records_rejections_and_warns(tiny_cfg, tmp_path):
-    from fedexlora.pipeline import run_experiment
-    from fedexlora.report import read_metrics
+    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.report import read_metrics
 
     def tamper(rnd, client, up):
         if client == 1:
@@ -131,7 +131,7 @@ def test_engine_records_rejections_and_warns(tiny_cfg, tmp_path):
 
 
 def test_engine_all_rejected_round_says_so(tiny_cfg, tmp_path):
-    from fedexlora.pipeline import run_experiment
+    from fedexlora.run.pipeline import run_experiment
 
     def tamper(rnd, client, up):
         up.num_examples = 0

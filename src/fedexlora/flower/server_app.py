@@ -1,11 +1,11 @@
 """The Flower ServerApp: the shared server state, evaluation and run directory.
 
 For every method of the run it builds the same :class:`fedexlora.server.Server` the
-in-process engine builds (:func:`fedexlora.pipeline`'s helpers), drives it with the
+in-process engine builds (:func:`fedexlora.run.pipeline`'s helpers), drives it with the
 :class:`fedexlora.flower.strategy.FedExLoRA` strategy, and after each round evaluates the
 global model it holds (residuals folded into its base, global factors loaded) exactly as
 the in-process engine does. It writes the same run directory: ``config.toml``,
-``metrics.jsonl`` (rows from :func:`fedexlora.engine.round_row`, with ``dropped``
+``metrics.jsonl`` (rows from :func:`fedexlora.run.engine.round_row`, with ``dropped``
 filled in), checkpoints, ``summary.md`` and the plots.
 
 The run directory is the run config's ``run-dir`` (give an absolute path when the
@@ -22,8 +22,8 @@ from typing import Any
 from flwr.app import Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from ..quiet import quiet_libraries
-from .records import FlowerSettings, resolve_run_config, to_array_record
+from fedexlora.flower.records import FlowerSettings, resolve_run_config, to_array_record
+from fedexlora.quiet import quiet_libraries
 
 __all__ = ["app", "make_server_app", "run_server"]
 
@@ -50,9 +50,10 @@ def run_server(
     """
     import uuid
 
-    from ..adapters import set_state
-    from ..checkpoint import config_fingerprint, save_checkpoint
-    from ..engine import (
+    from fedexlora.bridge.adapters import set_state
+    from fedexlora.flower.strategy import FedExLoRA, NodeDirectory
+    from fedexlora.run.checkpoint import config_fingerprint, save_checkpoint
+    from fedexlora.run.engine import (
         apply_round,
         client_adapter,
         new_model,
@@ -61,7 +62,7 @@ def run_server(
         round_row,
         save_client_adapter,
     )
-    from ..pipeline import (
+    from fedexlora.run.pipeline import (
         RunError,
         append_row,
         base_deltas,
@@ -71,9 +72,8 @@ def run_server(
         write_atomic,
         write_rows,
     )
-    from ..report import write_summary
-    from ..trackers import open_trackers
-    from .strategy import FedExLoRA, NodeDirectory
+    from fedexlora.run.report import write_summary
+    from fedexlora.run.trackers import open_trackers
 
     cfg = cfg.replace(engine="flower").validate()  # one validation for every entry point
     fingerprint = config_fingerprint(cfg.to_dict())
@@ -105,7 +105,7 @@ def run_server(
     say(f"task {cfg.task}: {len(task.train)} train / {len(task.test)} test")
     say(prep.partition_table)
     if cfg.dp:  # each client checks its own too; this names the problem before round 1
-        from ..privacy import check_delta
+        from fedexlora.training.privacy import check_delta
 
         check_delta(cfg.dp_delta, [len(p) for p in prep.parts])
     if not settings.resume:
@@ -186,7 +186,7 @@ def run_server(
                 test_examples=len(prep.task.test),
             )
             if cfg.dp:  # what the clients reported of their own accounting
-                from ..privacy import privacy_row
+                from fedexlora.training.privacy import privacy_row
 
                 row["privacy"] = privacy_row(
                     cfg.dp_epsilon, cfg.dp_delta, st.dp_reports, rec.refused

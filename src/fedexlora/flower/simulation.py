@@ -47,7 +47,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from .records import to_run_config
+from fedexlora.flower.records import to_run_config
 
 __all__ = [
     "FLOWER_ENV",
@@ -93,7 +93,7 @@ def _executable(name: str) -> str:
         return str(here)
     found = shutil.which(name)
     if found is None:
-        from ..pipeline import RunError
+        from fedexlora.run.pipeline import RunError
 
         raise RunError(
             f"{name!r} was not found next to {sys.executable} or on PATH; "
@@ -286,7 +286,7 @@ class LocalSimulation:
         """Starts the SuperLink, waits until it answers, then starts the SuperExec."""
         import httpx
 
-        from ..pipeline import RunError
+        from fedexlora.run.pipeline import RunError
 
         address = f"127.0.0.1:{self.port}"
         superlink = self._spawn(
@@ -400,7 +400,7 @@ def client_resources(
     """
     import torch
 
-    from ..engine import resolve_device
+    from fedexlora.run.engine import resolve_device
 
     cpus = client_cpus if client_cpus is not None else _env_float("FEDEXLORA_CLIENT_CPUS")
     gpus = client_gpus if client_gpus is not None else _env_float("FEDEXLORA_CLIENT_GPUS")
@@ -454,8 +454,8 @@ def run_flower_experiment(
             ``out_dir/flower-logs``).
     """
     del progress, console
-    from ..pipeline import RunError
-    from ..report import read_metrics
+    from fedexlora.run.pipeline import RunError
+    from fedexlora.run.report import read_metrics
 
     cfg = cfg.replace(engine="flower").validate()
     out = Path(out_dir).resolve()

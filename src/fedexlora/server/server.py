@@ -2,9 +2,9 @@
 
 The server holds the global adapter state, the base-weight version, and the residual
 history that clients who skipped rounds need to catch up (the messages themselves are in
-:mod:`fedexlora.messages`, re-exported here). It samples clients, builds each
+:mod:`fedexlora.server.messages`, re-exported here). It samples clients, builds each
 client's payload, validates uploads and aggregates them. It never touches a model: engines
-fold the returned residuals into whatever model they hold (see :mod:`fedexlora.adapters`).
+fold the returned residuals into whatever model they hold (see :mod:`fedexlora.bridge.adapters`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .adapters import LayerInfo
-from .aggregation import Residual
-from .messages import (
+from fedexlora.core.aggregation import Residual
+from fedexlora.core.state import AdapterState, LayerInfo, aggregate_states
+from fedexlora.server.messages import (
     ClientUpload,
     Payload,
     RoundOutcome,
@@ -24,7 +24,6 @@ from .messages import (
     example_count,
     validate_upload,
 )
-from .state import AdapterState, aggregate_states
 
 __all__ = [
     "ClientUpload",
@@ -60,7 +59,7 @@ class Server:
         max_update_norm: Reject uploads whose change from the global state is larger.
         client_layers: Per client, the LoRA layer info of the adapter it trains when it
             differs from the global one (heterogeneous ranks; see
-            :mod:`fedexlora.hetero`). Supported with ``fedex`` and ``flora``.
+            :mod:`fedexlora.core.hetero`). Supported with ``fedex`` and ``flora``.
     """
 
     def __init__(
@@ -153,7 +152,7 @@ class Server:
         residuals since that version. A new or forgotten client, or one away longer than
         the history reaches, gets a ``reset`` payload: the accumulated base delta from
         ``W0`` (also chosen when it is smaller than the catch-up). Either way the client
-        holds the global model exactly after :func:`fedexlora.steps.apply_payload`.
+        holds the global model exactly after :func:`fedexlora.bridge.steps.apply_payload`.
 
         When clients are sampled more rarely than the history reaches
         (:meth:`expected_absence` > :meth:`history_reach`, e.g. 1% of many clients), the
@@ -215,7 +214,7 @@ class Server:
 
         Everything is expressed in the client's own LoRA scale.
         """
-        from .hetero import client_view
+        from fedexlora.core.hetero import client_view
 
         gen = torch.Generator().manual_seed(self.seed * 65_537 + self.round * 101 + c)
         layers_c = self.client_layers[c]
@@ -409,7 +408,7 @@ class Server:
     def _to_global(self, up: ClientUpload) -> AdapterState:
         if up.client_id not in self.client_layers:
             return up.state
-        from .hetero import to_global
+        from fedexlora.core.hetero import to_global
 
         return to_global(up.state, self.layers, self.client_layers[up.client_id])
 

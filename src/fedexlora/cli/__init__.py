@@ -9,8 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .bench import bench_app
-from .config import RESUME_SAFE
+from fedexlora.config import RESUME_SAFE
+from fedexlora.experiments.bench import bench_app
 
 app = typer.Typer(
     pretty_exceptions_show_locals=False,
@@ -91,17 +91,17 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _quiet_libraries() -> None:
-    from .quiet import quiet_libraries
+    from fedexlora.quiet import quiet_libraries
 
     quiet_libraries()
 
 
 def _print_final_table(rows: list[dict], recipe: str | None = None) -> None:
-    from .report import summary_table
+    from fedexlora.run.report import summary_table
 
     header, cells = summary_table(rows)
     if recipe is not None:  # the paper's figure beside the run's, as summary.md has it
-        from .recipes import get_recipe, paper_beside
+        from fedexlora.run.recipes import get_recipe, paper_beside
 
         found = get_recipe(recipe)
         paper = paper_beside(found, rows)
@@ -251,7 +251,7 @@ def run(
 ) -> None:
     """Federated LoRA fine-tuning: every method on identical partitions, reported side by side."""
     _quiet_libraries()
-    from .config import ConfigError, RunConfig, load_config, validate_mapping
+    from fedexlora.config import ConfigError, RunConfig, load_config, validate_mapping
 
     given = dict(locals())
     overrides = {}
@@ -299,7 +299,7 @@ def _resumed_config(resume: Path, overrides: dict, config: Path | None, out: Pat
 
     A flag that would change the run's results is refused, naming it; none is ignored.
     """
-    from .config import load_config
+    from fedexlora.config import load_config
 
     if not (resume / "config.toml").is_file():
         _fail(f"--resume {str(resume)!r}: no run there (no config.toml)")
@@ -336,8 +336,8 @@ def _recipe_config(overrides: dict, config: Path | None):
     The recipe's settings with the other flags on top (each said); all of a multi-task
     recipe's tasks, unless ``--task`` picks one.
     """
-    from .config import ConfigError, validate_mapping
-    from .recipes import apply_recipe, get_recipe
+    from fedexlora.config import ConfigError, validate_mapping
+    from fedexlora.run.recipes import apply_recipe, get_recipe
 
     if config is not None:
         _fail("--recipe cannot be combined with --config: give the recipe, and flags on top")
@@ -356,20 +356,20 @@ def _recipe_config(overrides: dict, config: Path | None):
 
 
 def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
-    from .checkpoint import CheckpointError
-    from .export import export_model
-    from .pipeline import RunError, run_experiment
+    from fedexlora.run.checkpoint import CheckpointError
+    from fedexlora.run.export import export_model
+    from fedexlora.run.pipeline import RunError, run_experiment
 
     console.print(f"[bold]fedex-lora[/bold] run -> {out}  methods={','.join(cfg.methods)}")
     try:
         if cfg.engine == "flower":
-            from .flower.simulation import run_flower_experiment
+            from fedexlora.flower.simulation import run_flower_experiment
 
             rows = run_flower_experiment(
                 cfg, out, progress=progress, console=console, resume=resume
             )
         elif len(tasks) > 1:
-            from .recipes import get_recipe, run_recipe
+            from fedexlora.run.recipes import get_recipe, run_recipe
 
             run_recipe(cfg, get_recipe(cfg.recipe), out, progress=progress, console=console)
             console.print(f"wrote {out / 'summary.md'}")
@@ -390,7 +390,7 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
 @app.command("recipes")
 def recipes_cmd() -> None:
     """The paper's experiments: one command each, with the paper's figure per method."""
-    from .recipes import recipe_table
+    from fedexlora.run.recipes import recipe_table
 
     header, rows = recipe_table()
     table = Table(title="fedexlora run --recipe NAME (figures: the FedEx-LoRA paper)")
@@ -419,9 +419,9 @@ def export_cmd(
 ) -> None:
     """Export a run's final global model, exactly: a PEFT adapter or a merged model."""
     _quiet_libraries()
-    from .checkpoint import CheckpointError
-    from .export import export_model
-    from .pipeline import RunError
+    from fedexlora.run.checkpoint import CheckpointError
+    from fedexlora.run.export import export_model
+    from fedexlora.run.pipeline import RunError
 
     try:
         res = export_model(
@@ -435,7 +435,7 @@ def export_cmd(
 @app.command()
 def validate(config: Path = typer.Argument(..., help="A TOML config file.")) -> None:
     """Check a config file and list every error at once."""
-    from .config import ConfigError, load_config
+    from fedexlora.config import ConfigError, load_config
 
     try:
         load_config(config)
@@ -551,8 +551,8 @@ def compare(
     docs/WHEN_EXACTNESS_MATTERS.md); flags given with it override its values.
     """
     _quiet_libraries()
-    from .compare import Setting, run_grid
-    from .config import ConfigError, validate_mapping
+    from fedexlora.config import ConfigError, validate_mapping
+    from fedexlora.experiments.compare import Setting, run_grid
 
     given = dict(
         model=model,
