@@ -1,4 +1,4 @@
-"""Deprecated: moved to :mod:`fedexlora.run.checkpoint`; this path warns and will be removed."""
+"""Deprecated: moved; this old path warns, then hands back the new module."""
 
 import importlib
 import sys

@@ -1,4 +1,4 @@
-"""Deprecated: moved to :mod:`fedexlora.core.hetero`; this path warns and will be removed."""
+"""Deprecated: moved; this old path warns, then hands back the new module."""
 
 import importlib
 import sys

@@ -72,6 +72,7 @@ def run_server(
         write_atomic,
         write_rows,
     )
+    from fedexlora.run.recipes import recipe_section
     from fedexlora.run.report import write_summary
     from fedexlora.run.trackers import open_trackers
 
@@ -228,7 +229,7 @@ def run_server(
         del model
     if settings.resume:  # restored rows were written first: every method's rows in order
         write_rows(metrics_path, all_rows)
-    write_summary(out, all_rows, cfg.to_toml(), recipe=cfg.recipe, task=cfg.task)
+    write_summary(out, all_rows, cfg.to_toml(), extra=recipe_section(cfg, all_rows))
     trackers.finish()
     say(f"wrote {metrics_path}")
     return all_rows

@@ -18,6 +18,7 @@ from fedexlora.run.checkpoint import (
     save_checkpoint,
 )
 from fedexlora.run.engine import new_model, new_server, prepare
+from fedexlora.run.recipes import recipe_section
 from fedexlora.run.report import write_summary
 from fedexlora.run.simulation import run_method
 from fedexlora.run.trackers import open_trackers
@@ -300,7 +301,7 @@ def run_experiment(
         del model
     if resume:  # restored rows were written first: put every method's rows in order
         write_rows(metrics_path, all_rows)
-    write_summary(out, all_rows, cfg.to_toml(), recipe=cfg.recipe, task=cfg.task)
+    write_summary(out, all_rows, cfg.to_toml(), extra=recipe_section(cfg, all_rows))
     trackers.finish()
     return all_rows
 

@@ -338,6 +338,14 @@ def paper_section(recipe: Recipe, per_task: Mapping[str, list[dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def recipe_section(cfg, rows: list[dict]) -> str | None:
+    """The paper's figures beside a run's ``rows`` for ``summary.md`` (``None``: no recipe)."""
+    if cfg.recipe is None:
+        return None
+    r = get_recipe(cfg.recipe)
+    return paper_section(r, {cfg.task or r.tasks[0]: rows})
+
+
 def run_recipe(cfg, recipe: Recipe, out_dir: str | Path, *, progress=True, console=None):
     """Runs every task of a multi-task recipe in ``out_dir/<task>/``, then the summary.
 
