@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import torch
 
-from fedexlora.core.aggregation import Residual, pad_rank, split_leading
+from fedexlora.core.factors import Residual, pad_rank, split_leading
 from fedexlora.core.state import AdapterState
 
 __all__ = ["client_view", "to_global"]

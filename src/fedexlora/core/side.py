@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fedexlora.core.aggregation import Residual
+from fedexlora.core.factors import Residual
 
 __all__ = ["SideBranch"]
 

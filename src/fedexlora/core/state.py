@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedexlora.core.aggregation import (
+from fedexlora.core.aggregation import aggregate
+from fedexlora.core.factors import (
     Residual,
     _gram_fro2,
-    aggregate,
     deviation,
     factor_product,
     normalize_weights,
