@@ -361,21 +361,24 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
     from fedexlora.run.pipeline import RunError, run_experiment
 
     console.print(f"[bold]fedex-lora[/bold] run -> {out}  methods={','.join(cfg.methods)}")
-    try:
-        if cfg.engine == "flower":
+
+    def run_one(c, directory, again: bool) -> list[dict]:
+        if c.engine == "flower":
             from fedexlora.flower.simulation import run_flower_experiment
 
-            rows = run_flower_experiment(
-                cfg, out, progress=progress, console=console, resume=resume
+            return run_flower_experiment(
+                c, directory, progress=progress, console=console, resume=again
             )
-        elif len(tasks) > 1:
-            from fedexlora.run.recipes import get_recipe, run_recipe
+        return run_experiment(c, directory, resume=again, progress=progress, console=console)
 
-            run_recipe(cfg, get_recipe(cfg.recipe), out, progress=progress, console=console)
+    try:
+        if len(tasks) > 1:  # every task of a multi-task recipe, on either engine
+            from fedexlora.run.lifecycle import run_tasks
+
+            run_tasks(cfg, tasks, out, run_one, say=console.print)
             console.print(f"wrote {out / 'summary.md'}")
             return
-        else:
-            rows = run_experiment(cfg, out, resume=resume, progress=progress, console=console)
+        rows = run_one(cfg, out, resume)
         _print_final_table(rows, cfg.recipe)
         console.print(f"wrote {out / 'metrics.jsonl'}, {out / 'summary.md'}")
         if cfg.export:

@@ -194,7 +194,7 @@ def _partition(context: Context, num_clients: int) -> int:
 def _task_and_data(cfg, fingerprint: str, method: str):
     """The task and prepared data (cached per process); a fresh model when just loaded."""
     from fedexlora.run.engine import new_model, prepare
-    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.restore import load_task_for
 
     hit = _DATA.get(fingerprint)
     if hit is not None:

@@ -26,7 +26,8 @@ __all__ = [
 ]
 
 _FORMAT = 1
-_BASE = "base_deltas.safetensors"
+BASE_DELTAS = "base_deltas.safetensors"  # a checkpoint's accumulated residuals
+_BASE = BASE_DELTAS
 _TENSORS = "tensors.safetensors"
 
 

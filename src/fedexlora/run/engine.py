@@ -418,7 +418,9 @@ def save_client_adapter(
     model, out_dir: Path, rnd: int, client: int, num_examples: int, weight: float | None = None
 ) -> Path:
     """Writes the model's current adapter as a PEFT adapter directory with ``meta.json``."""
-    dest = Path(out_dir) / "clients" / f"round-{rnd}" / f"client-{client}"
+    from fedexlora.run.layout import RunLayout
+
+    dest = RunLayout(out_dir).client_adapter(rnd, client)
     model.save_pretrained(str(dest))
     meta = {"round": rnd, "client": client, "num_examples": num_examples}
     if weight is not None:

@@ -27,7 +27,8 @@ from fedexlora.bridge.models import resolve_model
 from fedexlora.config import load_config
 from fedexlora.core.aggregation import Residual
 from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
-from fedexlora.run.pipeline import RunError, load_task_for, restore_model
+from fedexlora.run.layout import RunError, RunLayout
+from fedexlora.run.restore import load_task_for, restore_model
 
 __all__ = ["ExportResult", "export_model"]
 
@@ -67,10 +68,11 @@ def export_model(
         RunError: If the run directory or checkpoint is missing, or the export would not
             be exact and ``allow_inexact`` is not set.
     """
-    run = Path(run_dir)
-    if not (run / "config.toml").is_file():
+    layout = RunLayout(run_dir)
+    run = layout.root
+    if not layout.config.is_file():
         raise RunError(f"{str(run)!r} is not a run directory (no config.toml)")
-    cfg = load_config(run / "config.toml")
+    cfg = load_config(layout.config)
     fmt = fmt or cfg.resolved_export_format
     dtype = dtype or cfg.export_dtype
     allow = cfg.allow_inexact if allow_inexact is None else allow_inexact
@@ -86,7 +88,7 @@ def export_model(
     method = method or cfg.methods[0]
     if method not in cfg.methods:
         raise RunError(f"method {method!r} is not in this run; it has {cfg.methods}")
-    ckpt = latest_checkpoint(run / "checkpoints" / method)
+    ckpt = latest_checkpoint(layout.checkpoints(method))
     if ckpt is None:
         raise RunError(f"run {str(run)!r} has no checkpoint for method {method!r}")
     task = load_task_for(cfg)

@@ -14,10 +14,8 @@ reports each task and the average, as the paper's tables do.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -28,7 +26,6 @@ __all__ = [
     "paper_beside",
     "paper_section",
     "recipe_table",
-    "run_recipe",
 ]
 
 PAPER_METHODS = ("centralized", "fedit", "ffa", "fedex")
@@ -248,10 +245,6 @@ def recipe_table() -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def _task_dir(task: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", task)
-
-
 def _measured(rows: list[dict], metric: str) -> dict[str, float]:
     """Per method, the final value of the task's primary metric x100."""
     from fedexlora.run.report import primary_metric
@@ -344,31 +337,3 @@ def recipe_section(cfg, rows: list[dict]) -> str | None:
         return None
     r = get_recipe(cfg.recipe)
     return paper_section(r, {cfg.task or r.tasks[0]: rows})
-
-
-def run_recipe(cfg, recipe: Recipe, out_dir: str | Path, *, progress=True, console=None):
-    """Runs every task of a multi-task recipe in ``out_dir/<task>/``, then the summary.
-
-    Returns:
-        Per task, its metrics rows.
-    """
-    from fedexlora.run.pipeline import run_experiment
-    from fedexlora.run.report import read_metrics
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    say = console.print if console is not None else print
-    per_task = {}
-    for i, task in enumerate(recipe.tasks, 1):
-        d = out / _task_dir(task)
-        resume = (d / "config.toml").is_file()
-        say(f"[{i}/{len(recipe.tasks)}] {recipe.name}: task {task} -> {d}")
-        done = resume and len(read_metrics(d / "metrics.jsonl")) == len(cfg.methods) * cfg.rounds
-        if not done:
-            run_experiment(cfg.replace(task=task), d, resume=resume, progress=progress,
-                           console=console)  # fmt: skip
-        per_task[task] = read_metrics(d / "metrics.jsonl")
-    text = f"# fedex-lora recipe {recipe.name}\n\n" + paper_section(recipe, per_task)
-    (out / "summary.md").write_text(text)
-    say(text)
-    return per_task

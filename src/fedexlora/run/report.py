@@ -7,6 +7,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from fedexlora.run.layout import RunLayout
+
 __all__ = [
     "best_value",
     "final_rows",
@@ -147,12 +149,12 @@ def write_summary(
     ``extra`` is a markdown section put before the plots (a recipe's paper figures beside
     the run's).
     """
-    out = Path(out_dir)
+    layout = RunLayout(out_dir)
     header, cells = summary_table(rows)
-    plot_metrics(rows, out / "metrics.png")
+    plot_metrics(rows, layout.metrics_plot)
     has_dev = any(r["deviation"].get("per_layer") for r in rows)
     if has_dev:
-        plot_deviation(rows, out / "deviation.png")
+        plot_deviation(rows, layout.deviation_plot)
     parts = [
         "# fedex-lora run summary",
         "",
@@ -212,12 +214,12 @@ def write_summary(
             parts.append(f"- {method}, round {rnd}: rejected client {cid}: {why}")
     if extra:
         parts += ["", extra]
-    parts += ["", "![metric per round](metrics.png)"]
+    parts += ["", f"![metric per round]({layout.metrics_plot.name})"]
     if has_dev:
-        parts += ["", "![per-layer deviation](deviation.png)"]
+        parts += ["", f"![per-layer deviation]({layout.deviation_plot.name})"]
     if config_text:
         parts += ["", "## Configuration", "", "```toml", config_text.strip(), "```"]
-    path = out / "summary.md"
+    path = layout.summary
     path.write_text("\n".join(parts) + "\n")
     return path
 

@@ -18,6 +18,8 @@ import math
 import os
 from pathlib import Path
 
+from fedexlora.run.layout import RunLayout
+
 __all__ = ["REPORTERS", "Trackers", "open_trackers", "row_scalars"]
 
 REPORTERS = ("tensorboard", "mlflow")
@@ -48,13 +50,14 @@ class Trackers:
     def __init__(self, names: list[str], out_dir: Path, config: dict, resume: bool):
         self.names = list(names)
         self.out = Path(out_dir)
+        self.layout = RunLayout(self.out)
         self._tb = None
         self._ml = None
         self._ml_run = None
         if "tensorboard" in self.names:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.out / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(self.layout.tensorboard))
             if not resume:
                 self._tb.add_text("config", _as_code(config))
         if "mlflow" in self.names:
@@ -67,9 +70,9 @@ class Trackers:
         if not uri:
             # Our default: a file store inside the run directory. MLflow 3 keeps file
             # stores in maintenance mode and refuses them unless this is set.
-            uri = (self.out / "mlruns").resolve().as_uri()
+            uri = self.layout.mlruns.resolve().as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        id_file = self.out / "mlflow_run_id.txt"
+        id_file = self.layout.mlflow_run_id
         try:
             client = MlflowClient(tracking_uri=uri)
             if resume and id_file.is_file():
@@ -108,14 +111,14 @@ class Trackers:
 
     def finish(self) -> None:
         """Adds the summary and plots, and closes every tracker."""
-        summary = self.out / "summary.md"
+        summary = self.layout.summary
         if self._tb is not None:
             if summary.is_file():
                 self._tb.add_text("summary", summary.read_text())
             self._tb.close()
             self._tb = None
         if self._ml is not None:
-            for p in [summary, self.out / "config.toml", *sorted(self.out.glob("*.png"))]:
+            for p in [summary, self.layout.config, *sorted(self.out.glob("*.png"))]:
                 if p.is_file():
                     self._ml.log_artifact(self._ml_run, str(p))
             self._ml.set_terminated(self._ml_run)
