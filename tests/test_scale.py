@@ -148,7 +148,7 @@ def test_reset_payload_round_trips_and_drops_what_was_folded(tiny_bert_dir):
 
 @pytest.mark.parametrize("method", ["fedex", "ffa"])
 def test_old_style_payload_without_reset_flag_still_loads(tiny_bert_dir, method):
-    from fedexlora.server.messages import Payload, _to_bytes
+    from fedexlora.core.messages import Payload, _to_bytes
 
     model = _model(tiny_bert_dir)
     server = Server(get_state(model), layer_info(model), num_clients=1, method=method)

@@ -5,8 +5,8 @@ import sys
 import warnings
 
 warnings.warn(
-    "fedexlora.messages moved to fedexlora.server.messages; import it from there",
+    "fedexlora.messages moved to fedexlora.core.messages; import it from there",
     DeprecationWarning,
     stacklevel=2,
 )
-sys.modules[__name__] = importlib.import_module("fedexlora.server.messages")
+sys.modules[__name__] = importlib.import_module("fedexlora.core.messages")

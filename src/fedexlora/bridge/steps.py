@@ -36,8 +36,8 @@ from fedexlora.bridge.adapters import (
     set_state,
     side_state,
 )
+from fedexlora.core.messages import ClientUpload, Payload, RoundOutcome
 from fedexlora.core.state import AdapterState
-from fedexlora.server.server import ClientUpload, Payload, RoundOutcome, Server
 
 __all__ = ["apply_outcome", "apply_payload", "client_state", "load_client_state", "make_upload"]
 
@@ -126,7 +126,7 @@ def make_upload(
 
 @torch.no_grad()
 def apply_outcome(
-    model, server: Server, outcome: RoundOutcome, uploads: list[ClientUpload] | None = None
+    model, server, outcome: RoundOutcome, uploads: list[ClientUpload] | None = None
 ) -> dict[str, float]:
     """Applies a round's outcome to the server's global model, and measures it there.
 

@@ -2,7 +2,7 @@
 
 The server holds the global adapter state, the base-weight version, and the residual
 history that clients who skipped rounds need to catch up (the messages themselves are in
-:mod:`fedexlora.server.messages`, re-exported here). It samples clients, builds each
+:mod:`fedexlora.core.messages`, re-exported here). It samples clients, builds each
 client's payload, validates uploads and aggregates them. It never touches a model: engines
 fold the returned residuals into whatever model they hold (see :mod:`fedexlora.bridge.adapters`).
 """
@@ -15,8 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from fedexlora.core.aggregation import Residual
-from fedexlora.core.state import AdapterState, LayerInfo, aggregate_states
-from fedexlora.server.messages import (
+from fedexlora.core.messages import (
     ClientUpload,
     Payload,
     RoundOutcome,
@@ -24,6 +23,7 @@ from fedexlora.server.messages import (
     example_count,
     validate_upload,
 )
+from fedexlora.core.state import AdapterState, LayerInfo, aggregate_states
 
 __all__ = [
     "ClientUpload",
