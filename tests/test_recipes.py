@@ -209,3 +209,28 @@ def test_one_task_of_a_multi_task_recipe(tmp_path, hub_dir, tiny_bert_dir):
     out = " ".join(res.output.split())
     assert "note: the paper's figure for paper-glue-roberta-large is the average over 6" in out
     assert "86.39" not in next(ln for ln in res.output.splitlines() if ln.startswith("│ fedex"))
+
+
+@pytest.mark.integration
+def test_multi_task_recipe_runs_every_task_under_flower(tmp_path, hub_dir, tiny_bert_dir,
+                                                        monkeypatch):  # fmt: skip
+    """--engine flower used to run only a multi-task recipe's first task, silently."""
+    import dataclasses
+
+    from fedexlora.run import recipes
+
+    two = dataclasses.replace(recipes.RECIPES["paper-glue-roberta-base"],
+                              tasks=("glue/sst2", "glue/rte"))  # fmt: skip
+    monkeypatch.setitem(recipes.RECIPES, two.name, two)
+    res = _run(tmp_path, "--recipe", two.name, "--engine", "flower", "--model", tiny_bert_dir,
+               "--data-dir", str(hub_dir), "--rounds", "1", "--local-steps", "1",
+               "--clients", "2", "--batch-size", "8", "--max-length", "16",
+               "--min-partition-size", "2", "--method", "fedex")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "run"
+    for task in ("glue-sst2", "glue-rte"):
+        rows = [json.loads(x) for x in (run / task / "metrics.jsonl").read_text().splitlines()]
+        assert [(r["method"], r["round"]) for r in rows] == [("fedex", 1)], task
+        assert (run / task / "summary.md").is_file() and (run / task / "partitions.txt").is_file()
+    text = (run / "summary.md").read_text()
+    assert "| glue/sst2 | " in text and "| glue/rte | " in text
