@@ -21,6 +21,7 @@ from fedexlora.core.factors import (
     factor_product,
     normalize_weights,
 )
+from fedexlora.core.methods import get_method
 
 __all__ = ["AdapterState", "LayerInfo", "RoundAggregate", "aggregate_states"]
 
@@ -149,7 +150,11 @@ def aggregate_states(
         factors[name] = (res.A, res.B)
         residuals[name] = res.residual
         dev[name] = deviation(As, Bs, p)
-        eff[name] = dev[name] if method == "fedit" else _effective_deviation(As, Bs, p, res)
+        # aggregate() has accepted the method: the registry knows it
+        if get_method(method).effective_is_deviation:
+            eff[name] = dev[name]
+        else:
+            eff[name] = _effective_deviation(As, Bs, p, res)
     extra = {
         name: torch.einsum(
             "k,k...->...",

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import typer
 
+from fedexlora.core.methods import REGISTRY
+
 __all__ = [
     "COMM_METHODS",
     "LayerShape",
@@ -49,7 +51,18 @@ __all__ = [
     "shape_from_model",
 ]
 
-COMM_METHODS = ("fedit", "ffa", "flora", "fedsb", "fedex-dense", "fedex", "full-ft")
+# The method measured against a baseline (FedEx-LoRA): the table's reference, last of the
+# registered methods, after its bench-only dense variant.
+_OURS = next(name for name, spec in REGISTRY.items() if spec.baseline)
+_FEDERATED = tuple(name for name, spec in REGISTRY.items() if spec.federated)
+# Every federated method of the registry, then two rows of the bench's own: FedEx-LoRA's
+# dense residual as the released code sends it, and full fine-tuning.
+COMM_METHODS = (
+    *(m for m in _FEDERATED if m != _OURS),
+    "fedex-dense",
+    _OURS,
+    "full-ft",
+)
 
 _LABELS = {
     "fedit": "FedIT",
@@ -60,6 +73,12 @@ _LABELS = {
     "fedex": "FedEx-LoRA, factored residual (ours)",
     "full-ft": "full fine-tuning of the adapted layers only",
 }
+
+
+def _label(method: str) -> str:
+    """A row's label: the bench's own, or the registered method's title."""
+    return _LABELS.get(method) or REGISTRY[method].title
+
 
 bench_app = typer.Typer(
     no_args_is_help=True,
@@ -202,50 +221,42 @@ def _layer_bytes(
     g = torch.Generator().manual_seed(seed)
     As = [torch.randn(rank, n, generator=g) / n**0.5 for _ in range(clients)]
     Bs = [torch.randn(d, rank, generator=g) / d**0.5 for _ in range(clients)]
-    up_ab = _nbytes(As[0]) + _nbytes(Bs[0])
-    out: dict[str, dict] = {}
-
-    fedit = aggregate(As, Bs, method="fedit")
-    out["fedit"] = {"down": _nbytes(fedit.A) + _nbytes(fedit.B), "up": up_ab, "residual": 0}
-
-    shared = [As[0]] * clients
-    ffa = aggregate(shared, Bs, method="ffa")
-    out["ffa"] = {"down": _nbytes(ffa.B), "up": _nbytes(Bs[0]), "residual": 0}
-
-    # Fed-SB in the server's (latent) coordinates: A = I shared, B = the r x r core R
+    # a latent method (Fed-SB) in the server's coordinates: A = I shared, B = the r x r core
     q = min(sb_rank, d, n)
     cores = [torch.randn(q, q, generator=g) for _ in range(clients)]
-    sb = aggregate([torch.eye(q)] * clients, cores, method="fedsb")
-    out["fedsb"] = {"down": _nbytes(sb.B), "up": _nbytes(cores[0]), "residual": 0}
-
-    flora = aggregate(As, Bs, method="flora", generator=g)
-    res = flora.residual
-    out["flora"] = {
-        "down": _nbytes(flora.A) + _nbytes(flora.B) + res.nbytes,
-        "up": up_ab,
-        "residual": res.nbytes,
-        "residual_rank": res.rank,
-        "factored": res.is_factored,
-    }
-
-    fedex = aggregate(As, Bs, method="fedex")
-    res = fedex.residual
-    ab = _nbytes(fedex.A) + _nbytes(fedex.B)
-    dense = _nbytes(res.to_dense())
-    out["fedex-dense"] = {
-        "down": ab + dense,
-        "up": up_ab,
-        "residual": dense,
-        "residual_rank": res.rank,
-        "factored": False,
-    }
-    out["fedex"] = {
-        "down": ab + res.nbytes,
-        "up": up_ab,
-        "residual": res.nbytes,
-        "residual_rank": res.rank,
-        "factored": res.is_factored,
-    }
+    up_ab = _nbytes(As[0]) + _nbytes(Bs[0])
+    out: dict[str, dict] = {}
+    for m in _FEDERATED:
+        spec = REGISTRY[m]
+        if spec.latent:  # only the core travels, each way
+            res = aggregate([torch.eye(q)] * clients, cores, method=m, generator=g)
+            out[m] = {"down": _nbytes(res.B), "up": _nbytes(cores[0]), "residual": 0}
+        elif spec.frozen_A:  # A was sent once, in round 1: only B travels
+            res = aggregate([As[0]] * clients, Bs, method=m, generator=g)
+            out[m] = {"down": _nbytes(res.B), "up": _nbytes(Bs[0]), "residual": 0}
+        else:
+            res = aggregate(As, Bs, method=m, generator=g)
+            ab = _nbytes(res.A) + _nbytes(res.B)
+            if not spec.exact:  # averaged factors alone: no residual
+                out[m] = {"down": ab, "up": up_ab, "residual": 0}
+                continue
+            r = res.residual  # exact with both factors trained: a residual travels down
+            out[m] = {
+                "down": ab + r.nbytes,
+                "up": up_ab,
+                "residual": r.nbytes,
+                "residual_rank": r.rank,
+                "factored": r.is_factored,
+            }
+            if m == _OURS:  # and as the released code sends it: dense
+                dense = _nbytes(r.to_dense())
+                out["fedex-dense"] = {
+                    "down": ab + dense,
+                    "up": up_ab,
+                    "residual": dense,
+                    "residual_rank": r.rank,
+                    "factored": False,
+                }
 
     weight = _nbytes(torch.empty(d, n, dtype=torch.float32))
     out["full-ft"] = {"down": weight, "up": weight, "residual": 0}
@@ -297,7 +308,7 @@ def comm_table(
         row = {
             "model": shape.name,
             "method": m,
-            "label": _LABELS[m],
+            "label": _label(m),
             "rank": rank,
             "clients": clients,
             "layers": shape.num_layers,
@@ -308,7 +319,7 @@ def comm_table(
             "residual_per_client": sum(g.count * b[m]["residual"] for g, b in per_group),
             "extra_bytes": extra,
         }
-        if m == "fedsb":
+        if m in REGISTRY and REGISTRY[m].latent:  # at its own rank
             row["rank"] = fedsb_rank
         if "residual_rank" in per_group[0][1][m]:
             row["residual_rank"] = {
@@ -317,7 +328,7 @@ def comm_table(
             row["factored"] = all(b[m]["factored"] for _, b in per_group)
         rows.append(row)
     by = {r["method"]: r for r in rows}
-    ours = by["fedex"]
+    ours = by[_OURS]
     for r in rows:
         r["down_vs_fedex"] = r["down_per_client"] / ours["down_per_client"]
     dense = by["fedex-dense"]
@@ -363,7 +374,7 @@ def _print_table(rows: list[dict], console) -> None:
             f"{r['down_vs_fedex']:.2f}x",
         )
     console.print(table)
-    ours = next(r for r in rows if r["method"] == "fedex")
+    ours = next(r for r in rows if r["method"] == _OURS)
     ranks = ", ".join(f"{g} rank {q}" for g, q in ours.get("residual_rank", {}).items())
     console.print(
         f"  fedex residual dense/factored {ours['residual_dense_over_factored']:.1f}x, "
@@ -381,8 +392,8 @@ def _print_table(rows: list[dict], console) -> None:
 
 def _print_legend(console) -> None:
     console.print("methods (down = server to one client, up = one client to server):")
-    for m, label in _LABELS.items():
-        console.print(f"  {m:<12} {label}", highlight=False)
+    for m in COMM_METHODS:
+        console.print(f"  {m:<12} {_label(m)}", highlight=False)
     console.print(
         "  down/up are a steady-state round (round 2 on); 'residual' is the residual part "
         "of down/client; 'vs ours' is down/client relative to fedex",

@@ -19,6 +19,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from fedexlora.config import RESUME_SAFE, RunConfig, validate_mapping
+from fedexlora.core.methods import REGISTRY
 from fedexlora.experiments.cells import Cell, Setting
 from fedexlora.experiments.compare_report import (
     _aggregate,
@@ -95,8 +96,10 @@ def _plan(
                 "many local steps in all"
             )
     methods = list(base.methods)
-    ceiling = total_steps is not None and "centralized" in methods
-    fed_methods = [m for m in methods if m != "centralized"] if ceiling else methods
+    # the pooled, one-party references (centralized): a ceiling once per client count
+    pooled = list(dict.fromkeys(m for m in methods if m in REGISTRY and not REGISTRY[m].federated))
+    ceiling = total_steps is not None and bool(pooled)
+    fed_methods = [m for m in methods if m not in pooled] if ceiling else methods
     if not fed_methods:
         raise ValueError("the grid needs a federated method besides centralized")
     plan = []
@@ -121,9 +124,10 @@ def _plan(
                             changes["dp_epsilon"] = None if math.isinf(eps) else eps
                         cell = Cell(s, r, st, seed, epsilon=eps)
                         plan.append((cell, base.replace(**changes).validate()))
-    if ceiling:  # centralized once per client count: all clients' steps in one round
+    # centralized once per client count: all clients' steps in one round
+    for ref in pooled if ceiling else []:
         for k in sorted({s.num_clients for s in settings}):
-            s = Setting(f"centralized-{k}", k, "iid")
+            s = Setting(f"{ref}-{k}", k, "iid")
             for r in ranks:
                 for seed in seeds:
                     cfg = base.replace(
@@ -131,7 +135,7 @@ def _plan(
                         partition="iid",
                         lora_r=r,
                         seed=seed,
-                        methods=["centralized"],
+                        methods=[ref],
                         local_steps=total_steps,
                         rounds=1,
                     ).validate()

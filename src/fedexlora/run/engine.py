@@ -20,6 +20,7 @@ import torch
 from fedexlora.bridge.adapters import get_state, layer_info
 from fedexlora.bridge.steps import apply_outcome, make_upload
 from fedexlora.config import RunConfig
+from fedexlora.core.methods import get_method
 from fedexlora.server.server import ClientUpload, RoundOutcome, Server, example_count
 from fedexlora.training.local import Encoded, encode, evaluate, train_local
 
@@ -86,27 +87,29 @@ def new_model(cfg: RunConfig, task, method: str):
     """
     from fedexlora.bridge.models import load_model
 
-    fedsb = method == "fedsb"
+    spec = get_method(method)
+    latent = spec.latent  # Fed-SB: an r x r core between frozen A and B, at its own rank
     model, tokenizer = load_model(
         cfg.model,
         causal=task.kind == "causal_lm",
         num_labels=max(task.num_labels, 1),
-        r=cfg.fedsb_rank if fedsb else cfg.lora_r,
-        alpha=float(cfg.fedsb_rank) if fedsb else cfg.lora_alpha,  # Fed-SB: alpha = r
+        r=cfg.fedsb_rank if latent else cfg.lora_r,
+        alpha=float(cfg.fedsb_rank) if latent else cfg.lora_alpha,  # Fed-SB: alpha = r
         dropout=cfg.lora_dropout,
         target_modules=cfg.target_modules,
         rslora=cfg.rslora,
         seed=cfg.seed,
-        freeze_A=method == "ffa",
+        # a latent method's frozen A (and B) are set by its own install below
+        freeze_A=spec.frozen_A and not latent,
         dtype=torch_dtype(cfg.dtype),
         quantization=cfg.quantization,
         double_quant=cfg.double_quant,
     )
     check_max_length(cfg, model)
-    if fedsb:
+    if latent:
         _install_fedsb(cfg, task, model, tokenizer)
     for r in sorted(set(cfg.client_ranks or [])):
-        if method in ("fedex", "flora") and r != cfg.lora_r:  # heterogeneous client ranks
+        if spec.hetero_ranks and r != cfg.lora_r:  # heterogeneous client ranks
             model.add_adapter(f"rank{r}", dataclasses.replace(model.peft_config["default"], r=r))
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -151,7 +154,7 @@ def _install_fedsb(cfg: RunConfig, task, model, tokenizer) -> None:
 
 def client_adapter(cfg: RunConfig, method: str, client: int) -> str | None:
     """The peft adapter a client trains when its rank differs from the global one."""
-    if not cfg.client_ranks or method not in ("fedex", "flora"):
+    if not cfg.client_ranks or not get_method(method).hetero_ranks:
         return None
     r = cfg.client_ranks[client]
     return None if r == cfg.lora_r else f"rank{r}"
@@ -159,7 +162,8 @@ def client_adapter(cfg: RunConfig, method: str, client: int) -> str | None:
 
 def new_server(cfg: RunConfig, method: str, model) -> Server:
     """The server of one method, from the freshly loaded model's adapters."""
-    centralized = method == "centralized"
+    spec = get_method(method)
+    centralized = not spec.federated  # one party: its server's math, one client
     client_layers = {}
     for c in range(cfg.num_clients):
         name = client_adapter(cfg, method, c)
@@ -168,7 +172,7 @@ def new_server(cfg: RunConfig, method: str, model) -> Server:
     return Server(
         get_state(model, adapter="default"),
         layer_info(model, "default"),
-        method="fedex" if centralized else method,
+        method=spec.server,
         num_clients=1 if centralized else cfg.num_clients,
         fraction=1.0 if centralized else cfg.fraction,
         weighting=cfg.weighting,
@@ -366,7 +370,7 @@ def local_update(
         autocast=autocast_dtype(cfg),
         dp=dp,
     )
-    frozen_A = method in ("ffa", "fedsb")  # fedsb: A is I in its latent coordinates
+    frozen_A = get_method(method).frozen_A  # latent (Fed-SB): A is I in its coordinates
     return make_upload(
         model, res.num_examples, client_id=client, train_loss=res.loss, include_A=not frozen_A
     )

@@ -75,7 +75,9 @@ def run_method(
             bring the client to (checks, benchmarks).
         history: This method's rows so far (a resume): DP budgets continue from them.
     """
-    centralized = method == "centralized"
+    from fedexlora.core.methods import get_method
+
+    centralized = not get_method(method).federated
     if model is None:
         model, _ = new_model(cfg, prep.task, method)
     parts = [sorted(i for p in prep.parts for i in p)] if centralized else prep.parts

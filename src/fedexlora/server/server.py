@@ -23,6 +23,7 @@ from fedexlora.core.messages import (
     example_count,
     validate_upload,
 )
+from fedexlora.core.methods import REGISTRY, method_names
 from fedexlora.core.state import AdapterState, LayerInfo, aggregate_states
 
 __all__ = [
@@ -95,12 +96,20 @@ class Server:
         self.feedback: dict[str, Residual] = {}  # lossy mode: residual kept back
         self.base_delta: dict[str, Residual] = {}  # sum of residuals folded so far
         self.client_layers = {int(c): dict(v) for c, v in (client_layers or {}).items()}
-        if self.client_layers and method not in ("fedex", "flora"):
-            raise ValueError(
-                f"heterogeneous client ranks need method 'fedex' or 'flora', got {method!r}"
-            )
+        if self.client_layers and not self._has("hetero_ranks"):
+            hetero = " or ".join(repr(m) for m in method_names(hetero_ranks=True))
+            raise ValueError(f"heterogeneous client ranks need method {hetero}, got {method!r}")
         self.remainder: dict[int, dict[str, Residual]] = {}  # hetero: T_i each client holds
         self.sent: dict[int, AdapterState] = {}  # hetero: the view each client trains from
+
+    def _has(self, flag: str) -> bool:
+        """Whether the method's spec sets ``flag`` (an unknown method, none: it fails later).
+
+        An unknown name is refused where it is aggregated
+        (:func:`fedexlora.core.aggregation.aggregate`), as before the registry.
+        """
+        spec = REGISTRY.get(self.method)
+        return spec is not None and bool(getattr(spec, flag))
 
     # -- sampling and payloads -------------------------------------------------------
     def sample(self, rnd: int) -> list[int]:
@@ -113,7 +122,7 @@ class Server:
 
     def upload_template(self) -> AdapterState:
         """What a valid upload contains (FFA-LoRA clients send no A)."""
-        if self.method in ("ffa", "fedsb"):
+        if self._has("frozen_A"):
             return AdapterState(
                 factors={k: (None, B) for k, (_, B) in self.state.factors.items()},
                 extra=self.state.extra,
@@ -169,7 +178,7 @@ class Server:
             residuals = from_w0
             self.remainder.pop(client_id, None)  # heterogeneous ranks: nothing folded
         state = self.state
-        if self.method in ("ffa", "fedsb") and not reset:
+        if self._has("frozen_A") and not reset:
             state = self.upload_template()  # A is frozen and already held
         if client_id in self.client_layers:
             state, residuals = self._hetero_view(client_id, residuals)
@@ -328,7 +337,7 @@ class Server:
             weights = [float(example_count(u.num_examples)[0]) for u in accepted]
         else:
             weights = None
-        if generator is None and self.method == "flora":
+        if generator is None and self._has("fresh_adapter"):
             generator = torch.Generator().manual_seed(self.seed * 7919 + self.round)
         states = [self._to_global(u) for u in accepted]
         agg = aggregate_states(
@@ -346,7 +355,7 @@ class Server:
         elif self.side_rank is not None:
             residuals, capped, feedback_norm = self._cap_side(residuals)
         new_state = agg.state
-        if self.method in ("ffa", "fedsb"):  # keep the frozen global A (fedsb: I)
+        if self._has("frozen_A"):  # keep the frozen global A (latent, Fed-SB: I)
             new_state = AdapterState(
                 factors={
                     k: (self.state.factors[k][0], B) for k, (_, B) in new_state.factors.items()
