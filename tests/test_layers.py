@@ -21,7 +21,7 @@ ALLOWED = {
     "run": {"core", "server", "bridge", "tasks", "training"},
     "flower": {"core", "server", "bridge", "tasks", "training", "run"},
     "experiments": {"core", "server", "bridge", "tasks", "training", "run", "flower"},
-    "cli": {"core", "server", "bridge", "tasks", "training", "run", "flower", "experiments"},
+    "cli": {"core", "server", "bridge", "tasks", "training", "run", "flower", "experiments", "api"},
     "leaf": {"core"},  # config.py and quiet.py: the registry is all config may ask
 }
 LEAVES = {"config", "quiet"}
