@@ -97,9 +97,10 @@ def child(args) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
+    import fedexlora.run.simulation as simulation
     from fedexlora.bridge.adapters import effective_weight, load_side_state, lora_layers, side_state
     from fedexlora.bridge.steps import apply_payload
-    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.engine import new_model, new_server, prepare
     from fedexlora.run.pipeline import load_task_for
     from fedexlora.run.simulation import run_method
 
@@ -108,6 +109,7 @@ def child(args) -> dict:
     task = load_task_for(cfg)
     model, tok = new_model(cfg, task, "fedex")
     prep = prepare(cfg, tok, task)
+    server = new_server(cfg, "fedex", model)
     probe = new_model(cfg, task, "fedex")[0] if args.verify else None
     w0 = (
         {n: effective_weight(x, lora=False) for n, x in lora_layers(probe).items()}
@@ -154,9 +156,29 @@ def child(args) -> dict:
                 str(snaps / f"v{server.version}.safetensors"),
             )
 
-    rows, _, server = run_method(
-        cfg, "fedex", prep, progress=False, after_round=after_round, on_payload=on_payload
-    )
+    # Each client's payload is checked as it starts training, while the shared model holds
+    # the global model: the engine's payload_for and local_update are wrapped (this child
+    # process runs one configuration and exits).
+    sent = {}
+    real_payload_for, real_update = server.payload_for, simulation.local_update
+
+    def payload_for(c):
+        sent[c] = real_payload_for(c)
+        return sent[c]
+
+    def local_update(run_cfg, method, mdl, data, rnd, c, **kwargs):
+        on_payload(c, sent.pop(c), mdl)
+        return real_update(run_cfg, method, mdl, data, rnd, c, **kwargs)
+
+    server.payload_for = payload_for
+    simulation.local_update = local_update
+    try:
+        rows, _, server = run_method(
+            cfg, "fedex", prep, progress=False, model=model, server=server, after_round=after_round
+        )
+    finally:
+        simulation.local_update = real_update
+        del server.payload_for
     import resource
 
     return {

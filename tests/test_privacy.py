@@ -33,12 +33,21 @@ def test_noise_multiplier_spends_the_budget_by_an_independent_accountant(tiny_cf
         assert less > epsilon  # 1% less noise would pass the budget
 
 
-def test_dp_run_is_private_by_its_log_and_fedex_stays_exact(tiny_cfg):
+def test_dp_run_is_private_by_its_log_and_fedex_stays_exact(tiny_cfg, monkeypatch):
+    import fedexlora.run.simulation as simulation
     from fedexlora.run.engine import new_model, prepare
     from fedexlora.run.pipeline import load_task_for
     from fedexlora.run.simulation import run_method
     from test_examples import _weights, hand_ideal
 
+    uploads = []  # what the clients of the current round sent
+    real_update = simulation.local_update
+
+    def keep(*args, **kwargs):
+        uploads.append(real_update(*args, **kwargs))
+        return uploads[-1]
+
+    monkeypatch.setattr(simulation, "local_update", keep)
     cfg = tiny_cfg.replace(dp_epsilon=3.0, dp_delta=1e-3, rounds=2, local_steps=4).validate()
     task = load_task_for(cfg)
     rows_by = {}
@@ -46,18 +55,14 @@ def test_dp_run_is_private_by_its_log_and_fedex_stays_exact(tiny_cfg):
         model, tok = new_model(cfg, task, method)
         w0 = _weights(model)
         prep = prepare(cfg, tok, task)
-        history, uploads = [], []
+        history = []
 
-        def keep(rnd, c, up, _ups=uploads):
-            _ups.append(up)
-            return up
-
-        def after_round(row, srv, mdl, _ups=uploads, _hist=history):
-            _hist.append((None, list(_ups)))
-            _ups.clear()
+        def after_round(row, srv, mdl, _hist=history):
+            _hist.append((None, list(uploads)))
+            uploads.clear()
 
         rows, model, _ = run_method(
-            cfg, method, prep, progress=False, model=model, tamper=keep, after_round=after_round
+            cfg, method, prep, progress=False, model=model, after_round=after_round
         )
         rows_by[method] = rows
         if method == "fedex":  # the global model is the ideal average of the DP uploads

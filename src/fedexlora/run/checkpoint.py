@@ -12,9 +12,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from fedexlora.core.aggregation import residuals_from_flat, residuals_to_flat
-from fedexlora.core.state import AdapterState
-from fedexlora.server.server import Server
+from fedexlora.server.server import Server, ServerStateMismatch
 
 __all__ = [
     "CheckpointError",
@@ -29,6 +27,21 @@ _FORMAT = 1
 BASE_DELTAS = "base_deltas.safetensors"  # a checkpoint's accumulated residuals
 _BASE = BASE_DELTAS
 _TENSORS = "tensors.safetensors"
+# What meta.json holds of Server.state_dict() (its tensors are in _TENSORS), and what
+# stands for a key in checkpoints written before it existed (without last_sizes,
+# payloads say keep until the next round; without sent_clients, heterogeneous views are
+# rebuilt when each client is next sampled).
+_SERVER_KEYS = (
+    "round",
+    "version",
+    "method",
+    "client_version",
+    "history_versions",
+    "remainder_clients",
+    "last_sizes",
+    "sent_clients",
+)
+_SERVER_DEFAULTS = {"remainder_clients": [], "last_sizes": {}, "sent_clients": []}
 
 
 class CheckpointError(ValueError):
@@ -42,10 +55,6 @@ class CheckpointError(ValueError):
     def __init__(self, message: str, *, corrupt: bool = False):
         super().__init__(message)
         self.corrupt = corrupt
-
-
-def _crash_point(step: str) -> None:
-    """Called between the steps of :func:`save_checkpoint`; tests inject failures here."""
 
 
 def config_fingerprint(cfg_dict: dict) -> str:
@@ -66,6 +75,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_all(directory: Path) -> None:
+    """Flushes every file in ``directory`` to disk, then the directory itself."""
+    for f in directory.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    _fsync_dir(directory)
+
+
 def save_checkpoint(
     directory: str | Path,
     server: Server,
@@ -81,10 +98,15 @@ def save_checkpoint(
     directory that is renamed into place only when complete, and older checkpoints are
     pruned only after that, so a crash at any moment leaves the previous one intact.
 
-    The tensors hold the global state, the accumulated base-weight deltas of the adapted
-    layers (never a full model), the residual history and the lossy-mode feedback.
-    ``meta`` (JSON) carries whatever the engine needs to resume: metrics so far, the
+    The server is saved through :meth:`~fedexlora.server.Server.state_dict`: its tensors
+    (the global state, the accumulated base-weight deltas of the adapted layers, never a
+    full model, the residual history, the lossy-mode feedback) go to
+    ``tensors.safetensors``, the rest to ``meta.json``. ``meta`` (JSON, beside the
+    server's keys) carries whatever the engine needs to resume: metrics so far, the
     partition assignment, the config fingerprint.
+
+    Raises:
+        ValueError: If ``meta`` uses a key of the checkpoint's own.
     """
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
@@ -93,48 +115,30 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    flat = {f"state.{k}": v for k, v in server.state.to_flat().items()}
-    flat.update(residuals_to_flat("base_delta", server.base_delta))
-    flat.update(residuals_to_flat("feedback", server.feedback))
-    for v, res in server.history.items():
-        flat.update(residuals_to_flat(f"history{v}", res))
-    for c, res in server.remainder.items():  # heterogeneous ranks: T_c each client holds
-        flat.update(residuals_to_flat(f"remainder{c}", res))
-    flat = {k: t.detach().contiguous().clone() for k, t in flat.items()}
-    save_file(flat, str(tmp / _TENSORS))
-    _crash_point("tensors")
+    server_state = server.state_dict()
+    tensors = server_state.pop("tensors")
+    clash = sorted(set(meta) & ({"format", "files"} | set(server_state)))
+    if clash:
+        raise ValueError(f"meta must not use the checkpoint's own keys {clash}")
+    save_file(tensors, str(tmp / _TENSORS))
     if base is not None:
         save_file({k: v.detach().contiguous() for k, v in base.items()}, str(tmp / _BASE))
-        _crash_point("base")
     info = {
         "format": _FORMAT,
-        "round": server.round,
-        "version": server.version,
-        "method": server.method,
-        "client_version": {str(k): v for k, v in server.client_version.items()},
-        "history_versions": sorted(server.history),
-        "remainder_clients": sorted(server.remainder),
-        "last_sizes": {k: list(v) for k, v in server.last_sizes.items()},
+        **server_state,
         # what a complete checkpoint holds: checked by latest_checkpoint and the loader
         "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())},
         **meta,
     }
     (tmp / "meta.json").write_text(json.dumps(info, indent=1))
-    _crash_point("meta")
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    _fsync_dir(tmp)
-    _crash_point("fsync")
+    _fsync_all(tmp)
     if final.exists():  # only an incomplete one: resume always continues the newest
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
-    _crash_point("rename")
     done = [p for p in checkpoints(root) if p != final]
     for old in done[: max(len(done) - (keep - 1), 0)]:
         shutil.rmtree(old)
-        _crash_point("prune")
     return final
 
 
@@ -172,7 +176,7 @@ def load_checkpoint(path: str | Path, server: Server, *, fingerprint: str | None
     """Restores ``server`` from a checkpoint directory and returns its ``meta``.
 
     Everything is read and checked before the server is touched: it is restored
-    completely or not at all.
+    completely or not at all, by :meth:`~fedexlora.server.Server.load_state_dict`.
 
     Raises:
         CheckpointError: If the checkpoint is unreadable or incomplete (``corrupt``), from
@@ -205,37 +209,11 @@ def load_checkpoint(path: str | Path, server: Server, *, fingerprint: str | None
         raise CheckpointError(
             f"checkpoint {str(p)!r} is for method {info.get('method')!r}, not {server.method!r}"
         )
+    server_state = {**_SERVER_DEFAULTS, **{k: info[k] for k in _SERVER_KEYS if k in info}}
     try:
-        state = AdapterState.from_flat(
-            {k[6:]: v for k, v in flat.items() if k.startswith("state.")}
-        )
-        restored = {
-            "base_delta": residuals_from_flat("base_delta", flat),
-            "feedback": residuals_from_flat("feedback", flat),
-            "history": {
-                int(v): residuals_from_flat(f"history{v}", flat) for v in info["history_versions"]
-            },
-            "remainder": {
-                int(c): residuals_from_flat(f"remainder{c}", flat)
-                for c in info.get("remainder_clients", [])
-            },
-            "round": int(info["round"]),
-            "version": int(info["version"]),
-            "client_version": {int(k): int(v) for k, v in info["client_version"].items()},
-            # older checkpoints lack it: until the next round, payloads say keep
-            "last_sizes": {k: (int(a), int(b)) for k, (a, b) in info.get("last_sizes", {}).items()},
-        }
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise corrupt(f"{type(exc).__name__}: {exc}") from None
-    want = server.state.to_flat()
-    got = state.to_flat()
-    if set(want) != set(got) or any(tuple(want[k].shape) != tuple(got[k].shape) for k in want):
-        raise CheckpointError(
-            f"checkpoint {str(p)!r} does not match the model: its modules or shapes differ"
-        )
-    if set(restored["base_delta"]) - set(server.layers):
-        raise CheckpointError(f"checkpoint {str(p)!r} has base deltas for unknown modules")
-    server.state = state
-    for key, value in restored.items():
-        setattr(server, key, value)
+        server.load_state_dict({**server_state, "tensors": flat}, assign=True)
+    except ServerStateMismatch as exc:
+        raise CheckpointError(f"checkpoint {str(p)!r} does not match the model: {exc}") from None
+    except ValueError as exc:
+        raise corrupt(exc) from None
     return info

@@ -36,7 +36,7 @@ from fedexlora.run.engine import (
     round_row,
     save_client_adapter,
 )
-from fedexlora.server.server import ClientUpload, Payload, Server
+from fedexlora.server.server import Server
 
 __all__ = ["run_method"]
 
@@ -49,14 +49,16 @@ def run_method(
     out_dir: Path | None = None,
     on_row: Callable[[dict], None] | None = None,
     progress: bool = True,
-    tamper: Callable[[int, int, ClientUpload], ClientUpload] | None = None,
     model=None,
     server: Server | None = None,
     after_round: Callable[[dict, Server, torch.nn.Module], None] | None = None,
-    on_payload: Callable[[int, Payload, torch.nn.Module], None] | None = None,
     history: list[dict] | None = None,
 ):
     """Runs one method for ``cfg.rounds`` rounds and returns ``(rows, model, server)``.
+
+    Each sampled client gets ``server.payload_for(client)`` and trains through this
+    module's ``local_update`` (:func:`fedexlora.run.engine.local_update`), looked up when
+    called: tests wrap those two to watch payloads or play faulty clients.
 
     Args:
         cfg: The run configuration.
@@ -65,14 +67,9 @@ def run_method(
         out_dir: Where client adapters go when ``cfg.save_client_adapters`` is set.
         on_row: Called with each round's metrics row as soon as it exists.
         progress: Whether to show progress bars.
-        tamper: Test hook ``(round, client, upload) -> upload``: lets a test play a
-            faulty or hostile client.
         model: A model to use instead of loading one (with ``server``: already restored).
         server: A server restored from a checkpoint; training resumes after its round.
         after_round: Called with ``(row, server, model)`` after each round (checkpoints).
-        on_payload: Called with ``(client, payload, model)`` for each sampled client
-            before it trains, while ``model`` holds the global model that payload must
-            bring the client to (checks, benchmarks).
         history: This method's rows so far (a resume): DP budgets continue from them.
     """
     from fedexlora.core.methods import get_method
@@ -111,8 +108,6 @@ def run_method(
             bytes_down += payload.nbytes
             down_max = max(down_max, payload.nbytes)
             set_state(model, server.state)  # the shared base already holds the residuals
-            if on_payload is not None:
-                on_payload(c, payload, model)
             with _client_view(model, server, c, client_adapter(cfg, method, c)):
                 up = local_update(
                     cfg, method, model, client_data[c], rnd, c, steps=steps, progress=progress,
@@ -120,13 +115,10 @@ def run_method(
                 )  # fmt: skip
             if ledger is not None:
                 ledger.record(c, want)
-            num_examples = up.num_examples
-            if tamper is not None:
-                up = tamper(rnd, c, up)
             bytes_up += up.nbytes
             uploads.append(up)
             if cfg.save_client_adapters and out_dir is not None:
-                save_client_adapter(model, out_dir, rnd, c, num_examples)
+                save_client_adapter(model, out_dir, rnd, c, up.num_examples)
         outcome = server.aggregate(uploads)
         if cfg.save_client_adapters and out_dir is not None:
             for c, w in outcome.weights.items():
