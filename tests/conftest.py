@@ -7,6 +7,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs one worker per core: one thread each (and in the processes a test
+    # starts), instead of every worker's torch taking every core. Set before torch loads.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 WORDS = {
     0: ["goal", "match", "league", "coach", "striker", "season"],

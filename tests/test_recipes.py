@@ -211,22 +211,38 @@ def test_one_task_of_a_multi_task_recipe(tmp_path, hub_dir, tiny_bert_dir):
     assert "86.39" not in next(ln for ln in res.output.splitlines() if ln.startswith("│ fedex"))
 
 
-@pytest.mark.integration
 def test_multi_task_recipe_runs_every_task_under_flower(tmp_path, hub_dir, tiny_bert_dir,
                                                         monkeypatch):  # fmt: skip
-    """--engine flower used to run only a multi-task recipe's first task, silently."""
+    """--engine flower used to run only a multi-task recipe's first task, silently.
+
+    Each task must reach the Flower engine, in its own directory; the Flower engine itself
+    is tested elsewhere (test_flower.py), so here each call it gets is recorded and run
+    in-process, which writes the same run directory.
+    """
     import dataclasses
 
+    import fedexlora.flower.simulation as flower_sim
     from fedexlora.run import recipes
+    from fedexlora.run.pipeline import run_experiment
 
     two = dataclasses.replace(recipes.RECIPES["paper-glue-roberta-base"],
                               tasks=("glue/sst2", "glue/rte"))  # fmt: skip
     monkeypatch.setitem(recipes.RECIPES, two.name, two)
+    calls = []
+
+    def flower(cfg, out_dir, *, progress=True, console=None, resume=False, **_):
+        calls.append((cfg.engine, cfg.task, out_dir.name, resume))
+        return run_experiment(cfg.replace(engine="local"), out_dir, resume=resume,
+                              progress=False)  # fmt: skip
+
+    monkeypatch.setattr(flower_sim, "run_flower_experiment", flower)
     res = _run(tmp_path, "--recipe", two.name, "--engine", "flower", "--model", tiny_bert_dir,
                "--data-dir", str(hub_dir), "--rounds", "1", "--local-steps", "1",
                "--clients", "2", "--batch-size", "8", "--max-length", "16",
                "--min-partition-size", "2", "--method", "fedex")  # fmt: skip
     assert res.exit_code == 0, res.output
+    assert calls == [("flower", "glue/sst2", "glue-sst2", False),
+                     ("flower", "glue/rte", "glue-rte", False)]  # fmt: skip
     run = tmp_path / "run"
     for task in ("glue-sst2", "glue-rte"):
         rows = [json.loads(x) for x in (run / task / "metrics.jsonl").read_text().splitlines()]

@@ -30,6 +30,7 @@ from fedexlora.experiments.compare_report import (
     plot_privacy,
     privacy_report,
 )
+from fedexlora.run.layout import RunLayout
 from fedexlora.run.report import read_metrics
 
 __all__ = [
@@ -220,9 +221,9 @@ def run_grid(
             say(label)
         run_experiment(cfg, d, resume=action == "resume", progress=progress, console=console)
         if action == "resume":  # a resume keeps the old config.toml: record the rounds run
-            (d / "config.toml").write_text(cfg.to_toml())
+            RunLayout(d).config.write_text(cfg.to_toml())
     elapsed = time.perf_counter() - t0
-    rows = {cell: read_metrics(out / cell.dirname() / "metrics.jsonl") for cell, _ in plan}
+    rows = {cell: read_metrics(RunLayout(out / cell.dirname()).metrics) for cell, _ in plan}
     cfgs = {cell: _saved_config(out / cell.dirname()) for cell, _ in plan}
     md = comparison_table(rows, cfgs, elapsed, reused=reused)
     path = out / "comparison.md"
@@ -244,15 +245,16 @@ def run_grid(
 
 
 def _saved_config(d: Path) -> RunConfig:
-    cfg, errs = validate_mapping(tomllib.loads((d / "config.toml").read_text()))
+    toml = RunLayout(d).config
+    cfg, errs = validate_mapping(tomllib.loads(toml.read_text()))
     if errs:  # pragma: no cover - written by run_experiment itself
-        raise ValueError(f"{d / 'config.toml'}: {'; '.join(errs)}")
+        raise ValueError(f"{toml}: {'; '.join(errs)}")
     return cfg
 
 
 def _status(d: Path, cfg: RunConfig) -> tuple[str, str]:
     """``new``, ``done``, ``resume`` or ``replace``, and why."""
-    toml = d / "config.toml"
+    toml = RunLayout(d).config
     if not toml.is_file():
         return ("replace", "it holds no config.toml") if d.exists() else ("new", "")
     try:
@@ -262,7 +264,7 @@ def _status(d: Path, cfg: RunConfig) -> tuple[str, str]:
     changes = cell_changes(old, cfg)
     if changes:
         return "replace", "; ".join(changes)
-    metrics = d / "metrics.jsonl"
+    metrics = RunLayout(d).metrics
     n = len(read_metrics(metrics)) if metrics.is_file() else 0
     if n == len(cfg.methods) * cfg.rounds:
         return "done", ""

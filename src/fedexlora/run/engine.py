@@ -429,5 +429,5 @@ def save_client_adapter(
     meta = {"round": rnd, "client": client, "num_examples": num_examples}
     if weight is not None:
         meta["weight"] = weight
-    (dest / "meta.json").write_text(json.dumps(meta, indent=2))
+    RunLayout(out_dir).client_adapter_meta(rnd, client).write_text(json.dumps(meta, indent=2))
     return dest

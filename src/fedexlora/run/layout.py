@@ -109,6 +109,10 @@ class RunLayout:
         """``clients/round-<rnd>/client-<client>/``."""
         return self.root / "clients" / f"round-{rnd}" / f"client-{client}"
 
+    def client_adapter_meta(self, rnd: int, client: int) -> Path:
+        """``clients/round-<rnd>/client-<client>/meta.json``: its examples and weight."""
+        return self.client_adapter(rnd, client) / "meta.json"
+
     def task(self, task: str) -> RunLayout:
         """The run directory of one task of a multi-task recipe."""
         return RunLayout(self.root / re.sub(r"[^A-Za-z0-9._-]+", "-", task))

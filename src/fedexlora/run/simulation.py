@@ -36,6 +36,7 @@ from fedexlora.run.engine import (
     round_row,
     save_client_adapter,
 )
+from fedexlora.run.layout import RunLayout
 from fedexlora.server.server import Server
 
 __all__ = ["run_method"]
@@ -122,7 +123,7 @@ def run_method(
         outcome = server.aggregate(uploads)
         if cfg.save_client_adapters and out_dir is not None:
             for c, w in outcome.weights.items():
-                meta = Path(out_dir) / "clients" / f"round-{rnd}" / f"client-{c}" / "meta.json"
+                meta = RunLayout(out_dir).client_adapter_meta(rnd, c)
                 meta.write_text(json.dumps({**json.loads(meta.read_text()), "weight": w}))
         metrics, measured = apply_round(cfg, method, rnd, model, server, outcome, prep, uploads)
         if centralized:
