@@ -1,8 +1,8 @@
 """What one round's fold costs an fp32 layer, as its accumulated residual grows.
 
-An fp32 layer keeps what was folded into it (``fedexlora.side.SideBranch`` without
+An fp32 layer keeps what was folded into it (``fedexlora.core.side.SideBranch`` without
 re-factoring) and is rebuilt as ``W0 + U V`` with one ``addmm`` each round
-(``fedexlora.adapters``). So a round's fold costs one concatenation and one ``addmm``
+(``fedexlora.bridge.adapters``). So a round's fold costs one concatenation and one ``addmm``
 whose inner size is the accumulated rank, until dense is smaller; then one dense
 product (once) and a dense add each round. This times both parts for a 4096x4096 layer
 whose accumulator already holds ``t`` rounds of rank-144 residuals (k=10 clients, r=16),
@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from fedexlora.aggregation import Residual
-from fedexlora.side import SideBranch
+from fedexlora.core.aggregation import Residual
+from fedexlora.core.side import SideBranch
 
 
 def main() -> None:

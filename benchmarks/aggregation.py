@@ -12,7 +12,7 @@ the residual into the base weight W (fp32 throughout, uniform weights, scale 2):
   (the variant behind the "about 19x" figure in PAPER.md).
 * ``ours``: ``fedexlora.aggregate(method="fedex")`` (fp64 QR + small SVD of the stacked
   centred factors, residual kept factored at numerical rank) and
-  ``fedexlora.adapters.fold_residuals`` on a one-layer peft model: one
+  ``fedexlora.bridge.adapters.fold_residuals`` on a one-layer peft model: one
   ``W.addmm_(U, V, alpha=scale)``. Where ``(k-1) r (d + n) >= d n`` the residual is
   smaller dense, so ``aggregate`` returns it dense and the fold is one ``W.add_``.
 * ``floor``: ``W.add_(X)`` with a dense ``X`` of W's shape: one read-modify-write pass
@@ -62,8 +62,8 @@ if os.environ.get("MALLOC_MMAP_THRESHOLD_") != _MMAP and __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from fedexlora.adapters import fold_residuals  # noqa: E402
-from fedexlora.aggregation import aggregate  # noqa: E402
+from fedexlora.bridge.adapters import fold_residuals  # noqa: E402
+from fedexlora.core.aggregation import aggregate  # noqa: E402
 
 SHAPES = [(768, 768), (4096, 4096), (4096, 11008)]
 CLIENTS = [3, 10, 50]
@@ -146,8 +146,8 @@ def stacked(As, Bs, W):
 
 
 def make_ours(model):
-    from fedexlora.adapters import _acc, lora_layers
-    from fedexlora.aggregation import Residual
+    from fedexlora.bridge.adapters import _acc, lora_layers
+    from fedexlora.core.aggregation import Residual
 
     acc = _acc(lora_layers(model)[LAYER], create=True)
 

@@ -1,6 +1,6 @@
 """What a Flower client keeps between rounds: bytes of its ``context.state``.
 
-A client keeps :func:`fedexlora.steps.client_state`: what payloads folded into each
+A client keeps :func:`fedexlora.bridge.steps.client_state`: what payloads folded into each
 adapted layer (factored while that is smaller, at most one fp32 ``(d, n)``) and its
 adapter; never a base weight. With every client sampled every round, each client holds
 what the server's global model holds, so one in-process run measures it: after rounds 1,
@@ -28,13 +28,13 @@ CHECK_ROUNDS = (1, 3, 10)
 
 def measure(model: str, rounds: int) -> list[tuple[int, int, int, int]]:
     """``(round, side bytes, adapter bytes, fp32 adapted-weight bytes)`` per check round."""
-    from fedexlora.adapters import folded_weights
+    from fedexlora.bridge.adapters import folded_weights
+    from fedexlora.bridge.steps import client_state
     from fedexlora.config import RunConfig
-    from fedexlora.engine import new_model, prepare
     from fedexlora.flower.records import to_array_record
-    from fedexlora.pipeline import load_task_for
-    from fedexlora.simulation import run_method
-    from fedexlora.steps import client_state
+    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.simulation import run_method
 
     smol = model.startswith("smollm2")
     cfg = RunConfig(

@@ -1,4 +1,4 @@
-"""BLEU and NIST of fedexlora.nlg_metrics beside the E2E challenge script's Python port.
+"""BLEU and NIST of fedexlora.tasks.nlg_metrics beside the E2E challenge script's Python port.
 
 Prints both on seeded synthetic multi-reference segments (1 to 5 references each, with
 mixed case, punctuation, hyphens and currency, as in E2E). The official port is
@@ -14,7 +14,7 @@ import importlib.util
 import random
 import sys
 
-from fedexlora.nlg_metrics import bleu, nist
+from fedexlora.tasks.nlg_metrics import bleu, nist
 
 WORDS = ("The a Restaurant pub near city centre food is cheap expensive family-friendly not "
          "rated 5 stars , . it's £20-25").split()  # fmt: skip

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 LOAD_ONLY = (
-    "from fedexlora.models import load_model; load_model('minilm', causal=False, num_labels=5, r=8)"
+    "from fedexlora.bridge.models import load_model; load_model('minilm', causal=False, num_labels=5, r=8)"
 )
 
 

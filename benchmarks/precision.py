@@ -39,11 +39,11 @@ def child(args) -> dict:
     """One precision, in this process: the federated run, then the timed steps."""
     import torch
 
-    from fedexlora.adapters import lora_layers, side_nbytes
+    from fedexlora.bridge.adapters import lora_layers, side_nbytes
     from fedexlora.config import RunConfig
-    from fedexlora.engine import autocast_dtype, new_model, prepare
-    from fedexlora.pipeline import load_task_for
-    from fedexlora.simulation import run_method
+    from fedexlora.run.engine import autocast_dtype, new_model, prepare
+    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.simulation import run_method
     from fedexlora.training import train_local
 
     torch.set_num_threads(args.threads)

@@ -13,7 +13,7 @@ Each configuration runs in its own process (``fedexlora run``'s engines on the g
 - exactness (in-process engine): before it trains, every sampled client's model is
   rebuilt from what that client held (the global model at the version it last received,
   kept on disk for this check) plus its payload, through
-  :func:`fedexlora.steps.apply_payload`, on a separate copy of the model; the worst
+  :func:`fedexlora.bridge.steps.apply_payload`, on a separate copy of the model; the worst
   ``||W_client - W_global|| / ||W_global||`` over its adapted layers' effective weights
   is reported, and the same relative to the accumulated update ``||W_global - W0||``.
   The check's model copy is in every in-process run's RSS alike.
@@ -46,7 +46,7 @@ def tiny_model(dest: Path) -> str:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from fedexlora.models import resolve_model
+    from fedexlora.bridge.models import resolve_model
 
     if (dest / "config.json").exists():
         return str(dest)
@@ -97,17 +97,19 @@ def child(args) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from fedexlora.adapters import effective_weight, load_side_state, lora_layers, side_state
-    from fedexlora.engine import new_model, prepare
-    from fedexlora.pipeline import load_task_for
-    from fedexlora.simulation import run_method
-    from fedexlora.steps import apply_payload
+    import fedexlora.run.simulation as simulation
+    from fedexlora.bridge.adapters import effective_weight, load_side_state, lora_layers, side_state
+    from fedexlora.bridge.steps import apply_payload
+    from fedexlora.run.engine import new_model, new_server, prepare
+    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.simulation import run_method
 
     torch.set_num_threads(args.threads)
     cfg = config(args, args.clients, args.fraction)
     task = load_task_for(cfg)
     model, tok = new_model(cfg, task, "fedex")
     prep = prepare(cfg, tok, task)
+    server = new_server(cfg, "fedex", model)
     probe = new_model(cfg, task, "fedex")[0] if args.verify else None
     w0 = (
         {n: effective_weight(x, lora=False) for n, x in lora_layers(probe).items()}
@@ -154,9 +156,29 @@ def child(args) -> dict:
                 str(snaps / f"v{server.version}.safetensors"),
             )
 
-    rows, _, server = run_method(
-        cfg, "fedex", prep, progress=False, after_round=after_round, on_payload=on_payload
-    )
+    # Each client's payload is checked as it starts training, while the shared model holds
+    # the global model: the engine's payload_for and local_update are wrapped (this child
+    # process runs one configuration and exits).
+    sent = {}
+    real_payload_for, real_update = server.payload_for, simulation.local_update
+
+    def payload_for(c):
+        sent[c] = real_payload_for(c)
+        return sent[c]
+
+    def local_update(run_cfg, method, mdl, data, rnd, c, **kwargs):
+        on_payload(c, sent.pop(c), mdl)
+        return real_update(run_cfg, method, mdl, data, rnd, c, **kwargs)
+
+    server.payload_for = payload_for
+    simulation.local_update = local_update
+    try:
+        rows, _, server = run_method(
+            cfg, "fedex", prep, progress=False, model=model, server=server, after_round=after_round
+        )
+    finally:
+        simulation.local_update = real_update
+        del server.payload_for
     import resource
 
     return {

@@ -85,8 +85,8 @@ def main(argv=None) -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from fedexlora.data import load_task
-    from fedexlora.models import load_model
+    from fedexlora.bridge.models import load_model
+    from fedexlora.tasks.data import load_task
     from fedexlora.training import encode, train_local
 
     hf_logging.set_verbosity_error()

@@ -91,7 +91,9 @@ def _diff(before: Path, after: Path) -> int:
             continue
         for ra, rb in zip(a, b):
             if _strip(ra) != _strip(rb):
-                keys = sorted(k for k in set(ra) | set(rb) if _strip(ra.get(k)) != _strip(rb.get(k)))
+                keys = sorted(
+                    k for k in set(ra) | set(rb) if _strip(ra.get(k)) != _strip(rb.get(k))
+                )
                 print(f"{sub}: {ra['method']} round {ra['round']} differs in {keys}")
                 bad += 1
         print(f"{sub}: {len(a)} rows compared")

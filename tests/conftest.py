@@ -7,6 +7,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs one worker per core: one thread each (and in the processes a test
+    # starts), instead of every worker's torch taking every core. Set before torch loads.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 WORDS = {
     0: ["goal", "match", "league", "coach", "striker", "season"],
@@ -21,7 +26,7 @@ def tiny_bert_dir(tmp_path_factory):
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from fedexlora.models import resolve_model
+    from fedexlora.bridge.models import resolve_model
 
     d = tmp_path_factory.mktemp("tiny-bert")
     src = resolve_model("minilm").path
@@ -88,7 +93,7 @@ def tiny_llama_dir(tmp_path_factory):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from fedexlora.models import resolve_model
+    from fedexlora.bridge.models import resolve_model
 
     d = tmp_path_factory.mktemp("tiny-llama")
     tok = AutoTokenizer.from_pretrained(resolve_model("minilm").path)

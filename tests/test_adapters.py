@@ -8,7 +8,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
 from fedexlora import AdapterState, aggregate_states
-from fedexlora.adapters import (
+from fedexlora.bridge.adapters import (
     fold_residuals,
     get_state,
     layer_info,
@@ -239,7 +239,7 @@ def test_refuses_mismatched_client_states():
 def test_client_state_is_lean_and_rebuilds_the_model_bit_for_bit(case):
     """A client keeps what it received, factored, never a base weight; a freshly loaded
     model plus that state equals the live model bit for bit, round after round."""
-    from fedexlora.steps import client_state, load_client_state
+    from fedexlora.bridge.steps import client_state, load_client_state
 
     make, kw = CASES[case]
     base = make()

@@ -4,7 +4,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from fedexlora.bench import (
+from fedexlora.experiments.bench import (
     COMM_METHODS,
     LayerShape,
     ModelShape,
@@ -119,8 +119,8 @@ def test_embedded_shape_is_minilm_qv_with_a_five_class_head():
 
 def test_engine_bytes_match_comm_table(tiny_cfg, tmp_path):
     """Round-2 bytes_down/bytes_up in metrics.jsonl equal what comm_table predicts."""
-    from fedexlora.models import load_model
-    from fedexlora.pipeline import run_experiment
+    from fedexlora.bridge.models import load_model
+    from fedexlora.run.pipeline import run_experiment
 
     # Arrange: the tiny model's adapted shapes and head, as the engine builds them
     cfg = tiny_cfg.replace(methods=["fedex", "ffa", "flora"], rounds=2)

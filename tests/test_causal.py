@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from fedexlora.pipeline import run_experiment
+from fedexlora.run.pipeline import run_experiment
 
 
 def test_causal_lm_run_reports_loss_perplexity_exact_match(tiny_llama_dir, tiny_qa_jsonl, tmp_path):
@@ -54,7 +54,7 @@ def test_causal_lm_on_a_4bit_base_is_exact_and_exports_exactly(
     from pathlib import Path
 
     from fedexlora.config import RunConfig
-    from fedexlora.export import export_model
+    from fedexlora.run.export import export_model
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "verify_export.py"
     spec = importlib.util.spec_from_file_location("verify_export", script)

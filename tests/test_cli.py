@@ -13,7 +13,7 @@ def _run(*args):
 @pytest.mark.parametrize(
     "args,match",
     [
-        (["--model", "/no/such/model"], "cannot load model '/no/such/model'"),
+        (["--model", "/no/such/model"], "`model` '/no/such/model': no such local directory"),
         (["--task", "imagenet"], "unknown task 'imagenet'"),
         (["--method", "fedex,fedavg"], "`methods`: unknown ['fedavg']"),
         (["--alpha", "0"], "`alpha` must be > 0, got 0.0"),
@@ -176,8 +176,8 @@ def test_every_config_field_is_a_run_flag():
 
 
 def test_compare_best_of_a_loss_is_its_minimum():
-    from fedexlora.compare import Cell, Setting, comparison_table
     from fedexlora.config import RunConfig
+    from fedexlora.experiments.compare import Cell, Setting, comparison_table
 
     def row(method, rnd, loss):
         return {"method": method, "round": rnd, "metrics": {"loss": loss}, "seconds": 1.0,
@@ -234,7 +234,7 @@ def test_resume_refuses_result_changing_flags_and_applies_safe_ones(
     tiny_bert_dir, tiny_csv, tmp_path
 ):
     """No flag is ignored on --resume: a result-changing one is refused, naming it."""
-    from fedexlora.report import read_metrics
+    from fedexlora.run.report import read_metrics
 
     base = ("--max-length", "16", "--rank", "2", "--local-steps", "2", "--batch-size", "8")
     res = _run_tiny(tiny_bert_dir, tiny_csv, tmp_path, "--rounds", "1", *base)
@@ -264,3 +264,196 @@ def test_resume_refuses_result_changing_flags_and_applies_safe_ones(
     assert sorted(p.name for p in (tmp_path / "o" / "checkpoints" / "fedex").iterdir()) == [
         "round-0002"
     ]
+
+
+# --- a readable CLI: panels, defaults, --version, a missing local model -----------------
+
+
+def _help(*args, columns=200):
+    res = runner.invoke(app, [*args, "--help"], env={"COLUMNS": str(columns), "TERM": "dumb"})
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def _click_command(*path):
+    import typer
+
+    cmd = typer.main.get_command(app)
+    for name in path:
+        cmd = cmd.commands[name]
+    return cmd
+
+
+def _all_commands(cmd=None, path=()):
+    import click
+
+    cmd = cmd or _click_command()
+    yield path, cmd
+    if isinstance(cmd, click.Group):
+        for name, sub in cmd.commands.items():
+            yield from _all_commands(sub, (*path, name))
+
+
+RUN_PANELS = ["Settings", "Model and LoRA", "Data", "Method", "Federation", "Training",
+              "Evaluation", "Device, precision and memory", "Privacy", "Output and resume",
+              "Export"]  # fmt: skip
+
+
+def test_run_help_is_grouped_in_panels():
+    for columns in (200, 80):
+        out = _help("run", columns=columns)
+        titles = [ln.split("─ ", 1)[1].split(" ─")[0] for ln in out.splitlines() if "╭─ " in ln]
+        assert titles == ["Options", *RUN_PANELS], titles
+    for param in _click_command("run").params:
+        if param.name != "help":
+            assert param.rich_help_panel in RUN_PANELS, param.name
+    out = _help("run")
+    model_panel = out.split("╭─ Model and LoRA ")[1].split("╰")[0]
+    assert "--model" in model_panel and "--rank" in model_panel and "--task" not in model_panel
+    privacy = out.split("╭─ Privacy ")[1].split("╰")[0]
+    assert {"--dp-epsilon", "--dp-delta", "--dp-max-grad-norm"} <= set(privacy.split())
+
+
+def test_help_has_no_dangling_period_and_no_swallowed_text():
+    """A default in brackets, such as [dirichlet], is rich markup: it vanished, leaving ' .'."""
+    import re
+
+    from rich.markup import render
+
+    for path, cmd in _all_commands():
+        for param in cmd.params:
+            text = getattr(param, "help", None) or ""
+            assert render(text).plain == text, (path, param.name, text)
+            assert "[" not in text, (path, param.name, text)  # eaten, or a second default
+        assert render(cmd.help or "").plain == (cmd.help or ""), path
+        for columns in (200, 80):
+            out = _help(*path, columns=columns)
+            bad = [ln for ln in out.splitlines() if re.search(r" \.\s*│?\s*$", ln)]
+            assert not bad, (path, columns, bad)
+    out = _help("run")
+    assert "iid or dirichlet (default: dirichlet)." in out
+    assert "Run directory (default: runs/<time>)." in out
+
+
+def _defaults_in_help(cmd):
+    import re
+
+    found = {}
+    for param in cmd.params:
+        text = " ".join((getattr(param, "help", None) or "").split())
+        found[param.name] = re.findall(r"\(default: ([^()]*)\)", text)
+        assert text.count("default") == len(found[param.name]), (param.name, text)
+        assert len(found[param.name]) <= 1, (param.name, text)
+    return {k: v[0] for k, v in found.items() if v}
+
+
+def _same(written, value):
+    if isinstance(value, bool):
+        return written == ("on" if value else "off")
+    if isinstance(value, (int, float)):
+        return float(written) == value
+    if isinstance(value, list):
+        return written == ",".join(value)
+    return written == str(value)
+
+
+def test_run_defaults_are_written_once_and_match_the_config():
+    from dataclasses import fields
+
+    from fedexlora.cli import _RUN_FLAGS
+    from fedexlora.config import RunConfig
+
+    out = " ".join(_help("run").split())
+    assert "[default" not in out  # typer's own default, beside ours, would show it twice
+    assert out.count("(default: dirichlet)") == 1 and out.count("(default: minilm)") == 1
+    written = _defaults_in_help(_click_command("run"))
+    config = {f.name: getattr(RunConfig(), f.name) for f in fields(RunConfig)}
+    for flag, key in _RUN_FLAGS.items():
+        if config[key] is None:
+            continue  # unset by default: the help says what that means, if anything
+        assert flag in written, f"--{flag} does not say its default {config[key]!r}"
+        assert _same(written[flag], config[key]), (flag, written[flag], config[key])
+
+
+def test_compare_defaults_are_written_once_and_match_the_grid():
+    from fedexlora.cli.compare import _COMPARE_DEFAULTS
+    from fedexlora.config import RunConfig
+
+    out = " ".join(_help("compare").split())
+    assert "[default" not in out
+    written = _defaults_in_help(_click_command("compare"))
+    for name, value in _COMPARE_DEFAULTS.items():
+        if value is not None:
+            assert _same(written[name], value), (name, written.get(name), value)
+    for name in ("dp_delta", "dp_max_grad_norm", "fedsb_rank", "fedsb_init"):
+        assert _same(written[name], getattr(RunConfig(), name)), name
+    assert written["out"] == "runs/compare"
+
+
+def test_top_level_help_groups_the_commands():
+    out = _help(columns=120)
+    run_panel = out.split("╭─ Run ")[1].split("╰")[0]
+    experiments = out.split("╭─ Experiments ")[1].split("╰")[0]
+    import re
+
+    def names(panel):
+        return [m.group(1) for ln in panel.splitlines() if (m := re.match(r"│ (\S+) ", ln))]
+
+    assert names(run_panel) == ["run", "validate", "export"]
+    assert names(experiments) == ["recipes", "compare", "bench"]
+    assert "--version" in out
+
+
+def test_version():
+    from fedexlora import __version__
+
+    for args in (["--version"], ["--version", "run"]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 0, res.output
+        assert res.output == f"fedex-lora {__version__}\n"
+
+
+def test_python_dash_m_and_the_script_answer_version():
+    import subprocess
+    import sys
+
+    from fedexlora import __version__
+
+    res = subprocess.run([sys.executable, "-m", "fedexlora", "--version"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == f"fedex-lora {__version__}\n"
+
+
+@pytest.mark.parametrize("model", ["/nonexistent", "./missing", "~/no-such-model-dir", "a/b/c"])
+def test_a_missing_local_model_says_so_before_training(model, tmp_path):
+    res = _run("run", "--model", model, "--out", str(tmp_path / "o"), "--no-progress")
+    assert res.exit_code == 2, res.output
+    out = " ".join(res.output.split())
+    assert f"`model` '{model}': no such local directory (give minilm, smollm2-135m, a hub " in out
+    assert "Repo id" not in out and "Traceback" not in out
+    assert not (tmp_path / "o").exists()  # nothing ran
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'model = "{model}"\n')
+    res = _run("validate", str(cfg))
+    assert res.exit_code == 1 and "no such local directory" in res.output
+    res = _run("run", "--config", str(cfg), "--out", str(tmp_path / "o"), "--no-progress")
+    assert res.exit_code == 2 and f"`model` '{model}': no such local directory" in res.output
+
+
+def test_model_names_that_may_be_models_pass_without_the_network(tmp_path):
+    from fedexlora.bridge.models import ALIASES, resolve_model
+    from fedexlora.config import _MODEL_ALIASES, model_name_error
+
+    assert _MODEL_ALIASES == ALIASES
+    (tmp_path / "m").mkdir()
+    (tmp_path / "f").write_text("")
+    for name in ("prajjwal1/bert-tiny", "gpt2", "bert-base-uncased", "minilm", "smollm2-135m",
+                 str(tmp_path / "m")):  # fmt: skip
+        assert model_name_error(name) is None, name
+    assert "'x/f': not a directory" in model_name_error(str(tmp_path / "f")).replace(
+        str(tmp_path), "x"
+    )
+    with pytest.raises(ValueError, match="model '/nonexistent': no such local directory"):
+        resolve_model("/nonexistent")
+    assert resolve_model("prajjwal1/bert-tiny").path == "prajjwal1/bert-tiny"

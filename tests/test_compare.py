@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fedexlora.cli import app
-from fedexlora.stats import paired
+from fedexlora.experiments.stats import paired
 
 runner = CliRunner()
 
@@ -162,7 +162,7 @@ def test_compare_study_bad_input(args, match, tmp_path):
 
 
 def test_holm_correction_by_hand():
-    from fedexlora.compare_report import _holm
+    from fedexlora.experiments.compare_report import _holm
 
     # 18 tests: thresholds 0.05/18 = 0.00278, then 0.05/17 = 0.00294, ...
     assert _holm([0.0051, 0.0098, 0.009], 18) == 0
@@ -173,9 +173,9 @@ def test_holm_correction_by_hand():
 
 def test_privacy_report_by_hand():
     """Synthetic cells with known accuracies: each column, difference and verdict by hand."""
-    from fedexlora.compare import Cell, Setting
-    from fedexlora.compare_report import privacy_report
     from fedexlora.config import RunConfig
+    from fedexlora.experiments.compare import Cell, Setting
+    from fedexlora.experiments.compare_report import privacy_report
 
     s = Setting("iid-3", 3, "iid")
     acc = {  # (eps, seed) -> method -> final accuracy

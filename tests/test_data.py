@@ -8,8 +8,8 @@ import datasets
 import numpy as np
 import pytest
 
-from fedexlora import data
-from fedexlora.data import (
+import fedexlora.tasks.data as data
+from fedexlora.tasks.data import (
     Task,
     compute_metrics,
     exact_match,

@@ -13,9 +13,9 @@ from uuid import uuid4
 import pytest
 from flwr.serverapp import Grid
 
-from fedexlora.checkpoint import latest_checkpoint
-from fedexlora.pipeline import load_task_for, restore_model, run_experiment
-from fedexlora.report import read_metrics
+from fedexlora.run.checkpoint import latest_checkpoint
+from fedexlora.run.pipeline import load_task_for, restore_model, run_experiment
+from fedexlora.run.report import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -89,10 +89,10 @@ def test_run_config_round_trip(tiny_cfg):
 def test_records_carry_payloads_and_cast_bf16_to_fp32():
     import torch
 
-    from fedexlora.aggregation import Residual
+    from fedexlora.core.aggregation import Residual
+    from fedexlora.core.state import AdapterState
     from fedexlora.flower.records import from_array_record, to_array_record
     from fedexlora.server import Payload
-    from fedexlora.state import AdapterState
 
     g = torch.Generator().manual_seed(0)
     state = AdapterState(
@@ -307,11 +307,11 @@ def test_dropout_then_resync_stays_exact(tiny_cfg, tmp_path, task_identity):
 
     Reference: the in-process engine where client 1 simply is not sampled in round 2.
     """
-    from fedexlora.engine import new_model, new_server, prepare
     from fedexlora.flower.client_app import make_client_app
     from fedexlora.flower.records import resolve_run_config, to_run_config
     from fedexlora.flower.server_app import run_server
-    from fedexlora.simulation import run_method
+    from fedexlora.run.engine import new_model, new_server, prepare
+    from fedexlora.run.simulation import run_method
 
     method = "fedex"
     cfg = tiny_cfg.replace(methods=[method], rounds=3)
@@ -374,7 +374,7 @@ def test_simulation_goes_through_flwr_run_on_loopback_with_statistics_off(
     import os
 
     import fedexlora.flower.simulation as sim
-    from fedexlora.pipeline import RunError
+    from fedexlora.run.pipeline import RunError
 
     seen = {}
 

@@ -3,14 +3,15 @@
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from fedexlora.checkpoint import latest_checkpoint
-from fedexlora.report import read_metrics
+from fedexlora.run.checkpoint import latest_checkpoint
+from fedexlora.run.report import read_metrics
 from test_flower_deploy import _descendants
 from test_resume import _cmd
 from test_resume import _rows_without_timing as _rows
@@ -77,15 +78,34 @@ def test_engine_flower_sigkilled_mid_round_resumes_identically(tmp_path, tiny_be
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "resuming fedex after round 2" in res.stdout
 
+    # The uninterrupted run, in-process at one thread: the Flower engine's ClientApps train
+    # at one thread (FEDEXLORA_CLIENT_CPUS=1) and give the same bits as such a run
+    # (test_flower.py::test_simulation_engine_matches_local_engine), so the resumed run
+    # must equal it; one flwr run fewer than running the clean run on Flower again.
     clean = tmp_path / "clean"
+    code = (
+        "import sys, torch\n"
+        "torch.set_num_threads(1)\n"
+        "from fedexlora.cli import app\n"
+        "sys.exit(app(sys.argv[1:]))\n"
+    )
     res = subprocess.run(
-        _cmd("--config", str(cfg), "--out", str(clean), "--export", str(tmp_path / "exp-clean")),
-        env=env,
+        [sys.executable, "-c", code, "run", "--no-progress", "--config", str(cfg),
+         "--engine", "local", "--out", str(clean), "--export", str(tmp_path / "exp-clean")],
+        env={**env, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-    )
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
-    assert _rows(run / "metrics.jsonl") == _rows(clean / "metrics.jsonl")
+    got, want = _rows(run / "metrics.jsonl"), _rows(clean / "metrics.jsonl")
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want):
+        assert set(a) == set(b)
+        for key in ("method", "round", "sampled", "accepted", "rejected", "dropped",
+                    "num_examples", "bytes_up", "bytes_down", "residual_rank"):  # fmt: skip
+            assert a[key] == b[key], (a["round"], key)
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+        assert a["metrics"] == pytest.approx(b["metrics"], rel=1e-6, abs=1e-9)
     files = sorted(p.name for p in (tmp_path / "exp-clean").glob("*.safetensors"))
     assert files
     for name in files:

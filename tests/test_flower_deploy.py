@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fedexlora.pipeline import load_task_for, restore_model
-from fedexlora.report import read_metrics
+from fedexlora.run.pipeline import load_task_for, restore_model
+from fedexlora.run.report import read_metrics
 from test_flower import ROOT, VENV_BIN, _final_model, _model_rel_diff, _state_dict_rel_diff
 
 
@@ -303,8 +303,8 @@ def deployed(tiny_bert_dir, tmp_path_factory):
     only when the node's heartbeat lapses). While the run finishes, the in-process
     reference is computed: the same job where client 1 is not sampled in round 3.
     """
-    from fedexlora.engine import new_model, new_server, prepare
-    from fedexlora.simulation import run_method
+    from fedexlora.run.engine import new_model, new_server, prepare
+    from fedexlora.run.simulation import run_method
 
     root = tmp_path_factory.mktemp("deployment")
     cfg = _deploy_cfg(tiny_bert_dir)
@@ -418,7 +418,7 @@ def test_superlink_killed_after_round_2_then_resumed(tiny_bert_dir, tmp_path):
     server re-syncs them from W0. The final global model equals the uninterrupted run's
     (the in-process engine, which a deployment matches) within 1e-6 relative.
     """
-    from fedexlora.checkpoint import latest_checkpoint
+    from fedexlora.run.checkpoint import latest_checkpoint
 
     cfg = _deploy_cfg(tiny_bert_dir).replace(rounds=4)
     run_dir = tmp_path / "run"
@@ -458,7 +458,7 @@ def test_superlink_killed_after_round_2_then_resumed(tiny_bert_dir, tmp_path):
     log = fed.log("flwr-run-resumed")
     assert "resuming fedex after round 2" in log
 
-    from fedexlora.pipeline import run_experiment
+    from fedexlora.run.pipeline import run_experiment
 
     run_experiment(cfg, tmp_path / "reference", progress=False)
     got, _ = _final_model(cfg, run_dir, "fedex")

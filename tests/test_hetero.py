@@ -7,7 +7,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
-from fedexlora.adapters import fold_residuals, get_state, layer_info, lora_layers, set_state
+from fedexlora.bridge.adapters import fold_residuals, get_state, layer_info, lora_layers, set_state
 from fedexlora.server import ClientUpload, Payload, Server
 
 
@@ -105,7 +105,7 @@ def test_ranks_2_4_8_exact_every_round(case, method, dtype, tol):
 
 
 def test_low_rank_client_gets_the_most_energy():
-    from fedexlora.aggregation import split_leading
+    from fedexlora.core.aggregation import split_leading
 
     g = torch.Generator().manual_seed(0)
     A, B = (
@@ -133,8 +133,8 @@ def test_hetero_refuses_methods_that_cannot_be_exact():
 
 
 def test_engine_with_client_ranks_is_exact_and_resumes(tiny_cfg, tmp_path):
-    from fedexlora.checkpoint import latest_checkpoint
-    from fedexlora.pipeline import run_experiment
+    from fedexlora.run.checkpoint import latest_checkpoint
+    from fedexlora.run.pipeline import run_experiment
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=2, lora_r=8, client_ranks=[2, 4, 8])
     rows = run_experiment(cfg, tmp_path / "a", progress=False)

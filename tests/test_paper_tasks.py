@@ -136,7 +136,7 @@ def paper_dir(tmp_path_factory):
 
 
 def test_bleu_by_hand():
-    from fedexlora.nlg_metrics import bleu
+    from fedexlora.tasks.nlg_metrics import bleu
 
     # one hypothesis, one reference: p1..p4 = 4/5, 3/4, 2/3, 1/2, no brevity penalty
     assert bleu(["a b c d e"], [["a b c d f"]]) == pytest.approx(
@@ -153,7 +153,7 @@ def test_bleu_by_hand():
 
 
 def test_nist_by_hand():
-    from fedexlora.nlg_metrics import nist
+    from fedexlora.tasks.nlg_metrics import nist
 
     # references "a b" and "a c": counts () 4, a 2, b 1, c 1, ab 1, ac 1. info(a) = log2 4/2
     # = 1, info(b) = info(c) = log2 4/1 = 2, info(ab) = info(ac) = log2 2/1 = 1.
@@ -166,7 +166,7 @@ def test_nist_by_hand():
 
 
 def test_meteor_rouge_cider_by_hand():
-    from fedexlora.nlg_metrics import cider, e2e_scores, meteor, rouge_l
+    from fedexlora.tasks.nlg_metrics import cider, e2e_scores, meteor, rouge_l
 
     # METEOR: all 3 match in 1 chunk: 1 - 0.5 (1/3)^3; "cats" meets "cat" by its stem
     assert meteor(["a b c"], [["a b c"]]) == pytest.approx(1 - 0.5 / 27)
@@ -188,7 +188,7 @@ def test_meteor_rouge_cider_by_hand():
 
 
 def test_commonsense_answers_by_hand():
-    from fedexlora.metrics import choice_accuracy, extract_choice
+    from fedexlora.tasks.metrics import choice_accuracy, extract_choice
 
     assert extract_choice("The correct answer is TRUE, not false", "boolq") == "true"
     assert extract_choice("the correct answer is solution2", "piqa") == "solution2"
@@ -206,13 +206,13 @@ def test_commonsense_answers_by_hand():
 
 
 def test_metamath_answers_by_hand():
-    from fedexlora.metrics import exact_match
+    from fedexlora.tasks.metrics import exact_match
 
     # GSM8K: the number after the last "The answer is", even if more text follows
     preds = ["6 + 2 = 8.\nThe answer is: 8\n\nQuestion: what is 3 + 4? 7", "so 1,234 in all"]
     assert exact_match(preds, ["8", "#### 1234"]) == 1.0
     # the made-up next example a model runs on into is cut off before an answer is read
-    from fedexlora.training import cut_at_stop
+    from fedexlora.training.local import cut_at_stop
 
     ran_on = (
         "2+6=8.\nThe answer is: 8\n\n### Instruction:\nWhat is 3+4?\n\n"
@@ -231,7 +231,7 @@ def test_metamath_answers_by_hand():
 
 
 def test_e2e_loader_groups_the_references(paper_dir):
-    from fedexlora.data import load_task
+    from fedexlora.tasks.data import load_task
 
     task = load_task("e2e_nlg", data_dir=paper_dir)
     assert (len(task.train), task.answer_style, task.template) == (18, "nlg", "e2e")
@@ -242,7 +242,7 @@ def test_e2e_loader_groups_the_references(paper_dir):
 
 
 def test_commonsense_loader_and_one_task(paper_dir):
-    from fedexlora.data import load_task
+    from fedexlora.tasks.data import load_task
 
     task = load_task("commonsense", data_dir=paper_dir)
     assert (len(task.train), len(task.test)) == (24, 24)
@@ -257,8 +257,8 @@ def test_commonsense_loader_and_one_task(paper_dir):
 
 
 def test_metamath_loader_takes_the_first_20k(paper_dir, monkeypatch):
-    from fedexlora import hubtasks
-    from fedexlora.data import load_task
+    import fedexlora.tasks.hubtasks as hubtasks
+    from fedexlora.tasks.data import load_task
 
     monkeypatch.setattr(hubtasks, "METAMATH_TRAIN", 20)  # the first 20 of 30, in file order
     task = load_task("metamath-gsm8k", data_dir=paper_dir)
@@ -269,7 +269,7 @@ def test_metamath_loader_takes_the_first_20k(paper_dir, monkeypatch):
 
 
 def test_a_missing_source_file_is_one_clear_error(tmp_path):
-    from fedexlora.data import load_task
+    from fedexlora.tasks.data import load_task
 
     (tmp_path / "AGI-Edgerunners/LLM-Adapters").mkdir(parents=True)
     with pytest.raises(ValueError, match="has no 'ft-training_set/commonsense_170k.json'"):
@@ -285,7 +285,7 @@ def tiny_gpt2_dir(tmp_path_factory):
     import torch
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from fedexlora.models import resolve_model
+    from fedexlora.bridge.models import resolve_model
 
     d = tmp_path_factory.mktemp("tiny-gpt2")
     tok = AutoTokenizer.from_pretrained(resolve_model("minilm").path)
@@ -368,10 +368,10 @@ def test_evaluate_scores_each_generation_against_its_own_references(
     """The plumbing: references and tasks stay with their example, and beams reach generate."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fedexlora import training
-    from fedexlora.data import load_task
-    from fedexlora.metrics import choice_accuracy
-    from fedexlora.nlg_metrics import e2e_scores
+    import fedexlora.training.local as training
+    from fedexlora.tasks.data import load_task
+    from fedexlora.tasks.metrics import choice_accuracy
+    from fedexlora.tasks.nlg_metrics import e2e_scores
 
     tok = AutoTokenizer.from_pretrained(tiny_gpt2_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir)
@@ -416,8 +416,8 @@ def test_commonsense_downloads_once_then_reads_its_cache(paper_dir, tmp_path, mo
     """Online, the files come from the LLM-Adapters repository (here a file:// stand-in)."""
     import shutil
 
-    from fedexlora import hubtasks
-    from fedexlora.data import load_task
+    import fedexlora.tasks.hubtasks as hubtasks
+    from fedexlora.tasks.data import load_task
 
     src = tmp_path / "github"
     shutil.copytree(paper_dir / "AGI-Edgerunners", src / "AGI-Edgerunners")
@@ -438,7 +438,7 @@ def test_no_repeat_counts_the_generated_tokens_only():
     """A 4-gram of the prompt may be written out; a 4-gram already generated may not."""
     import torch
 
-    from fedexlora.training import NoRepeatGeneratedNGrams
+    from fedexlora.training.local import NoRepeatGeneratedNGrams
 
     proc = NoRepeatGeneratedNGrams(4, prompt_length=4)
     # prompt 1 2 3 4, generated 1 2 3: writing 4 repeats the prompt's 4-gram, allowed
@@ -452,7 +452,7 @@ def test_no_repeat_counts_the_generated_tokens_only():
 
 
 def test_commonsense_accuracy_gets_no_single_wilson_interval():
-    from fedexlora.report import sampled_examples
+    from fedexlora.run.report import sampled_examples
 
     row = {"test_examples": 200, "metrics": {"accuracy": 0.5, "accuracy_boolq": 0.5}}
     assert sampled_examples(row) == 0
@@ -462,7 +462,7 @@ def test_commonsense_accuracy_gets_no_single_wilson_interval():
 def test_e2e_says_what_to_install_before_training(paper_dir, monkeypatch):
     import sys
 
-    from fedexlora.data import load_task
+    from fedexlora.tasks.data import load_task
 
     monkeypatch.setitem(sys.modules, "nltk.translate.meteor_score", None)  # not installed
     with pytest.raises(ValueError, match=r"install them with `pip install 'fedex-lora\[nlg\]'`"):

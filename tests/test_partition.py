@@ -4,7 +4,7 @@ import datasets
 import numpy as np
 import pytest
 
-from fedexlora.partition import describe_partitions, partition
+from fedexlora.tasks.partition import describe_partitions, partition
 
 NAMES = ["a", "b", "c", "d"]
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedexlora.adapters import effective_weight, lora_layers
-from fedexlora.checkpoint import config_fingerprint, latest_checkpoint
-from fedexlora.export import export_model
-from fedexlora.models import load_model
-from fedexlora.pipeline import load_task_for, restore_model, run_experiment
+from fedexlora.bridge.adapters import effective_weight, lora_layers
+from fedexlora.bridge.models import load_model
+from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
+from fedexlora.run.export import export_model
+from fedexlora.run.pipeline import load_task_for, restore_model, run_experiment
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "verify_export.py"
 _spec = importlib.util.spec_from_file_location("verify_export", SCRIPT)
@@ -102,7 +102,7 @@ def _quantized_bert(tiny_bert_dir, quantization="nf4"):
 
 
 def _random_residual(d, n, q, scale, seed=0):
-    from fedexlora.aggregation import Residual
+    from fedexlora.core.aggregation import Residual
 
     g = torch.Generator().manual_seed(seed)
     U = torch.randn(d, q, generator=g) * scale
@@ -112,7 +112,7 @@ def _random_residual(d, n, q, scale, seed=0):
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])
 def test_quantized_weight_untouched_and_forward_applies_side_branch(tiny_bert_dir, quantization):
-    from fedexlora.adapters import fold_residuals, side_nbytes
+    from fedexlora.bridge.adapters import fold_residuals, side_nbytes
 
     model = _quantized_bert(tiny_bert_dir, quantization)
     layers = lora_layers(model)
@@ -137,7 +137,7 @@ def test_quantized_weight_untouched_and_forward_applies_side_branch(tiny_bert_di
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_weight_untouched_and_forward_applies_side_branch(tiny_bert_dir, dtype):
-    from fedexlora.adapters import fold_residuals
+    from fedexlora.bridge.adapters import fold_residuals
 
     model = load_model(
         tiny_bert_dir, causal=False, num_labels=3, r=4, alpha=8, dropout=0.0,
@@ -181,7 +181,7 @@ def test_lossy_mode_reports_the_update_actually_applied(tiny_cfg, tmp_path):
 
 
 def test_merged_export_of_bf16_run_is_fp32_and_exact(tiny_cfg, tmp_path):
-    from fedexlora.pipeline import RunError
+    from fedexlora.run.pipeline import RunError
 
     cfg = _cfg(tiny_cfg, dtype="bf16")
     run_experiment(cfg, tmp_path, progress=False)
@@ -199,8 +199,8 @@ def test_merged_export_of_bf16_run_is_fp32_and_exact(tiny_cfg, tmp_path):
 
 def test_hetero_clients_on_the_shared_model_start_from_the_global_model(tiny_cfg, monkeypatch):
     """Each client of another rank holds the exact global model when it starts training."""
-    import fedexlora.simulation as sim
-    from fedexlora.engine import new_model, prepare
+    import fedexlora.run.simulation as sim
+    from fedexlora.run.engine import new_model, prepare
 
     cfg = tiny_cfg.replace(methods=["fedex"], client_ranks=[2, 4, 4], rounds=3, lr=2e-2)
     task = load_task_for(cfg)
@@ -229,7 +229,7 @@ def test_hetero_clients_on_the_shared_model_start_from_the_global_model(tiny_cfg
 
 @pytest.mark.parametrize("cap", [2, 64])
 def test_side_rank_caps_the_side_branch_and_says_so(tiny_cfg, tmp_path, cap):
-    from fedexlora.adapters import _side
+    from fedexlora.bridge.adapters import _side
 
     cfg = _cfg(tiny_cfg, dtype="bf16", side_rank=cap, rounds=3)
     rows = run_experiment(cfg, tmp_path, progress=False)

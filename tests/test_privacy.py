@@ -19,7 +19,7 @@ def independent_epsilon(noise_multiplier, sample_rate, steps, delta, orders=None
 
 @pytest.mark.parametrize("epsilon", [1.0, 8.0])
 def test_noise_multiplier_spends_the_budget_by_an_independent_accountant(tiny_cfg, epsilon):
-    from fedexlora.privacy import epsilon_spent, plan
+    from fedexlora.training.privacy import epsilon_spent, plan
 
     cfg = tiny_cfg.replace(dp_epsilon=epsilon, dp_delta=1e-4, rounds=5, local_steps=7)
     budgets = plan(cfg, [40, 90, 200])
@@ -33,12 +33,21 @@ def test_noise_multiplier_spends_the_budget_by_an_independent_accountant(tiny_cf
         assert less > epsilon  # 1% less noise would pass the budget
 
 
-def test_dp_run_is_private_by_its_log_and_fedex_stays_exact(tiny_cfg):
-    from fedexlora.engine import new_model, prepare
-    from fedexlora.pipeline import load_task_for
-    from fedexlora.simulation import run_method
+def test_dp_run_is_private_by_its_log_and_fedex_stays_exact(tiny_cfg, monkeypatch):
+    import fedexlora.run.simulation as simulation
+    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.simulation import run_method
     from test_examples import _weights, hand_ideal
 
+    uploads = []  # what the clients of the current round sent
+    real_update = simulation.local_update
+
+    def keep(*args, **kwargs):
+        uploads.append(real_update(*args, **kwargs))
+        return uploads[-1]
+
+    monkeypatch.setattr(simulation, "local_update", keep)
     cfg = tiny_cfg.replace(dp_epsilon=3.0, dp_delta=1e-3, rounds=2, local_steps=4).validate()
     task = load_task_for(cfg)
     rows_by = {}
@@ -46,18 +55,14 @@ def test_dp_run_is_private_by_its_log_and_fedex_stays_exact(tiny_cfg):
         model, tok = new_model(cfg, task, method)
         w0 = _weights(model)
         prep = prepare(cfg, tok, task)
-        history, uploads = [], []
+        history = []
 
-        def keep(rnd, c, up, _ups=uploads):
-            _ups.append(up)
-            return up
-
-        def after_round(row, srv, mdl, _ups=uploads, _hist=history):
-            _hist.append((None, list(_ups)))
-            _ups.clear()
+        def after_round(row, srv, mdl, _hist=history):
+            _hist.append((None, list(uploads)))
+            uploads.clear()
 
         rows, model, _ = run_method(
-            cfg, method, prep, progress=False, model=model, tamper=keep, after_round=after_round
+            cfg, method, prep, progress=False, model=model, after_round=after_round
         )
         rows_by[method] = rows
         if method == "fedex":  # the global model is the ideal average of the DP uploads
@@ -91,8 +96,8 @@ def test_dp_run_is_private_by_its_log_and_fedex_stays_exact(tiny_cfg):
 
 
 def test_a_resume_past_the_plan_refuses_every_client(tiny_cfg, tmp_path):
-    from fedexlora.pipeline import run_experiment
-    from fedexlora.report import read_metrics
+    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.report import read_metrics
 
     cfg = tiny_cfg.replace(methods=["fedex"], dp_epsilon=8.0, dp_delta=1e-3, rounds=1)
     run_experiment(cfg, tmp_path, progress=False)
@@ -111,10 +116,10 @@ def test_a_resume_past_the_plan_refuses_every_client(tiny_cfg, tmp_path):
 
 
 def test_partial_participation_refuses_a_client_sampled_beyond_its_plan(tiny_cfg):
-    from fedexlora.engine import new_model, prepare
-    from fedexlora.pipeline import load_task_for
-    from fedexlora.privacy import planned_rounds
-    from fedexlora.simulation import run_method
+    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.simulation import run_method
+    from fedexlora.training.privacy import planned_rounds
 
     cfg = tiny_cfg.replace(methods=["fedex"], dp_epsilon=8.0, dp_delta=1e-3, rounds=4,
                            fraction=0.34, local_steps=1).validate()  # fmt: skip
@@ -134,7 +139,7 @@ def test_partial_participation_refuses_a_client_sampled_beyond_its_plan(tiny_cfg
 def test_under_flower_the_clients_account_and_the_server_records(tiny_cfg, tmp_path, task_identity):
     """The real ClientApp and strategy: each client plans, counts and refuses by itself;
     the rows equal the in-process engine's (same sampling, noise, refusals, epsilons)."""
-    from fedexlora.pipeline import run_experiment
+    from fedexlora.run.pipeline import run_experiment
     from test_flower_parity import _close, _flower
 
     cfg = tiny_cfg.replace(methods=["fedex", "fedsb"], fedsb_rank=4, dp_epsilon=8.0,
@@ -185,7 +190,7 @@ def test_under_flower_a_resume_past_the_plan_keeps_it(tiny_cfg, tmp_path, task_i
 
 
 def test_a_trainable_layer_with_buffers_is_named():
-    from fedexlora.privacy import check_model
+    from fedexlora.training.privacy import check_model
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     with pytest.raises(ValueError, match=r"--dp-epsilon: Opacus cannot train 1 privately"):
@@ -195,7 +200,7 @@ def test_a_trainable_layer_with_buffers_is_named():
 
 
 def test_delta_must_be_below_one_over_the_smallest_client():
-    from fedexlora.privacy import check_delta
+    from fedexlora.training.privacy import check_delta
 
     check_delta(1e-3, [50, 999])
     with pytest.raises(ValueError, match=r"--dp-delta 0.05 must be below 1 / 50 = 0.02"):

@@ -70,7 +70,7 @@ def hub_dir(tmp_path_factory):
 
 
 def test_math_answers_by_hand():
-    from fedexlora.metrics import exact_match, extract_boxed, math_equal
+    from fedexlora.tasks.metrics import exact_match, extract_boxed, math_equal
 
     assert extract_boxed(r"so $\boxed{\frac{1}{2}}$, not \boxed{3}") == "3"
     assert extract_boxed(r"nested \boxed{\sqrt{x^{2}}} end") == r"\sqrt{x^{2}}"
@@ -87,7 +87,7 @@ def test_math_answers_by_hand():
 
 
 def test_hub_layout_copies_load_offline(hub_dir):
-    from fedexlora.data import load_task
+    from fedexlora.tasks.data import load_task
 
     sst2 = load_task("glue/sst2", data_dir=hub_dir)
     assert (len(sst2.train), len(sst2.test)) == (30, 12)  # validation is the test split
@@ -107,7 +107,7 @@ def test_hub_layout_copies_load_offline(hub_dir):
 
 
 def test_a_missing_hub_dataset_is_one_clear_error(tmp_path):
-    from fedexlora.data import load_task
+    from fedexlora.tasks.data import load_task
 
     (tmp_path / "openai/gsm8k").mkdir(parents=True)
     with pytest.raises(ValueError, match=r"holds no 'main' folder"):
@@ -147,7 +147,7 @@ def _paper_rows(text: str) -> dict[str, tuple[float, float, float]]:
 
 @pytest.mark.parametrize("recipe", ["paper-gsm8k-mistral-7b", "paper-math-gemma2-9b"])
 def test_llm_recipe_end_to_end_with_the_paper_beside(tmp_path, hub_dir, tiny_llama_dir, recipe):
-    from fedexlora.recipes import RECIPES
+    from fedexlora.run.recipes import RECIPES
 
     res = _run(tmp_path, "--recipe", recipe, "--model", tiny_llama_dir, "--data-dir",
                str(hub_dir), "--max-train", "12", "--max-test", "4", "--max-length", "48",
@@ -209,3 +209,44 @@ def test_one_task_of_a_multi_task_recipe(tmp_path, hub_dir, tiny_bert_dir):
     out = " ".join(res.output.split())
     assert "note: the paper's figure for paper-glue-roberta-large is the average over 6" in out
     assert "86.39" not in next(ln for ln in res.output.splitlines() if ln.startswith("│ fedex"))
+
+
+def test_multi_task_recipe_runs_every_task_under_flower(tmp_path, hub_dir, tiny_bert_dir,
+                                                        monkeypatch):  # fmt: skip
+    """--engine flower used to run only a multi-task recipe's first task, silently.
+
+    Each task must reach the Flower engine, in its own directory; the Flower engine itself
+    is tested elsewhere (test_flower.py), so here each call it gets is recorded and run
+    in-process, which writes the same run directory.
+    """
+    import dataclasses
+
+    import fedexlora.flower.simulation as flower_sim
+    from fedexlora.run import recipes
+    from fedexlora.run.pipeline import run_experiment
+
+    two = dataclasses.replace(recipes.RECIPES["paper-glue-roberta-base"],
+                              tasks=("glue/sst2", "glue/rte"))  # fmt: skip
+    monkeypatch.setitem(recipes.RECIPES, two.name, two)
+    calls = []
+
+    def flower(cfg, out_dir, *, progress=True, console=None, resume=False, **_):
+        calls.append((cfg.engine, cfg.task, out_dir.name, resume))
+        return run_experiment(cfg.replace(engine="local"), out_dir, resume=resume,
+                              progress=False)  # fmt: skip
+
+    monkeypatch.setattr(flower_sim, "run_flower_experiment", flower)
+    res = _run(tmp_path, "--recipe", two.name, "--engine", "flower", "--model", tiny_bert_dir,
+               "--data-dir", str(hub_dir), "--rounds", "1", "--local-steps", "1",
+               "--clients", "2", "--batch-size", "8", "--max-length", "16",
+               "--min-partition-size", "2", "--method", "fedex")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert calls == [("flower", "glue/sst2", "glue-sst2", False),
+                     ("flower", "glue/rte", "glue-rte", False)]  # fmt: skip
+    run = tmp_path / "run"
+    for task in ("glue-sst2", "glue-rte"):
+        rows = [json.loads(x) for x in (run / task / "metrics.jsonl").read_text().splitlines()]
+        assert [(r["method"], r["round"]) for r in rows] == [("fedex", 1)], task
+        assert (run / task / "summary.md").is_file() and (run / task / "partitions.txt").is_file()
+    text = (run / "summary.md").read_text()
+    assert "| glue/sst2 | " in text and "| glue/rte | " in text

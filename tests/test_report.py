@@ -5,7 +5,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from fedexlora import compare, compare_report, report  # noqa: E402
+import fedexlora.experiments.compare as compare  # noqa: E402
+import fedexlora.experiments.compare_report as compare_report
+import fedexlora.run.report as report
 
 
 def _row(method, rnd, value, metric="accuracy"):

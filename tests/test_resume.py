@@ -6,14 +6,16 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedexlora.checkpoint import CheckpointError, latest_checkpoint
-from fedexlora.pipeline import run_experiment
-from fedexlora.report import read_metrics
+from fedexlora.run.checkpoint import CheckpointError, latest_checkpoint
+from fedexlora.run.pipeline import run_experiment
+from fedexlora.run.report import read_metrics
 
 
 def _cfg_file(tmp_path, tiny_bert_dir, tiny_csv):
@@ -120,8 +122,8 @@ def test_checkpoint_from_other_config_is_refused(tiny_cfg, tmp_path):
 
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tiny_cfg, tmp_path, monkeypatch):
     """Everything of a checkpoint lands before it is renamed into place and older ones pruned."""
-    import fedexlora.checkpoint as checkpoint
-    from fedexlora.pipeline import restore_model
+    import fedexlora.run.checkpoint as checkpoint
+    from fedexlora.run.pipeline import restore_model
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=1, keep_checkpoints=1)
     run_experiment(cfg, tmp_path, progress=False)
@@ -138,8 +140,8 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tiny_cfg, tmp_p
     monkeypatch.setattr(checkpoint, "save_file", real)
     ckpt = latest_checkpoint(tmp_path / "checkpoints" / "fedex")
     assert ckpt.name == "round-0001"
-    from fedexlora.checkpoint import config_fingerprint
-    from fedexlora.pipeline import load_task_for
+    from fedexlora.run.checkpoint import config_fingerprint
+    from fedexlora.run.pipeline import load_task_for
 
     task = load_task_for(cfg)
     server = restore_model(cfg, task, "fedex", ckpt, config_fingerprint(cfg.to_dict()))[2]
@@ -153,6 +155,52 @@ class _Crash(BaseException):
 
 
 SAVE_STEPS = ["tensors", "base", "meta", "fsync", "rename", "prune"]
+
+
+def _crash_in_second_save(monkeypatch, step):
+    """Round 2's save_checkpoint dies, as under SIGKILL, right after ``step``.
+
+    ``tensors``/``base``: that file written; ``meta``: meta.json written, nothing flushed;
+    ``fsync``: everything flushed, not renamed; ``rename``: renamed into place and the
+    directory flushed; ``prune``: the first older checkpoint removed.
+    """
+    import fedexlora.run.checkpoint as checkpoint
+
+    saves = []  # tensors files written so far: one per save
+    real_save, real_fsync_all = checkpoint.save_file, checkpoint._fsync_all
+    real_fsync_dir, real_rmtree = checkpoint._fsync_dir, checkpoint.shutil.rmtree
+
+    def crash_if(now):
+        if now == step and len(saves) == 2:
+            raise _Crash(step)
+
+    def save_file(tensors, path, *args, **kwargs):
+        real_save(tensors, path, *args, **kwargs)
+        if path.endswith("tensors.safetensors"):
+            saves.append(path)
+            crash_if("tensors")
+        elif path.endswith("base_deltas.safetensors"):
+            crash_if("base")
+
+    def fsync_all(directory):
+        crash_if("meta")
+        real_fsync_all(directory)
+        crash_if("fsync")
+
+    def fsync_dir(path):
+        real_fsync_dir(path)
+        if not Path(path).name.startswith(".tmp-"):  # the checkpoints directory
+            crash_if("rename")
+
+    def rmtree(path, *args, **kwargs):
+        real_rmtree(path, *args, **kwargs)
+        if Path(path).name.startswith("round-"):
+            crash_if("prune")
+
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    monkeypatch.setattr(checkpoint, "_fsync_all", fsync_all)
+    monkeypatch.setattr(checkpoint, "_fsync_dir", fsync_dir)
+    monkeypatch.setattr(checkpoint, "shutil", SimpleNamespace(rmtree=rmtree))
 
 
 def _tensors_of(ckpt):
@@ -174,21 +222,14 @@ def clean_run(tiny_cfg, tmp_path_factory):
 @pytest.mark.parametrize("step", SAVE_STEPS)
 def test_crash_at_each_step_of_a_save_resumes_identically(clean_run, tmp_path, monkeypatch, step):
     """keep_checkpoints=1: a crash anywhere in round 2's save loses nothing."""
-    import fedexlora.checkpoint as checkpoint
+    import fedexlora.run.checkpoint as checkpoint
 
     cfg, clean = clean_run
-    seen = []
-
-    def crash(name):
-        seen.append(name)
-        if name == step and seen.count("tensors") == 2:  # in round 2's save
-            raise _Crash(step)
-
-    monkeypatch.setattr(checkpoint, "_crash_point", crash)
-    with pytest.raises(_Crash):
+    _crash_in_second_save(monkeypatch, step)
+    with pytest.raises(_Crash) as crashed:
         run_experiment(cfg, tmp_path, progress=False)
-    assert step in seen
-    monkeypatch.setattr(checkpoint, "_crash_point", lambda name: None)
+    assert crashed.value.args == (step,)
+    monkeypatch.undo()
     left = checkpoint.latest_checkpoint(tmp_path / "checkpoints" / "fedex")
     # before the rename the round-1 checkpoint is the newest complete one; after, round 2's
     assert left.name == ("round-0002" if step in ("rename", "prune") else "round-0001")
@@ -207,7 +248,7 @@ def test_crash_at_each_step_of_a_save_resumes_identically(clean_run, tmp_path, m
 
 def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tiny_cfg, tmp_path):
     """A truncated file in the newest checkpoint: resume warns, uses the previous one."""
-    from fedexlora.checkpoint import checkpoints
+    from fedexlora.run.checkpoint import checkpoints
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=2, keep_checkpoints=2)
     run_experiment(cfg, tmp_path, progress=False)
@@ -229,9 +270,9 @@ def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tiny_cfg, tmp_pa
 
 def test_load_checkpoint_restores_all_or_nothing(tiny_cfg, tmp_path):
     """A checkpoint missing one of its parts raises CheckpointError; the server is untouched."""
-    from fedexlora.checkpoint import load_checkpoint
-    from fedexlora.engine import new_model, new_server
-    from fedexlora.pipeline import load_task_for
+    from fedexlora.run.checkpoint import load_checkpoint
+    from fedexlora.run.engine import new_model, new_server
+    from fedexlora.run.pipeline import load_task_for
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=1)
     run_experiment(cfg, tmp_path, progress=False)
@@ -242,7 +283,7 @@ def test_load_checkpoint_restores_all_or_nothing(tiny_cfg, tmp_path):
     task = load_task_for(cfg)
     server = new_server(cfg, "fedex", new_model(cfg, task, "fedex")[0])
     before = {k: v.clone() for k, v in server.state.to_flat().items()}
-    with pytest.raises(CheckpointError, match="KeyError") as err:
+    with pytest.raises(CheckpointError, match="lacks \\['client_version'\\]") as err:
         load_checkpoint(ckpt, server)
     assert err.value.corrupt
     assert server.round == 0 and server.version == 0 and not server.base_delta

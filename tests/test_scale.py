@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_info
-from fedexlora.adapters import effective_weight, lora_layers
-from fedexlora.models import load_model
+from fedexlora.bridge.adapters import effective_weight, lora_layers
+from fedexlora.bridge.models import load_model
+from fedexlora.core.state import AdapterState
 from fedexlora.server import ClientUpload
-from fedexlora.state import AdapterState
 
 
 def _model(path):
@@ -148,7 +148,7 @@ def test_reset_payload_round_trips_and_drops_what_was_folded(tiny_bert_dir):
 
 @pytest.mark.parametrize("method", ["fedex", "ffa"])
 def test_old_style_payload_without_reset_flag_still_loads(tiny_bert_dir, method):
-    from fedexlora.messages import Payload, _to_bytes
+    from fedexlora.core.messages import Payload, _to_bytes
 
     model = _model(tiny_bert_dir)
     server = Server(get_state(model), layer_info(model), num_clients=1, method=method)
@@ -180,18 +180,42 @@ def _scale_cfg(tiny_bert_dir, clients=200, rounds=20):
     )
 
 
-def test_200_clients_in_process_each_sampled_client_is_exact_after_its_payload(tiny_bert_dir):
+def _watch_payloads(monkeypatch, server, on_payload):
+    """Calls ``on_payload(client, payload, model)`` for each client the in-process engine
+    trains, as it starts: ``model`` then holds the global model the payload must bring
+    the client to."""
+    import fedexlora.run.simulation as simulation
+
+    sent = {}
+    real_payload_for, real_update = server.payload_for, simulation.local_update
+
+    def payload_for(client):
+        sent[client] = real_payload_for(client)
+        return sent[client]
+
+    def local_update(cfg, method, model, data, rnd, client, **kwargs):
+        on_payload(client, sent.pop(client), model)
+        return real_update(cfg, method, model, data, rnd, client, **kwargs)
+
+    monkeypatch.setattr(server, "payload_for", payload_for)
+    monkeypatch.setattr(simulation, "local_update", local_update)
+
+
+def test_200_clients_in_process_each_sampled_client_is_exact_after_its_payload(
+    tiny_bert_dir, monkeypatch
+):
     """Every sampled client's model, rebuilt from what it held plus its payload, is the
     global model; the server's memory stays within its bound every round."""
-    from fedexlora.adapters import load_side_state, side_state
-    from fedexlora.engine import new_model, prepare
-    from fedexlora.pipeline import load_task_for
-    from fedexlora.simulation import run_method
+    from fedexlora.bridge.adapters import load_side_state, side_state
+    from fedexlora.run.engine import new_model, new_server, prepare
+    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.simulation import run_method
 
     cfg = _scale_cfg(tiny_bert_dir)
     task = load_task_for(cfg)
     model, tok = new_model(cfg, task, "fedex")
     prep = prepare(cfg, tok, task)
+    server = new_server(cfg, "fedex", model)
     probe = new_model(cfg, task, "fedex")[0]
     snapshots = {0: {}}  # version -> what the global model had folded (clients hold these)
     held, gaps, kinds = {}, [], []
@@ -212,8 +236,9 @@ def test_200_clients_in_process_each_sampled_client_is_exact_after_its_payload(t
             r.nbytes for r in newest.values()
         )
 
-    rows, _, server = run_method(
-        cfg, "fedex", prep, progress=False, on_payload=on_payload, after_round=after_round
+    _watch_payloads(monkeypatch, server, on_payload)
+    rows, _, _ = run_method(
+        cfg, "fedex", prep, progress=False, model=model, server=server, after_round=after_round
     )
     assert len(rows) == 20 and all(len(r["sampled"]) == 2 for r in rows)
     assert len(gaps) == 40 and max(gaps) <= 1e-6
@@ -221,24 +246,24 @@ def test_200_clients_in_process_each_sampled_client_is_exact_after_its_payload(t
     assert len(held) > 30  # many different clients came and went
 
 
-def test_200_virtual_clients_under_flower_match_the_in_process_engine(tiny_bert_dir, tmp_path):
-    from fedexlora.engine import new_model, prepare
+def test_200_virtual_clients_under_flower_match_the_in_process_engine(
+    tiny_bert_dir, tmp_path, monkeypatch
+):
     from fedexlora.flower.simulation import run_flower_experiment
-    from fedexlora.pipeline import load_task_for
-    from fedexlora.simulation import run_method
+    from fedexlora.run.engine import new_model, new_server, prepare
+    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.simulation import run_method
 
     cfg = _scale_cfg(tiny_bert_dir, rounds=4)
     task = load_task_for(cfg)
     model, tok = new_model(cfg, task, "fedex")
+    server = new_server(cfg, "fedex", model)
     last_keep = {}  # client -> what its latest payload said
-    local, _, server = run_method(
-        cfg,
-        "fedex",
-        prepare(cfg, tok, task),
-        progress=False,
-        model=model,
-        on_payload=lambda c, p, m: last_keep.__setitem__(c, p.keep),
+    _watch_payloads(monkeypatch, server, lambda c, p, m: last_keep.__setitem__(c, p.keep))
+    local, _, _ = run_method(
+        cfg, "fedex", prepare(cfg, tok, task), progress=False, model=model, server=server
     )
+    monkeypatch.undo()  # the Flower run below trains its clients unwatched
     flower = run_flower_experiment(cfg.replace(engine="flower"), tmp_path / "flower")
     assert [r["round"] for r in flower] == [1, 2, 3, 4]
     for a, b in zip(flower, local):
@@ -252,7 +277,7 @@ def test_200_virtual_clients_under_flower_match_the_in_process_engine(tiny_bert_
     # measured: at most 1.9e-7 apart, and 1.0e-5 with that fault)
     from safetensors.torch import load_file
 
-    from fedexlora.checkpoint import latest_checkpoint
+    from fedexlora.run.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(tmp_path / "flower" / "checkpoints" / "fedex")
     theirs = load_file(str(ckpt / "tensors.safetensors"))

@@ -3,10 +3,10 @@ import json
 import pytest
 import torch
 
-from fedexlora.checkpoint import latest_checkpoint
-from fedexlora.export import export_model
-from fedexlora.pipeline import RunError, load_task_for, restore_model, run_experiment
-from fedexlora.report import read_metrics
+from fedexlora.run.checkpoint import latest_checkpoint
+from fedexlora.run.export import export_model
+from fedexlora.run.pipeline import RunError, load_task_for, restore_model, run_experiment
+from fedexlora.run.report import read_metrics
 
 FIELDS = {
     "method",
@@ -54,7 +54,7 @@ def test_run_writes_run_directory_and_fedex_is_exact(tiny_cfg, tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert "| fedex |" in summary and "| fedit |" in summary
     # the final accuracy carries its 95% Wilson interval over the test examples
-    from fedexlora.report import wilson
+    from fedexlora.run.report import wilson
 
     n = fedex[-1]["test_examples"]
     assert n == len(load_task_for(tiny_cfg).test) > 0
@@ -98,8 +98,8 @@ def test_all_methods_and_centralized(tiny_cfg, tmp_path):
 def test_export_reproduces_global_model_logits(tiny_cfg, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from fedexlora.engine import prepare
-    from fedexlora.training import predict
+    from fedexlora.run.engine import prepare
+    from fedexlora.training.local import predict
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=2)
     run_experiment(cfg, tmp_path / "run", progress=False)

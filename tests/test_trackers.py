@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fedexlora.cli import app
-from fedexlora.report import read_metrics
+from fedexlora.run.report import read_metrics
 
 pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
 pytest.importorskip("mlflow", reason="the mlflow extra is not installed")

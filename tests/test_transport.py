@@ -7,9 +7,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from fedexlora.adapters import fold_residuals, get_state, layer_info, lora_layers, set_state
+from fedexlora.bridge.adapters import fold_residuals, get_state, layer_info, lora_layers, set_state
+from fedexlora.bridge.steps import apply_payload
 from fedexlora.server import ClientUpload, Payload, Server
-from fedexlora.steps import apply_payload
 
 
 def _peft_gpt2(n_embd=32):
@@ -158,7 +158,7 @@ def test_lossy_residual_rank_keeps_the_remainder_as_error_feedback():
 
 
 def test_lossy_run_is_labelled_approximate_and_logs_its_gap(tiny_cfg, tmp_path):
-    from fedexlora.pipeline import run_experiment
+    from fedexlora.run.pipeline import run_experiment
 
     rows = run_experiment(
         tiny_cfg.replace(methods=["fedex"], residual_rank=1), tmp_path, progress=False

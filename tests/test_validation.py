@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fedexlora import aggregate_states
+from fedexlora.core.state import AdapterState
 from fedexlora.server import ClientUpload, Server
-from fedexlora.state import AdapterState
 
 
 def _state(seed, d=6, n=5, r=2):
@@ -24,7 +24,7 @@ def _state(seed, d=6, n=5, r=2):
 
 
 def _server(**kw):
-    from fedexlora.adapters import LayerInfo
+    from fedexlora.bridge.adapters import LayerInfo
 
     layers = {"l0": LayerInfo(1.0, False, 2, (6, 5)), "l1": LayerInfo(1.0, False, 2, (5, 6))}
     return Server(_state(0), layers, num_clients=3, **kw)
@@ -106,9 +106,22 @@ def test_all_rejected_changes_nothing():
     assert server.version == 0
 
 
-def test_engine_records_rejections_and_warns(tiny_cfg, tmp_path):
-    from fedexlora.pipeline import run_experiment
-    from fedexlora.report import read_metrics
+def _play_faulty_clients(monkeypatch, tamper):
+    """Every upload of the in-process engine passes ``tamper(round, client, upload)``
+    on its way from the client to the server."""
+    import fedexlora.run.simulation as simulation
+
+    real_update = simulation.local_update
+
+    def local_update(cfg, method, model, data, rnd, client, **kwargs):
+        return tamper(rnd, client, real_update(cfg, method, model, data, rnd, client, **kwargs))
+
+    monkeypatch.setattr(simulation, "local_update", local_update)
+
+
+def test_engine_records_rejections_and_warns(tiny_cfg, tmp_path, monkeypatch):
+    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.report import read_metrics
 
     def tamper(rnd, client, up):
         if client == 1:
@@ -116,10 +129,11 @@ def test_engine_records_rejections_and_warns(tiny_cfg, tmp_path):
             B[0, 0] = math.nan
         return up
 
+    _play_faulty_clients(monkeypatch, tamper)
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rows = run_experiment(cfg, tmp_path, progress=False, tamper=tamper)
+        rows = run_experiment(cfg, tmp_path, progress=False)
     assert any("rejected client 1" in str(w.message) for w in caught)
     on_disk = read_metrics(tmp_path / "metrics.jsonl")
     for r in on_disk:
@@ -130,16 +144,15 @@ def test_engine_records_rejections_and_warns(tiny_cfg, tmp_path):
     assert rows == on_disk
 
 
-def test_engine_all_rejected_round_says_so(tiny_cfg, tmp_path):
-    from fedexlora.pipeline import run_experiment
+def test_engine_all_rejected_round_says_so(tiny_cfg, tmp_path, monkeypatch):
+    from fedexlora.run.pipeline import run_experiment
 
     def tamper(rnd, client, up):
         up.num_examples = 0
         return up
 
-    rows = run_experiment(
-        tiny_cfg.replace(methods=["fedex"], rounds=1), tmp_path, progress=False, tamper=tamper
-    )
+    _play_faulty_clients(monkeypatch, tamper)
+    rows = run_experiment(tiny_cfg.replace(methods=["fedex"], rounds=1), tmp_path, progress=False)
     assert rows[0]["accepted"] == [] and rows[0]["note"] == (
         "every upload was rejected; the global model is unchanged"
     )

@@ -60,8 +60,8 @@ def federate(path, shards, num_labels, rounds=2, steps=10, out="runs/hf_trainer"
 
 
 def main():
-    from fedexlora.data import load_task
-    from fedexlora.models import resolve_model
+    from fedexlora.bridge.models import resolve_model
+    from fedexlora.tasks.data import load_task
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)

@@ -6,24 +6,24 @@ API (:class:`Server`, :func:`apply_payload`, :func:`make_upload`, :func:`apply_o
 ``docs/API.md``.
 """
 
-from .aggregation import METHODS, AggregationResult, Residual, aggregate, deviation
-from .state import AdapterState, RoundAggregate, aggregate_states
+from fedexlora.core.aggregation import METHODS, AggregationResult, Residual, aggregate, deviation
+from fedexlora.core.state import AdapterState, RoundAggregate, aggregate_states
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Server": "server",
-    "Payload": "server",
-    "ClientUpload": "server",
-    "RoundOutcome": "server",
-    "apply_payload": "steps",
-    "make_upload": "steps",
-    "apply_outcome": "steps",
-    "get_state": "adapters",
-    "set_state": "adapters",
-    "layer_info": "adapters",
-    "fold_residuals": "adapters",
-    "effective_weight": "adapters",
+    "Server": "server.server",
+    "Payload": "server.server",
+    "ClientUpload": "server.server",
+    "RoundOutcome": "server.server",
+    "apply_payload": "bridge.steps",
+    "make_upload": "bridge.steps",
+    "apply_outcome": "bridge.steps",
+    "get_state": "bridge.adapters",
+    "set_state": "bridge.adapters",
+    "layer_info": "bridge.adapters",
+    "fold_residuals": "bridge.adapters",
+    "effective_weight": "bridge.adapters",
 }
 
 __all__ = [
@@ -56,5 +56,5 @@ def __getattr__(name: str):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        return getattr(importlib.import_module(f"fedexlora.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'fedexlora' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from .cli import main
+from fedexlora.cli import main
 
 main()

@@ -6,7 +6,9 @@ import dataclasses
 import difflib
 import importlib.util
 import math
+import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -18,9 +20,18 @@ else:  # pragma: no cover
 
 import tomli_w
 
-__all__ = ["ALL_METHODS", "ConfigError", "RunConfig", "load_config", "validate_mapping"]
+from fedexlora.core.methods import REGISTRY, MethodSpec, method_names
 
-ALL_METHODS = ("fedex", "fedit", "ffa", "flora", "fedsb", "centralized")
+__all__ = [
+    "ALL_METHODS",
+    "ConfigError",
+    "RunConfig",
+    "load_config",
+    "model_name_error",
+    "validate_mapping",
+]
+
+ALL_METHODS = tuple(REGISTRY)
 _PARTITIONS = ("iid", "dirichlet")
 _WEIGHTINGS = ("examples", "uniform")
 _ENGINES = ("local", "flower")
@@ -46,6 +57,36 @@ A resume may change them, the checkpoint fingerprint leaves them out, and ``comp
 reuses a cell that differs only in them.
 """
 _REPORTERS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # name -> module it needs
+_MODEL_ALIASES = ("minilm", "smollm2-135m")  # fedexlora.bridge.models.ALIASES (which loads torch)
+# huggingface_hub's rule for a repo id ("name" or "org/name"), checked here without the network
+_HUB_NAME = re.compile(r"^(\b[\w\-.]+\b/)?\b[\w\-.]{1,96}\b$")
+
+
+def model_name_error(name: str) -> str | None:
+    """Why ``name`` cannot be a model, or ``None`` when it may be one.
+
+    An alias, an existing directory (``~`` expanded) and anything shaped like a hub name
+    pass; the hub itself is not asked. Anything else is a local path that is not there,
+    which loading would only report as a malformed hub name.
+
+    Args:
+        name: The ``model`` setting.
+
+    Returns:
+        The problem, starting with the quoted name, or ``None``.
+    """
+    if name in _MODEL_ALIASES:
+        return None
+    path = Path(name).expanduser()
+    if name.strip() and path.is_dir():
+        return None
+    if _HUB_NAME.match(name) and "--" not in name and ".." not in name:
+        return None
+    what = "not a directory" if name.strip() and path.exists() else "no such local directory"
+    return (
+        f"{name!r}: {what} (give minilm, smollm2-135m, a hub name such as org/name, "
+        "or an existing directory)"
+    )
 
 
 class ConfigError(ValueError):
@@ -146,6 +187,23 @@ class RunConfig:
         """``export_format``, or its default: ``merged`` for fp32 bases, else ``adapter``."""
         return self.export_format or ("adapter" if self.side_branch else "merged")
 
+    def _methods_where(
+        self, test: Callable[[MethodSpec], bool], *, unknown: bool = False, unique: bool = True
+    ) -> list[str]:
+        """The names in ``methods`` whose registered spec passes ``test``, in order.
+
+        Args:
+            test: Asked of each known method's spec.
+            unknown: Whether names the registry does not know are included too.
+            unique: Whether a name given twice is listed once.
+        """
+        out = []
+        for m in self.methods:
+            spec = REGISTRY.get(m)
+            if (unknown if spec is None else test(spec)) and not (unique and m in out):
+                out.append(m)
+        return out
+
     def errors(self) -> list[str]:
         """Every problem with the values, as one message each (empty when valid)."""
         errs: list[str] = []
@@ -158,6 +216,8 @@ class RunConfig:
             if not cond:
                 errs.append(msg)
 
+        model_error = model_name_error(self.model)
+        need(model_error is None, f"`model` {model_error}")
         unknown = [m for m in self.methods if m not in ALL_METHODS]
         need(not unknown, f"`methods`: unknown {unknown}; choose from {list(ALL_METHODS)}")
         need(len(self.methods) > 0, "`methods` must name at least one method")
@@ -293,7 +353,7 @@ class RunConfig:
             self.fedsb_init_samples >= 1,
             f"`fedsb_init_samples` must be >= 1, got {self.fedsb_init_samples}",
         )
-        if "fedsb" in self.methods and self.fedsb_init_resolved == "gradient":
+        if self._methods_where(lambda s: s.latent) and self.fedsb_init_resolved == "gradient":
             if self.dp:
                 errs.append(
                     "`fedsb_init` gradient reads the clients' examples without noise, so it "
@@ -306,8 +366,8 @@ class RunConfig:
                 )
         if self.dp:
             cannot = []
-            if "centralized" in self.methods:
-                cannot.append("method 'centralized' (it has no clients to hold budgets)")
+            for m in self._methods_where(lambda s: not s.federated):
+                cannot.append(f"method {m!r} (it has no clients to hold budgets)")
             if self.gradient_checkpointing:
                 cannot.append("--gradient-checkpointing (per-sample gradients need the hooks)")
             if self.side_branch:
@@ -340,27 +400,33 @@ class RunConfig:
                 f"`lora_r` is the global adapter's rank and must equal max(client_ranks) = "
                 f"{max(self.client_ranks, default=0)}, got {self.lora_r}",
             )
-            other = [m for m in self.methods if m not in ("fedex", "flora", "centralized")]
+            # a method without clients trains one adapter at lora_r: client_ranks is moot
+            other = self._methods_where(
+                lambda s: s.federated and not s.hetero_ranks, unknown=True, unique=False
+            )
             need(
                 not other,
-                f"`client_ranks` works with fedex and flora (exact); it cannot be "
-                f"combined with methods {other}",
+                f"`client_ranks` works with {' and '.join(method_names(hetero_ranks=True))} "
+                f"(exact); it cannot be combined with methods {other}",
             )
-        need(
-            not (self.engine == "flower" and "centralized" in self.methods),
-            "method 'centralized' has no clients to federate and runs in-process only; "
-            "use --engine local for it (or drop it from the methods of a Flower run)",
-        )
+        if self.engine == "flower":
+            for m in self._methods_where(lambda s: not s.flower):
+                errs.append(
+                    f"method {m!r} has no clients to federate and runs in-process only; "
+                    "use --engine local for it (or drop it from the methods of a Flower run)"
+                )
         need(
             self.residual_rank is None or self.side_rank is None,
             "`residual_rank` and `side_rank` are two lossy modes; choose one",
         )
         if self.residual_rank is not None:
-            lossless = [m for m in self.methods if m not in ("fedex",)]
+            lossless = self._methods_where(
+                lambda s: not s.residual_rank, unknown=True, unique=False
+            )
             need(
                 not lossless,
-                f"`residual_rank` applies to fedex only; it cannot be combined "
-                f"with methods {lossless}",
+                f"`residual_rank` applies to {' and '.join(method_names(residual_rank=True))} "
+                f"only; it cannot be combined with methods {lossless}",
             )
         if self.num_clients >= 1 and self.max_train is not None:
             need(

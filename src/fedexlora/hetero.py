@@ -1,91 +1,12 @@
-"""Heterogeneous client ranks: the global adapter has rank ``r_max``; client i trains ``r_i``.
+"""Deprecated: moved; this old path warns, then hands back the new module."""
 
-A client of rank ``r_i`` receives the leading ``r_i`` components of the global update
-``s_g B̄ Ā`` (by SVD, so they keep the most energy), rescaled to its own LoRA scale
-``s_i``. What the truncation leaves out, ``T_i``, is folded into that client's base
-weight, so its effective weights equal the global model exactly. On the way back, its
-trained factors are zero-padded to ``r_max`` and rescaled to ``s_g``; the server adds
-``Σ p_i T_i`` to the FedEx-LoRA residual, so that the new global model is exactly
-``Σ p_i (W_i + s_i B_i A_i)``, each client with its own scale.
+import importlib
+import sys
+import warnings
 
-Pure tensor math: no peft, no I/O.
-"""
-
-from __future__ import annotations
-
-import math
-from collections.abc import Mapping
-
-import torch
-
-from .aggregation import Residual, pad_rank, split_leading
-from .state import AdapterState
-
-__all__ = ["client_view", "to_global"]
-
-
-def _same(g, c) -> bool:
-    return g.rank == c.rank and math.isclose(g.scale, c.scale, rel_tol=1e-12)
-
-
-def client_view(
-    state: AdapterState,
-    global_layers: Mapping,
-    client_layers: Mapping,
-    *,
-    generator: torch.Generator | None = None,
-) -> tuple[AdapterState, dict[str, Residual]]:
-    """The global state as a client of other ranks/scales sees it.
-
-    Args:
-        state: The global adapter state (rank ``r_max``).
-        global_layers: ``LayerInfo`` of the global adapter, per module.
-        client_layers: ``LayerInfo`` of the client's adapter, per module.
-        generator: Seeded generator for A rows the global update does not determine
-            (where ``B̄ Ā`` has fewer than ``r_i`` non-zero singular values); their B
-            columns are zero, so the product is unchanged and they can still learn.
-
-    Returns:
-        ``(client_state, remainders)``: factors of the client's rank with
-        ``s_i B_i A_i`` = the leading part of ``s_g B̄ Ā``, and per module the remainder
-        ``T_i = s_g B̄ Ā - s_i B_i A_i`` as an absolute weight-space matrix.
-    """
-    factors, remainders = {}, {}
-    for name, (A, B) in state.factors.items():
-        g, c = global_layers[name], client_layers[name]
-        if _same(g, c):
-            factors[name] = (A, B)
-            continue
-        if c.rank > g.rank:
-            raise ValueError(
-                f"module {name!r}: client rank {c.rank} exceeds the global rank {g.rank}"
-            )
-        A_lead, B_lead, tail = split_leading(A, B, c.rank)
-        root = math.sqrt(g.scale / c.scale)
-        A_c, B_c = A_lead * root, B_lead * root
-        dead = (A_c.abs().amax(dim=1) == 0).nonzero().flatten()
-        if dead.numel():  # directions B̄ Ā does not use: fresh A rows, zero B columns
-            bound = 1.0 / math.sqrt(A.shape[1])
-            fresh = torch.empty(dead.numel(), A.shape[1], dtype=A_c.dtype)
-            fresh.uniform_(-bound, bound, generator=generator)
-            A_c[dead] = fresh
-            B_c[:, dead] = 0
-        factors[name] = (A_c, B_c)
-        if not tail.is_zero:
-            remainders[name] = tail.scaled(g.scale)
-    return AdapterState(factors=factors, extra=state.extra), remainders
-
-
-def to_global(state: AdapterState, global_layers: Mapping, client_layers: Mapping) -> AdapterState:
-    """A client's trained factors zero-padded to the global rank and rescaled to ``s_g``.
-
-    ``s_g B̃ Ã == s_i B_i A_i`` for every module.
-    """
-    factors = {}
-    for name, (A, B) in state.factors.items():
-        g, c = global_layers[name], client_layers[name]
-        if _same(g, c):
-            factors[name] = (A, B)
-        else:
-            factors[name] = pad_rank(A, B, g.rank, factor=c.scale / g.scale)
-    return AdapterState(factors=factors, extra=state.extra)
+warnings.warn(
+    "fedexlora.hetero moved to fedexlora.core.hetero; import it from there",
+    DeprecationWarning,
+    stacklevel=2,
+)
+sys.modules[__name__] = importlib.import_module("fedexlora.core.hetero")

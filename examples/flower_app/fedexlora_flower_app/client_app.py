@@ -16,8 +16,8 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedexlora import Payload, apply_payload, make_upload
+from fedexlora.bridge.steps import client_state, load_client_state
 from fedexlora.flower.records import from_array_record, to_array_record
-from fedexlora.steps import client_state, load_client_state
 
 from .task import load_shard, new_model, settings, train
 

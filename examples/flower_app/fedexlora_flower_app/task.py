@@ -7,8 +7,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from fedexlora.data import load_task
-from fedexlora.models import resolve_model
+from fedexlora.bridge.models import resolve_model
+from fedexlora.tasks.data import load_task
 
 DEFAULTS = {"model": "minilm", "task": "bbc-news", "num-rounds": 2, "local-steps": 10,
             "lr": 0.01, "num-partitions": 3}  # fmt: skip

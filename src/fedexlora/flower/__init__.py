@@ -2,7 +2,7 @@
 
 Flower is transport only. The aggregation, the payloads and the server state are the
 in-process engine's (:mod:`fedexlora.server`); the clients train with the same local
-step (:func:`fedexlora.engine.local_update`).
+step (:func:`fedexlora.run.engine.local_update`).
 
 - :class:`FedExLoRA` (``fedexlora.flower.strategy``): the ``FedAvg`` subclass.
 - ``fedexlora.flower.client_app:app`` and ``fedexlora.flower.server_app:app``: the apps
@@ -21,11 +21,11 @@ __all__ = ["FedExLoRA", "NodeDirectory", "run_flower_experiment"]
 def __getattr__(name: str) -> Any:
     # Lazy, so that importing a submodule (as `flwr` does) stays light.
     if name in ("FedExLoRA", "NodeDirectory"):
-        from . import strategy
+        from fedexlora.flower import strategy
 
         return getattr(strategy, name)
     if name == "run_flower_experiment":
-        from .simulation import run_flower_experiment
+        from fedexlora.flower.simulation import run_flower_experiment
 
         return run_flower_experiment
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,9 @@
 """The Flower ClientApp: one client's local step, over the shared training code.
 
 Every client really holds its own model. It applies each payload to it with
-:func:`fedexlora.steps.apply_payload` (the residual folded into its own base, or its side
+:func:`fedexlora.bridge.steps.apply_payload` (the residual folded into its own base, or its side
 branch, then the global factors loaded), trains with
-:func:`fedexlora.engine.local_update` (seeded by :func:`fedexlora.engine.client_seed`
+:func:`fedexlora.run.engine.local_update` (seeded by :func:`fedexlora.run.engine.client_seed`
 exactly as in-process) and replies with its upload.
 
 What a client must remember between rounds (what was folded into its base: the fp32
@@ -38,14 +38,14 @@ from typing import Any
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from ..quiet import quiet_libraries
-from .records import from_array_record, resolve_run_config, to_array_record
-from .simulation import restore_user_home
+from fedexlora.flower.records import from_array_record, resolve_run_config, to_array_record
+from fedexlora.flower.simulation import restore_user_home
+from fedexlora.quiet import quiet_libraries
 
 __all__ = ["app", "make_client_app"]
 
 _META = "fedexlora.meta"  # ConfigRecord: method, version (of the base held), token
-_BASE = "fedexlora.client"  # ArrayRecord: fedexlora.steps.client_state(model)
+_BASE = "fedexlora.client"  # ArrayRecord: fedexlora.bridge.steps.client_state(model)
 _DP = "fedexlora.dp"  # ConfigRecord: DP-SGD steps taken per method, and the run token
 
 _DATA: dict[str, tuple] = {}  # config fingerprint -> (task, Prepared), one entry
@@ -57,7 +57,7 @@ _KEEP_ON_DISK = 2  # base versions a client keeps on disk: a crash loses at most
 
 
 def _resolve(defaults: Mapping[str, Any], context: Context):
-    from ..checkpoint import config_fingerprint
+    from fedexlora.run.checkpoint import config_fingerprint
 
     cfg, settings = resolve_run_config({**defaults, **dict(context.run_config)})
     return cfg, config_fingerprint(cfg.to_dict()), settings
@@ -85,7 +85,7 @@ def _save_to_disk(folder: Path, model, version: int) -> None:
     """Writes the client's state for base ``version`` atomically; keeps the last two."""
     from safetensors.torch import save_file
 
-    from ..steps import client_state
+    from fedexlora.bridge.steps import client_state
 
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".v{version}.tmp"
@@ -138,7 +138,7 @@ def _dp_budget(cfg, context, conf, method: str, pid: int, n: int, run_token: str
     server sends back; the count is the largest of all it knows, so a budget is never
     spent twice.
     """
-    from ..privacy import budget_for, check_delta
+    from fedexlora.training.privacy import budget_for, check_delta
 
     check_delta(cfg.dp_delta, [n])
     budget = budget_for(cfg, pid, n)
@@ -156,7 +156,7 @@ def _dp_budget(cfg, context, conf, method: str, pid: int, n: int, run_token: str
 
 
 def _dp_metrics(budget, delta: float) -> dict:
-    from ..privacy import report
+    from fedexlora.training.privacy import report
 
     return {f"dp-{k.replace('_', '-')}": v for k, v in report(budget, delta).items()}
 
@@ -193,8 +193,8 @@ def _partition(context: Context, num_clients: int) -> int:
 
 def _task_and_data(cfg, fingerprint: str, method: str):
     """The task and prepared data (cached per process); a fresh model when just loaded."""
-    from ..engine import new_model, prepare
-    from ..pipeline import load_task_for
+    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.restore import load_task_for
 
     hit = _DATA.get(fingerprint)
     if hit is not None:
@@ -223,8 +223,8 @@ def _client_model(cfg, task, method, context, pid: int, since: int, spare, disk,
     """
     from safetensors.torch import load_file
 
-    from ..engine import new_model
-    from ..steps import load_client_state
+    from fedexlora.bridge.steps import load_client_state
+    from fedexlora.run.engine import new_model
 
     adapter = client_adapter_name(cfg, method, pid)
     if since < 0:  # a new (or re-synced) client starts from the pretrained weights:
@@ -267,13 +267,13 @@ def _activate(model, adapter: str) -> None:
 
 def client_adapter_name(cfg, method: str, pid: int) -> str:
     """The peft adapter partition ``pid`` trains (its own rank under ``client_ranks``)."""
-    from ..engine import client_adapter
+    from fedexlora.run.engine import client_adapter
 
     return client_adapter(cfg, method, pid) or "default"
 
 
 def _remember(context, model, method: str, version: int, pid: int, disk, run_token) -> None:
-    from ..steps import client_state
+    from fedexlora.bridge.steps import client_state
 
     token = uuid.uuid4().hex
     context.state[_BASE] = to_array_record(client_state(model))
@@ -321,9 +321,9 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
         ValueError: If the client's configuration or partition does not match the
             server's, or it does not hold the base version the payload builds on.
     """
-    from ..engine import local_update
-    from ..server import Payload
-    from ..steps import apply_payload
+    from fedexlora.bridge.steps import apply_payload
+    from fedexlora.run.engine import local_update
+    from fedexlora.server.server import Payload
 
     cfg, fingerprint, settings = _resolve(defaults, context)
     conf = msg.content["config"]
@@ -351,7 +351,7 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     data = prep.train.subset(prep.parts[pid])
     budget, refused = None, False
     if cfg.dp:  # the accounting is the client's own; the server records what it reports
-        from ..privacy import check_model, steps_per_round
+        from fedexlora.training.privacy import check_model, steps_per_round
 
         budget = _dp_budget(cfg, context, conf, method, pid, len(data), run_token, disk)
         want = steps_per_round(cfg, len(data))

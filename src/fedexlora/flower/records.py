@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from flwr.app import Array, ArrayRecord
 
-from ..config import ConfigError, RunConfig, validate_mapping
+from fedexlora.config import ConfigError, RunConfig, validate_mapping
 
 __all__ = [
     "FLOWER_KEYS",

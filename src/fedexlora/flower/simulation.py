@@ -47,7 +47,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from .records import to_run_config
+from fedexlora.flower.records import to_run_config
 
 __all__ = [
     "FLOWER_ENV",
@@ -93,7 +93,7 @@ def _executable(name: str) -> str:
         return str(here)
     found = shutil.which(name)
     if found is None:
-        from ..pipeline import RunError
+        from fedexlora.run.layout import RunError
 
         raise RunError(
             f"{name!r} was not found next to {sys.executable} or on PATH; "
@@ -286,7 +286,7 @@ class LocalSimulation:
         """Starts the SuperLink, waits until it answers, then starts the SuperExec."""
         import httpx
 
-        from ..pipeline import RunError
+        from fedexlora.run.layout import RunError
 
         address = f"127.0.0.1:{self.port}"
         superlink = self._spawn(
@@ -400,7 +400,7 @@ def client_resources(
     """
     import torch
 
-    from ..engine import resolve_device
+    from fedexlora.run.engine import resolve_device
 
     cpus = client_cpus if client_cpus is not None else _env_float("FEDEXLORA_CLIENT_CPUS")
     gpus = client_gpus if client_gpus is not None else _env_float("FEDEXLORA_CLIENT_GPUS")
@@ -454,18 +454,18 @@ def run_flower_experiment(
             ``out_dir/flower-logs``).
     """
     del progress, console
-    from ..pipeline import RunError
-    from ..report import read_metrics
+    from fedexlora.run.layout import RunError, RunLayout
+    from fedexlora.run.report import read_metrics
 
     cfg = cfg.replace(engine="flower").validate()
-    out = Path(out_dir).resolve()
-    held = (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size > 0
-    if held and not resume:
+    layout = RunLayout(Path(out_dir).resolve())
+    out = layout.root
+    if layout.holds_run() and not resume:
         raise RunError(
             f"--out {str(out)!r} already holds a run; pass --resume to continue it or "
             "choose another directory"
         )
-    if resume and not (out / "config.toml").is_file():
+    if resume and not layout.config.is_file():
         raise RunError(f"--resume: {str(out)!r} holds no run (no config.toml)")
     run_config = to_run_config(
         cfg,
@@ -473,7 +473,7 @@ def run_flower_experiment(
         min_train_nodes=1,
         min_available_nodes=cfg.num_clients,
         resume=str(out) if resume else "",
-        client_state_dir=str(out / "client-state"),
+        client_state_dir=str(layout.client_state),
     )
     backend = backend_config or {
         "client_resources": client_resources(cfg, client_cpus, client_gpus),
@@ -490,10 +490,10 @@ def run_flower_experiment(
     try:
         sim.start()
         code, tail = sim.run(root / "app", federation)
-        rows = read_metrics(out / "metrics.jsonl") if (out / "metrics.jsonl").is_file() else []
+        rows = read_metrics(layout.metrics) if layout.metrics.is_file() else []
         want = cfg.rounds * len(cfg.methods)
         if len(rows) != want:
-            kept = out / "flower-logs"
+            kept = layout.flower_logs
             kept.mkdir(parents=True, exist_ok=True)
             for name in ("superlink", "superexec"):
                 with contextlib.suppress(OSError):

@@ -30,13 +30,14 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
-from ..server import ClientUpload, RoundOutcome, Server
-from ..state import AdapterState
-from .records import from_array_record, to_array_record
+from fedexlora.core.methods import method_names
+from fedexlora.core.state import AdapterState
+from fedexlora.flower.records import from_array_record, to_array_record
+from fedexlora.server.server import ClientUpload, RoundOutcome, Server
 
 __all__ = ["FedExLoRA", "NodeDirectory", "RoundRecord"]
 
-FLOWER_METHODS = ("fedex", "fedit", "ffa", "flora", "fedsb")
+FLOWER_METHODS = method_names(flower=True)
 
 # What Flower logs about choices this strategy makes on purpose: the server evaluates the
 # global model itself, so there is no federated evaluation and no initial evaluation.
@@ -287,7 +288,7 @@ class FedExLoRA(FedAvg):
         self.current: RoundRecord | None = None
         self.offset = server.round  # rounds done before this strategy started
         self._waited = False
-        # DP: each client's latest report of its own accounting (fedexlora.privacy.report)
+        # DP: each client's latest report of its own accounting (fedexlora.training.privacy.report)
         self.dp_reports: dict[int, dict] = {}
 
     @property

@@ -101,7 +101,7 @@ def format_prompt(prompt: str, template: str = "qa") -> str:
 
 
 def encode(dataset, tokenizer, *, kind: str, max_length: int, template: str = "qa") -> Encoded:
-    """Tokenizes a task split (columns as produced by :func:`fedexlora.data.load_task`)."""
+    """Tokenizes a task split (columns as produced by :func:`fedexlora.tasks.data.load_task`)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if kind == "causal_lm":
         ids, labels, prompts = [], [], []
@@ -201,7 +201,7 @@ def train_local(
         desc: Progress bar label.
         progress: Whether to show a progress bar.
         autocast: Mixed-precision dtype (bf16/fp16) for the forward pass, or ``None``.
-        dp: DP-SGD (a :class:`fedexlora.privacy.Budget`, or anything with its
+        dp: DP-SGD (a :class:`fedexlora.training.privacy.Budget`, or anything with its
             ``noise_multiplier``, ``sample_rate`` and ``max_grad_norm``): Poisson-sampled
             batches, per-sample clipping and Gaussian noise (Opacus), instead of plain
             clipping of the batch gradient. The noise comes from ``seed`` too.
@@ -350,15 +350,15 @@ def evaluate(
     autocast: torch.dtype | None = None,
     num_beams: int = 1,
 ) -> dict[str, float]:
-    """Task metrics of the model on ``data`` (see :func:`fedexlora.data.compute_metrics`).
+    """Task metrics of the model on ``data`` (see :func:`fedexlora.tasks.data.compute_metrics`).
 
     A causal task with answers is also scored on generations: greedy, or beam search with
     ``num_beams`` > 1, plus the task's own ``generation`` arguments. ``task.answer_style``
     says how: exact match of the final number or boxed answer, commonsense accuracy
-    (:func:`fedexlora.metrics.choice_accuracy`), or the E2E metrics
-    (:func:`fedexlora.nlg_metrics.e2e_scores`).
+    (:func:`fedexlora.tasks.metrics.choice_accuracy`), or the E2E metrics
+    (:func:`fedexlora.tasks.nlg_metrics.e2e_scores`).
     """
-    from .metrics import choice_accuracy, compute_metrics, exact_match
+    from fedexlora.tasks.metrics import choice_accuracy, compute_metrics, exact_match
 
     model.eval()
     if data.kind != "causal_lm":
@@ -392,7 +392,7 @@ def evaluate(
                               num_beams=num_beams, **gen_kwargs)  # fmt: skip
         texts = [cut_at_stop(t, getattr(task, "template", "qa")) for t in texts]
         if style == "nlg":
-            from .nlg_metrics import e2e_scores
+            from fedexlora.tasks.nlg_metrics import e2e_scores
 
             out.update(e2e_scores(texts, data.answers))
         elif style == "choice":
@@ -465,3 +465,42 @@ def _generate(
         )
         texts += tokenizer.batch_decode(gen[:, n:], skip_special_tokens=True)
     return texts
+
+
+def _orientation(layer, grad: torch.Tensor) -> torch.Tensor:
+    """A base-weight gradient in ``(d, n)`` orientation (GPT-2's Conv1D stores ``(n, d)``)."""
+    return grad.T if getattr(layer, "fan_in_fan_out", False) else grad
+
+
+def estimate_gradients(model, data, *, samples: int, batch_size: int, seed: int, layers):
+    """The full-weight gradients of the adapted layers, summed over ``samples`` examples.
+
+    The LoRA branch is zero or constant at this point, so these are the base weights'
+    gradients. Batches are summed as the authors do (each batch's mean loss).
+    """
+    n = len(data)
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n, generator=g)[: min(samples, n)].tolist()
+    weights = {name: layer.get_base_layer().weight for name, layer in layers.items()}
+    was = {name: w.requires_grad for name, w in weights.items()}
+    sums = {name: torch.zeros_like(w, dtype=torch.float32) for name, w in weights.items()}
+    device = next(model.parameters()).device
+    training = model.training
+    model.train()
+    try:
+        for w in weights.values():
+            w.requires_grad_(True)
+        for start in range(0, len(order), batch_size):
+            batch = _collate(data.subset(order[start : start + batch_size]), device)
+            model.zero_grad(set_to_none=True)
+            model(**batch).loss.backward()
+            for name, w in weights.items():
+                sums[name] += w.grad.detach().float()
+                w.grad = None
+    finally:
+        for name, w in weights.items():
+            w.requires_grad_(was[name])
+            w.grad = None
+        model.zero_grad(set_to_none=True)
+        model.train(training)
+    return {name: _orientation(layers[name], s) for name, s in sums.items()}

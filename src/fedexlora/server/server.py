@@ -2,9 +2,9 @@
 
 The server holds the global adapter state, the base-weight version, and the residual
 history that clients who skipped rounds need to catch up (the messages themselves are in
-:mod:`fedexlora.messages`, re-exported here). It samples clients, builds each
+:mod:`fedexlora.core.messages`, re-exported here). It samples clients, builds each
 client's payload, validates uploads and aggregates them. It never touches a model: engines
-fold the returned residuals into whatever model they hold (see :mod:`fedexlora.adapters`).
+fold the returned residuals into whatever model they hold (see :mod:`fedexlora.bridge.adapters`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .adapters import LayerInfo
-from .aggregation import Residual
-from .messages import (
+from fedexlora.core.aggregation import Residual, residuals_from_flat, residuals_to_flat
+from fedexlora.core.messages import (
     ClientUpload,
     Payload,
     RoundOutcome,
@@ -24,16 +23,40 @@ from .messages import (
     example_count,
     validate_upload,
 )
-from .state import AdapterState, aggregate_states
+from fedexlora.core.methods import REGISTRY, method_names
+from fedexlora.core.state import AdapterState, LayerInfo, aggregate_states
 
 __all__ = [
     "ClientUpload",
     "Payload",
     "RoundOutcome",
     "Server",
+    "ServerStateMismatch",
     "example_count",
     "validate_upload",
 ]
+
+
+class ServerStateMismatch(ValueError):
+    """A well-formed server state that does not fit the server it is loaded into.
+
+    Another method, other modules, other shapes or dtypes, or clients of other ranks
+    (:meth:`Server.load_state_dict`); a malformed state raises a plain ``ValueError``.
+    """
+
+
+_STATE_KEYS = (
+    "round",
+    "version",
+    "method",
+    "client_version",
+    "history_versions",
+    "remainder_clients",
+    "last_sizes",
+    "sent_clients",
+    "tensors",
+)
+_ROLES = ("U", "V", "dense")  # the tensors of a residual (Residual.tensors)
 
 
 class Server:
@@ -60,7 +83,7 @@ class Server:
         max_update_norm: Reject uploads whose change from the global state is larger.
         client_layers: Per client, the LoRA layer info of the adapter it trains when it
             differs from the global one (heterogeneous ranks; see
-            :mod:`fedexlora.hetero`). Supported with ``fedex`` and ``flora``.
+            :mod:`fedexlora.core.hetero`). Supported with ``fedex`` and ``flora``.
     """
 
     def __init__(
@@ -96,12 +119,20 @@ class Server:
         self.feedback: dict[str, Residual] = {}  # lossy mode: residual kept back
         self.base_delta: dict[str, Residual] = {}  # sum of residuals folded so far
         self.client_layers = {int(c): dict(v) for c, v in (client_layers or {}).items()}
-        if self.client_layers and method not in ("fedex", "flora"):
-            raise ValueError(
-                f"heterogeneous client ranks need method 'fedex' or 'flora', got {method!r}"
-            )
+        if self.client_layers and not self._has("hetero_ranks"):
+            hetero = " or ".join(repr(m) for m in method_names(hetero_ranks=True))
+            raise ValueError(f"heterogeneous client ranks need method {hetero}, got {method!r}")
         self.remainder: dict[int, dict[str, Residual]] = {}  # hetero: T_i each client holds
         self.sent: dict[int, AdapterState] = {}  # hetero: the view each client trains from
+
+    def _has(self, flag: str) -> bool:
+        """Whether the method's spec sets ``flag`` (an unknown method, none: it fails later).
+
+        An unknown name is refused where it is aggregated
+        (:func:`fedexlora.core.aggregation.aggregate`), as before the registry.
+        """
+        spec = REGISTRY.get(self.method)
+        return spec is not None and bool(getattr(spec, flag))
 
     # -- sampling and payloads -------------------------------------------------------
     def sample(self, rnd: int) -> list[int]:
@@ -114,7 +145,7 @@ class Server:
 
     def upload_template(self) -> AdapterState:
         """What a valid upload contains (FFA-LoRA clients send no A)."""
-        if self.method in ("ffa", "fedsb"):
+        if self._has("frozen_A"):
             return AdapterState(
                 factors={k: (None, B) for k, (_, B) in self.state.factors.items()},
                 extra=self.state.extra,
@@ -153,7 +184,7 @@ class Server:
         residuals since that version. A new or forgotten client, or one away longer than
         the history reaches, gets a ``reset`` payload: the accumulated base delta from
         ``W0`` (also chosen when it is smaller than the catch-up). Either way the client
-        holds the global model exactly after :func:`fedexlora.steps.apply_payload`.
+        holds the global model exactly after :func:`fedexlora.bridge.steps.apply_payload`.
 
         When clients are sampled more rarely than the history reaches
         (:meth:`expected_absence` > :meth:`history_reach`, e.g. 1% of many clients), the
@@ -170,7 +201,7 @@ class Server:
             residuals = from_w0
             self.remainder.pop(client_id, None)  # heterogeneous ranks: nothing folded
         state = self.state
-        if self.method in ("ffa", "fedsb") and not reset:
+        if self._has("frozen_A") and not reset:
             state = self.upload_template()  # A is frozen and already held
         if client_id in self.client_layers:
             state, residuals = self._hetero_view(client_id, residuals)
@@ -215,7 +246,7 @@ class Server:
 
         Everything is expressed in the client's own LoRA scale.
         """
-        from .hetero import client_view
+        from fedexlora.core.hetero import client_view
 
         gen = torch.Generator().manual_seed(self.seed * 65_537 + self.round * 101 + c)
         layers_c = self.client_layers[c]
@@ -302,6 +333,133 @@ class Server:
         out["total"] = sum(out.values())
         return out
 
+    # -- state for checkpoints -------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything that restores this server exactly, as torch's ``state_dict``.
+
+        A server built with the same arguments and given this by :meth:`load_state_dict`
+        sends the same payloads and aggregates to the same results, bit for bit. Client
+        sampling, FLoRA's re-initialisation and the heterogeneous views draw from
+        generators seeded by ``seed``, the round and the client, so ``round`` is all the
+        random state there is. The constructor's arguments are not part of it.
+
+        Returns:
+            A new dict. ``tensors`` holds detached copies; everything else is JSON-able:
+
+            - ``round``, ``version``: rounds done; the base-weight version.
+            - ``method``: the aggregation method (checked on load).
+            - ``client_version``: ``{str(client): version}``, the base each client holds.
+            - ``history_versions``: each ``v`` whose residual (version ``v`` to ``v + 1``)
+              is kept for catch-up.
+            - ``remainder_clients``, ``sent_clients``: heterogeneous ranks: the clients
+              whose remainder ``T_c``, and whose view, the server holds.
+            - ``last_sizes``: ``{module: [bytes, dense bytes]}`` of the latest residual.
+            - ``tensors``: flat ``name -> tensor``: ``state.<key>`` (the global state,
+              :meth:`~fedexlora.core.state.AdapterState.to_flat`),
+              ``base_delta.<module>.<U|V|dense>`` (see
+              :func:`~fedexlora.core.aggregation.residuals_to_flat`), ``feedback.…``,
+              ``history<v>.…``, ``remainder<c>.…`` and ``sent<c>.<key>``.
+        """
+        flat = {f"state.{k}": v for k, v in self.state.to_flat().items()}
+        flat.update(residuals_to_flat("base_delta", self.base_delta))
+        flat.update(residuals_to_flat("feedback", self.feedback))
+        for v, res in self.history.items():
+            flat.update(residuals_to_flat(f"history{v}", res))
+        for c, res in self.remainder.items():
+            flat.update(residuals_to_flat(f"remainder{c}", res))
+        for c, view in self.sent.items():
+            flat.update({f"sent{c}.{k}": t for k, t in view.to_flat().items()})
+        return {
+            "round": self.round,
+            "version": self.version,
+            "method": self.method,
+            "client_version": {str(c): v for c, v in self.client_version.items()},
+            "history_versions": sorted(self.history),
+            "remainder_clients": sorted(self.remainder),
+            "last_sizes": {k: list(v) for k, v in self.last_sizes.items()},
+            "sent_clients": sorted(self.sent),
+            "tensors": {k: t.detach().contiguous().clone() for k, t in flat.items()},
+        }
+
+    def load_state_dict(self, state: Mapping, *, assign: bool = False) -> None:
+        """Restores a :meth:`state_dict`, completely or not at all.
+
+        Everything is parsed and checked against this server before anything changes.
+
+        Args:
+            state: What :meth:`state_dict` returned (or a copy read back from disk).
+            assign: Keep the given tensors instead of copies, as torch's ``assign`` does:
+                for a caller that owns them (a checkpoint loader) and would rather not
+                hold them twice.
+
+        Raises:
+            ServerStateMismatch: If ``state`` is for another method, or its modules,
+                shapes, dtypes or heterogeneous clients are not this server's.
+            ValueError: If ``state`` is malformed: a key missing or unexpected, a value
+                of the wrong type, tensors that make no residual or adapter state.
+        """
+        parsed = _parse_state(state, assign=assign)
+        self._check_state(parsed)
+        self.round = parsed["round"]
+        self.version = parsed["version"]
+        self.state = parsed["state"]
+        self.client_version = parsed["client_version"]
+        self.history = parsed["history"]
+        self.last_sizes = parsed["last_sizes"]
+        self.base_delta = parsed["base_delta"]
+        self.feedback = parsed["feedback"]
+        self.remainder = parsed["remainder"]
+        self.sent = parsed["sent"]
+
+    def _check_state(self, s: dict) -> None:
+        """Raises :class:`ServerStateMismatch` naming what of ``s`` is not this server's."""
+        if s["method"] != self.method:
+            raise ServerStateMismatch(
+                f"server state is for method {s['method']!r}, not {self.method!r}"
+            )
+        problems = _compare_flat("state", s["state"].to_flat(), _specs(self.state.to_flat()))
+        for part, residuals in _residual_parts(s):
+            for name, r in residuals.items():
+                info = self.layers.get(name)
+                if info is None:
+                    problems.append(f"{part}.{name}: no such module")
+                elif tuple(r.shape) != tuple(info.shape):
+                    problems.append(
+                        f"{part}.{name}: shape {tuple(r.shape)}, expected {tuple(info.shape)}"
+                    )
+        problems += [
+            f"last_sizes.{k}: no such module" for k in s["last_sizes"] if k not in self.layers
+        ]
+        clients = set(s["client_version"]) | set(s["remainder"]) | set(s["sent"])
+        problems += [
+            f"client {c}: the server has {self.num_clients} clients"
+            for c in sorted(clients)
+            if c >= self.num_clients
+        ]
+        for c in sorted(set(s["remainder"]) | set(s["sent"])):
+            if c not in self.client_layers:
+                problems.append(
+                    f"client {c}: a heterogeneous view, but the client has the global rank"
+                )
+        for c, view in s["sent"].items():
+            if c in self.client_layers:
+                problems += _compare_flat(f"sent{c}", view.to_flat(), self._view_specs(c))
+        if problems:
+            more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+            raise ServerStateMismatch(
+                "server state does not match this server: " + "; ".join(problems[:8]) + more
+            )
+
+    def _view_specs(self, c: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each tensor of the view client ``c`` (another rank) trains from."""
+        out = _specs(self.state.to_flat())
+        for name, info in self.client_layers[c].items():
+            d, n = self.layers[name].shape
+            if f"lora.{name}.A" in out:
+                out[f"lora.{name}.A"] = ((info.rank, n), out[f"lora.{name}.A"][1])
+            out[f"lora.{name}.B"] = ((d, info.rank), out[f"lora.{name}.B"][1])
+        return out
+
     # -- aggregation -----------------------------------------------------------------
     def aggregate(
         self, uploads: Sequence[ClientUpload], *, generator: torch.Generator | None = None
@@ -329,7 +487,7 @@ class Server:
             weights = [float(example_count(u.num_examples)[0]) for u in accepted]
         else:
             weights = None
-        if generator is None and self.method == "flora":
+        if generator is None and self._has("fresh_adapter"):
             generator = torch.Generator().manual_seed(self.seed * 7919 + self.round)
         states = [self._to_global(u) for u in accepted]
         agg = aggregate_states(
@@ -347,7 +505,7 @@ class Server:
         elif self.side_rank is not None:
             residuals, capped, feedback_norm = self._cap_side(residuals)
         new_state = agg.state
-        if self.method in ("ffa", "fedsb"):  # keep the frozen global A (fedsb: I)
+        if self._has("frozen_A"):  # keep the frozen global A (latent, Fed-SB: I)
             new_state = AdapterState(
                 factors={
                     k: (self.state.factors[k][0], B) for k, (_, B) in new_state.factors.items()
@@ -409,7 +567,7 @@ class Server:
     def _to_global(self, up: ClientUpload) -> AdapterState:
         if up.client_id not in self.client_layers:
             return up.state
-        from .hetero import to_global
+        from fedexlora.core.hetero import to_global
 
         return to_global(up.state, self.layers, self.client_layers[up.client_id])
 
@@ -466,3 +624,151 @@ class Server:
                 float(torch.linalg.norm(rest.to_dense()).item()) if not rest.is_zero else 0.0
             )
         return kept, norms
+
+
+def _residual_parts(parsed: dict) -> list[tuple[str, dict[str, Residual]]]:
+    """Every residual map of a parsed state, named by its prefix in ``tensors``."""
+    parts = [("base_delta", parsed["base_delta"]), ("feedback", parsed["feedback"])]
+    parts += [(f"history{v}", r) for v, r in parsed["history"].items()]
+    parts += [(f"remainder{c}", r) for c, r in parsed["remainder"].items()]
+    return parts
+
+
+def _specs(flat: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {k: (tuple(t.shape), t.dtype) for k, t in flat.items()}
+
+
+def _compare_flat(part: str, got: Mapping[str, torch.Tensor], want: Mapping) -> list[str]:
+    """What of ``got`` differs from ``want`` (``key -> (shape, dtype)``): keys, shapes, dtypes."""
+    problems = []
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing:
+        problems.append(f"{part}: missing {missing}")
+    if extra:
+        problems.append(f"{part}: unexpected {extra}")
+    for k in sorted(set(want) & set(got)):
+        shape, dtype = want[k]
+        if tuple(got[k].shape) != shape:
+            problems.append(f"{part}.{k}: shape {tuple(got[k].shape)}, expected {shape}")
+        elif got[k].dtype != dtype:
+            problems.append(f"{part}.{k}: dtype {got[k].dtype}, expected {dtype}")
+    return problems
+
+
+def _count(value, what: str, *, key: bool = False) -> int:
+    """``value``, a non-negative int (as a JSON object's ``key``, its digits)."""
+    if key and isinstance(value, str) and value.isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"server state: {what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _parse_state(state: Mapping, *, assign: bool) -> dict:
+    """A :meth:`Server.state_dict` turned back into the server's fields, or ``ValueError``."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"server state must be a mapping, got {type(state).__name__}")
+    missing = [k for k in _STATE_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"server state lacks {missing}")
+    extra = sorted(str(k) for k in state if k not in _STATE_KEYS)
+    if extra:
+        raise ValueError(f"server state has unexpected keys {extra}")
+    out: dict = {"method": state["method"]}
+    if not isinstance(out["method"], str):
+        raise ValueError(f"server state: method must be a string, got {out['method']!r}")
+    out["round"] = _count(state["round"], "round")
+    out["version"] = _count(state["version"], "version")
+
+    def mapping(key: str) -> Mapping:
+        if not isinstance(state[key], Mapping):
+            raise ValueError(f"server state: {key} must be a mapping, got {state[key]!r}")
+        return state[key]
+
+    def ids(key: str) -> list[int]:
+        if not isinstance(state[key], (list, tuple)):
+            raise ValueError(f"server state: {key} must be a list, got {state[key]!r}")
+        return [_count(v, f"each of {key}") for v in state[key]]
+
+    out["client_version"] = {
+        _count(c, "a client id", key=True): _count(v, f"client_version of {c}")
+        for c, v in mapping("client_version").items()
+    }
+    last_sizes = {}
+    for name, sizes in mapping("last_sizes").items():
+        if not isinstance(sizes, (list, tuple)) or len(sizes) != 2:
+            raise ValueError(f"server state: last_sizes of {name!r} must be [bytes, dense bytes]")
+        last_sizes[str(name)] = (_count(sizes[0], "last_sizes"), _count(sizes[1], "last_sizes"))
+    out["last_sizes"] = last_sizes
+    history_versions = sorted(ids("history_versions"))
+    remainder_clients, sent_clients = ids("remainder_clients"), ids("sent_clients")
+
+    tensors = mapping("tensors")
+    groups: dict[str, dict[str, torch.Tensor]] = {"state": {}, "base_delta": {}, "feedback": {}}
+    groups.update({f"history{v}": {} for v in history_versions})
+    groups.update({f"remainder{c}": {} for c in remainder_clients})
+    groups.update({f"sent{c}": {} for c in sent_clients})
+    adapters = {"state", *(f"sent{c}" for c in sent_clients)}  # the rest hold residuals
+    stray = []
+    for key, t in tensors.items():
+        if not isinstance(key, str) or not isinstance(t, torch.Tensor):
+            raise ValueError(f"server state: tensors must map names to tensors, got {key!r}")
+        head, _, rest = key.partition(".")
+        module, _, role = rest.rpartition(".")
+        if head in groups and rest and (head in adapters or (module and role in _ROLES)):
+            if head not in adapters and t.ndim != 2:
+                raise ValueError(f"server state: residual tensor {key!r} is not 2-D")
+            groups[head][key] = t if assign else t.detach().clone()
+        else:
+            stray.append(key)
+    if stray:
+        raise ValueError(f"server state has unexpected tensors {sorted(stray)[:8]}")
+    roles: dict[str, set[str]] = {}
+    for head, group in groups.items():
+        if head not in adapters:
+            for key in group:
+                residual, _, role = key.rpartition(".")
+                roles.setdefault(residual, set()).add(role)
+    odd = sorted(
+        f"{r} {sorted(got)}" for r, got in roles.items() if got not in ({"dense"}, {"U", "V"})
+    )
+    if odd:
+        raise ValueError(f"server state: residuals need U and V, or dense; got {odd[:8]}")
+
+    def adapter(prefix: str) -> AdapterState:
+        cut = len(prefix) + 1
+        return AdapterState.from_flat({k[cut:]: t for k, t in groups[prefix].items()})
+
+    try:
+        out["state"] = adapter("state")
+        out["base_delta"] = residuals_from_flat("base_delta", groups["base_delta"])
+        out["feedback"] = residuals_from_flat("feedback", groups["feedback"])
+        out["history"] = {
+            v: residuals_from_flat(f"history{v}", groups[f"history{v}"]) for v in history_versions
+        }
+        out["remainder"] = {
+            c: residuals_from_flat(f"remainder{c}", groups[f"remainder{c}"])
+            for c in remainder_clients
+        }
+        out["sent"] = {c: adapter(f"sent{c}") for c in sent_clients}
+    except ValueError as exc:  # a residual without U or V, a stray adapter key
+        raise ValueError(f"server state: {exc}") from None
+    for part, residuals in _residual_parts(out):
+        for name, r in residuals.items():
+            if r.U is not None and r.U.shape[1] != r.V.shape[0]:
+                raise ValueError(
+                    f"server state: residual {part}.{name} has factors of shapes "
+                    f"{tuple(r.U.shape)} and {tuple(r.V.shape)}"
+                )
+    empty = [v for v, res in out["history"].items() if not res]
+    if empty:
+        raise ValueError(f"server state: history versions {empty} have no residuals")
+    if out["version"] > out["round"]:
+        raise ValueError(f"server state: version {out['version']} is past round {out['round']}")
+    late = [v for v in history_versions if v >= out["version"]]
+    late += [v for v in out["client_version"].values() if v > out["version"]]
+    if late:
+        raise ValueError(
+            f"server state: versions {sorted(set(late))} are past version {out['version']}"
+        )
+    return out

@@ -1,0 +1,430 @@
+"""The peft bridge: the only module that knows peft's internals.
+
+It reads LoRA factors from a :class:`peft.PeftModel`, writes global factors back, and folds
+``scale * residual`` into the frozen base. Every adapted layer accumulates what was folded
+into it in a :class:`~fedexlora.core.side.SideBranch` (fp32, factored or dense, whichever is
+smaller). For a bf16/fp16 or bitsandbytes-quantized weight the forward pass applies that
+branch, so no precision is lost; an fp32 weight is rebuilt as ``W0 + branch`` (one
+``addmm``), so the model is a function of what it received, however it got there.
+Orientation (``fan_in_fan_out``) and scale are always taken from the peft layer itself,
+never recomputed: ``nn.Linear`` stores its weight ``(out, in)``, GPT-2's ``Conv1D``
+stores ``(in, out)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from peft.tuners.lora import LoraLayer
+
+from fedexlora.bridge.latent import is_latent
+from fedexlora.bridge.layers import _adapter_name, _is_bnb, lora_layers
+from fedexlora.core.aggregation import Residual, residuals_from_flat, residuals_to_flat
+from fedexlora.core.side import SideBranch
+from fedexlora.core.state import AdapterState, LayerInfo
+
+__all__ = [
+    "LayerInfo",
+    "base_weight",
+    "check_compatible",
+    "effective_weight",
+    "fold_layer",
+    "fold_residuals",
+    "folded_weights",
+    "get_state",
+    "layer_info",
+    "lift",
+    "load_side_state",
+    "lora_layers",
+    "restore_base",
+    "set_state",
+    "set_trainable",
+    "side_nbytes",
+    "side_state",
+    "side_weight",
+    "snapshot_base",
+]
+
+_SIDE = "fedex_side"  # child module of a LoraLayer holding its SideBranch (forward hook)
+_ACC = "fedex_folded"  # the same for an fp32 layer: not hooked, materialized in the weight
+_LORA_PARAM_TAGS = (".lora_A.", ".lora_B.", ".lora_embedding_", ".lora_magnitude_vector")
+
+
+def layer_info(model: torch.nn.Module, adapter: str | None = None) -> dict[str, LayerInfo]:
+    """Scale, orientation, rank and shape of every LoRA layer, read from peft."""
+    adapter = _adapter_name(model, adapter)
+    info = {}
+    for name, layer in lora_layers(model, adapter).items():
+        A, B = _factor_shapes(layer, adapter)
+        info[name] = LayerInfo(
+            scale=float(layer.scaling[adapter]),
+            fan_in_fan_out=bool(getattr(layer, "fan_in_fan_out", False)),
+            rank=int(A[0]),
+            shape=(int(B[0]), int(A[1])),
+        )
+    return info
+
+
+def _factor_shapes(layer: LoraLayer, adapter: str) -> tuple[tuple, tuple]:
+    """The shapes of ``(A, B)`` as the server sees them.
+
+    A Fed-SB layer is shown in its latent coordinates: ``A = I_r`` and ``B = R``, a layer
+    of shape ``(r, r)`` (see :mod:`fedexlora.bridge.latent`).
+    """
+    if is_latent(layer, adapter):
+        r = layer.lora_B[adapter].core.weight.shape[0]
+        return (r, r), (r, r)
+    return tuple(layer.lora_A[adapter].weight.shape), tuple(layer.lora_B[adapter].weight.shape)
+
+
+def _read_factors(layer: LoraLayer, adapter: str, include_A: bool):
+    if is_latent(layer, adapter):
+        R = layer.lora_B[adapter].core.weight
+        return (torch.eye(R.shape[0]) if include_A else None), _host(R)
+    A = _host(layer.lora_A[adapter].weight) if include_A else None
+    return A, _host(layer.lora_B[adapter].weight)
+
+
+def lift(layer: LoraLayer, M: torch.Tensor, adapter: str = "default") -> torch.Tensor:
+    """A ``(d, n)`` update from one in the server's coordinates (``B M A`` for Fed-SB)."""
+    if not is_latent(layer, adapter):
+        return M
+    basis = layer.lora_B[adapter].basis.weight.detach().to(M)
+    A = layer.lora_A[adapter].weight.detach().to(M)
+    return basis @ M @ A
+
+
+def _extra_params(model: torch.nn.Module, adapter: str) -> dict[str, torch.nn.Parameter]:
+    """Trainable non-LoRA parameters (``modules_to_save``) of ``adapter``.
+
+    A ``modules_to_save`` copy is keyed as ``...modules_to_save.default...`` whatever the
+    adapter's name, so that clients training other adapters (other ranks) share keys.
+    """
+    out = {}
+    own, canonical = f".modules_to_save.{adapter}.", ".modules_to_save.default."
+    for name, p in model.named_parameters():
+        if any(tag in name for tag in _LORA_PARAM_TAGS):
+            continue
+        if ".modules_to_save." in name:
+            if own in name:
+                out[name.replace(own, canonical)] = p
+        elif p.requires_grad:
+            out[name] = p
+    return out
+
+
+def set_trainable(model: torch.nn.Module, *, train_A: bool, adapter: str | None = None) -> None:
+    """Freezes or unfreezes every ``lora_A`` (FFA-LoRA freezes it); B stays trainable."""
+    adapter = _adapter_name(model, adapter)
+    for layer in lora_layers(model, adapter).values():
+        if is_latent(layer, adapter):
+            continue  # Fed-SB: A and the basis stay frozen, the core trains
+        layer.lora_A[adapter].weight.requires_grad_(train_A)
+        layer.lora_B[adapter].weight.requires_grad_(True)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy, in fp32 when the parameter is bf16/fp16 (numpy and records lack bf16)."""
+    t = t.detach().to("cpu", copy=True)
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def get_state(
+    model: torch.nn.Module, *, include_A: bool = True, adapter: str | None = None
+) -> AdapterState:
+    """Copies the LoRA factors and trainable extras of ``model`` into an AdapterState.
+
+    Tensors are copied to the CPU (the server's math runs there), half precision as fp32.
+
+    Args:
+        model: A peft model.
+        include_A: Whether to include each layer's A (FFA-LoRA clients omit it).
+        adapter: The adapter name; defaults to the active one.
+    """
+    adapter = _adapter_name(model, adapter)
+    factors = {}
+    for name, layer in lora_layers(model, adapter).items():
+        factors[name] = _read_factors(layer, adapter, include_A)
+    extra = {name: _host(p) for name, p in _extra_params(model, adapter).items()}
+    return AdapterState(factors=factors, extra=extra)
+
+
+def check_compatible(model: torch.nn.Module, state: AdapterState, adapter: str | None = None):
+    """Raises ``ValueError`` unless ``state`` covers exactly the model's modules and shapes."""
+    adapter = _adapter_name(model, adapter)
+    layers = lora_layers(model, adapter)
+    missing = sorted(set(layers) - set(state.factors))
+    extra_mods = sorted(set(state.factors) - set(layers))
+    if missing or extra_mods:
+        raise ValueError(
+            f"adapter state does not match the model: missing modules {missing[:3]}"
+            f"{'...' if len(missing) > 3 else ''}, unknown modules {extra_mods[:3]}"
+            f"{'...' if len(extra_mods) > 3 else ''}"
+        )
+    for name, (A, B) in state.factors.items():
+        wa, wb = _factor_shapes(layers[name], adapter)
+        if A is not None and tuple(A.shape) != wa:
+            raise ValueError(f"module {name!r}: A has shape {tuple(A.shape)}, model expects {wa}")
+        if tuple(B.shape) != wb:
+            raise ValueError(f"module {name!r}: B has shape {tuple(B.shape)}, model expects {wb}")
+    params = _extra_params(model, adapter)
+    if set(params) != set(state.extra):
+        raise ValueError(
+            "adapter state does not match the model's trainable extras: missing "
+            f"{sorted(set(params) - set(state.extra))}, unknown "
+            f"{sorted(set(state.extra) - set(params))}"
+        )
+    for name, t in state.extra.items():
+        if tuple(t.shape) != tuple(params[name].shape):
+            raise ValueError(
+                f"parameter {name!r} has shape {tuple(t.shape)}, model expects "
+                f"{tuple(params[name].shape)}"
+            )
+
+
+@torch.no_grad()
+def set_state(model: torch.nn.Module, state: AdapterState, adapter: str | None = None) -> None:
+    """Writes global factors and extras into ``model`` (A is kept where ``state`` has none).
+
+    Raises:
+        ValueError: If the state's modules or shapes differ from the model's.
+    """
+    adapter = _adapter_name(model, adapter)
+    check_compatible(model, state, adapter)
+    layers = lora_layers(model, adapter)
+    for name, (A, B) in state.factors.items():
+        layer = layers[name]
+        if is_latent(layer, adapter):  # latent coordinates: A is I_r, B is the core R
+            core = layer.lora_B[adapter].core.weight
+            core.copy_(B.to(core.dtype))
+            continue
+        if A is not None:
+            wa = layer.lora_A[adapter].weight
+            wa.copy_(A.to(wa.dtype))
+        wb = layer.lora_B[adapter].weight
+        wb.copy_(B.to(wb.dtype))
+    params = _extra_params(model, adapter)
+    for name, t in state.extra.items():
+        params[name].copy_(t.to(params[name].dtype))
+
+
+def _holds_in_weight(layer: LoraLayer) -> bool:
+    """Whether the residual is folded into the base weight (fp32/fp64, not quantized)."""
+    base = layer.get_base_layer()
+    return not _is_bnb(base) and base.weight.dtype in (torch.float32, torch.float64)
+
+
+def _side(layer: LoraLayer, create: bool = False) -> SideBranch | None:
+    """The layer's side branch (created and hooked into its forward when asked)."""
+    side = getattr(layer, _SIDE, None)
+    if side is None and create:
+        A, B = next(iter(layer.lora_A.values())).weight, next(iter(layer.lora_B.values())).weight
+        side = SideBranch(int(B.shape[0]), int(A.shape[1]), device=A.device)
+        layer.add_module(_SIDE, side)
+        layer.register_forward_hook(_apply_side)
+    return side
+
+
+def _acc(layer: LoraLayer, create: bool = False) -> SideBranch | None:
+    """An fp32 layer's accumulator: what was folded, and the weight before (``base0``)."""
+    acc = getattr(layer, _ACC, None)
+    if acc is None and create:
+        weight = layer.get_base_layer().weight
+        A, B = next(iter(layer.lora_A.values())).weight, next(iter(layer.lora_B.values())).weight
+        dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        acc = SideBranch(
+            int(B.shape[0]), int(A.shape[1]), device=weight.device, dtype=dtype, refactor=False
+        )
+        acc.register_buffer("base0", weight.detach().clone(), persistent=False)
+        layer.add_module(_ACC, acc)
+    return acc
+
+
+def _branch(layer: LoraLayer, create: bool = False) -> SideBranch | None:
+    """Where the layer accumulates what is folded into it (either kind)."""
+    if _holds_in_weight(layer):
+        return _acc(layer, create)
+    return _side(layer, create)
+
+
+@torch.no_grad()
+def _materialize(layer: LoraLayer) -> None:
+    """``W = base0 + accumulated``, written straight into the weight (one ``addmm``).
+
+    A function of ``base0`` and what was accumulated only: every model that received the
+    same residuals computes the same bits here, however it got there.
+    """
+    acc = _acc(layer)
+    w = layer.get_base_layer().weight.data
+    fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))
+    if acc.dense is not None:
+        dense = acc.dense.to(w)
+        torch.add(acc.base0, dense.T if fan_in_fan_out else dense, out=w)
+    elif acc.U.shape[1] == 0:
+        w.copy_(acc.base0)
+    elif fan_in_fan_out:  # weight (n, d): base0 + (U V)^T = base0 + V^T U^T
+        torch.addmm(acc.base0, acc.V.to(w).T, acc.U.to(w).T, out=w)
+    else:
+        torch.addmm(acc.base0, acc.U.to(w), acc.V.to(w), out=w)
+
+
+def _apply_side(layer: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    return getattr(layer, _SIDE)(args[0], out)
+
+
+def base_weight(layer: LoraLayer) -> torch.Tensor:
+    """The frozen base weight as the forward pass uses it: fp64, ``(d, n)`` orientation.
+
+    A bitsandbytes weight is dequantized (peft's own helper); a Conv1D weight is
+    transposed.
+    """
+    base = layer.get_base_layer()
+    if _is_bnb(base):
+        from peft.utils.integrations import dequantize_bnb_weight
+
+        return dequantize_bnb_weight(base.weight, state=getattr(base, "state", None)).double()
+    w = base.weight.detach().double()
+    return w.T if getattr(layer, "fan_in_fan_out", False) else w
+
+
+def side_weight(layer: LoraLayer) -> torch.Tensor | None:
+    """The layer's side-branch correction in fp64 ``(d, n)``, or ``None`` if it has none."""
+    side = _side(layer)
+    return None if side is None else side.to_dense()
+
+
+def effective_weight(layer: LoraLayer, adapter: str = "default", *, lora: bool = True):
+    """Base + side branch (+ ``scale * B @ A`` when ``lora``), fp64 ``(d, n)``.
+
+    This is the weight the forward pass applies: what exactness is measured on.
+    """
+    w = base_weight(layer)
+    extra = side_weight(layer)
+    if extra is not None:
+        w = w + extra.to(w.device)
+    if lora:
+        A = layer.lora_A[adapter].weight.detach().double()
+        B = layer.lora_B[adapter].weight.detach().double()
+        w = w + float(layer.scaling[adapter]) * (B @ A).to(w.device)
+    return w
+
+
+def side_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What every layer accumulated, as flat tensors (``side.<module>.U|V|dense``).
+
+    For a bf16/fp16 or quantized layer that is its side branch; for an fp32 layer, what
+    was folded into its weight since it was loaded (the weight is ``W0`` plus that).
+    Never a weight: factored while that is smaller, at most one fp32 ``(d, n)`` each.
+    """
+    out = {}
+    for name, layer in lora_layers(model).items():
+        branch = _branch(layer)
+        if branch is not None and branch.rank:
+            out.update(residuals_to_flat("side", {name: branch.residual}))
+    return out
+
+
+@torch.no_grad()
+def load_side_state(model: torch.nn.Module, flat: Mapping[str, torch.Tensor]) -> None:
+    """Sets what each layer accumulated from :func:`side_state`'s tensors (others emptied).
+
+    An fp32 layer's weight is rebuilt as ``W0 + accumulated`` from the weight it had
+    before anything was folded: load this into a freshly loaded model (or one whose
+    state came from :func:`side_state` only).
+
+    Raises:
+        ValueError: If a tensor names an unknown module or has the wrong shape.
+    """
+    layers = lora_layers(model)
+    residuals = residuals_from_flat("side", dict(flat))
+    unknown = sorted(set(residuals) - set(layers))
+    if unknown:
+        raise ValueError(f"side-branch state for unknown modules {unknown[:3]}")
+    for name, layer in layers.items():
+        branch = _branch(layer, create=name in residuals)
+        if branch is None:
+            continue
+        branch.set(residuals[name] if name in residuals else Residual.zero(*branch.shape))
+        if _holds_in_weight(layer):
+            _materialize(layer)
+
+
+def side_nbytes(model: torch.nn.Module) -> int:
+    """Bytes held by all side branches."""
+    return sum(s.nbytes for s in (_side(x) for x in lora_layers(model).values()) if s)
+
+
+def folded_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The base weights that residuals are folded into (fp32/fp64 layers only)."""
+    return {
+        n: layer.get_base_layer().weight
+        for n, layer in lora_layers(model).items()
+        if _holds_in_weight(layer)
+    }
+
+
+def snapshot_base(model: torch.nn.Module) -> dict:
+    """Everything folding changes (what each layer accumulated), to restore later."""
+    return {"side": side_state(model)}
+
+
+@torch.no_grad()
+def restore_base(model: torch.nn.Module, snapshot: dict) -> None:
+    """Restores :func:`snapshot_base`'s state bit for bit."""
+    load_side_state(model, snapshot["side"])
+
+
+@torch.no_grad()
+def fold_residuals(
+    model: torch.nn.Module,
+    residuals: Mapping[str, Residual],
+    adapter: str | None = None,
+    *,
+    side_rank: int | None = None,
+) -> None:
+    """Applies ``scale * residual`` to each layer's frozen base, in place.
+
+    The scale and the orientation come from the peft layer. The scaled residual is added
+    to what the layer accumulated (:class:`SideBranch`: re-factored in fp64 for a branch
+    the forward pass applies, concatenated for an fp32 layer). Where the
+    base weight is bf16/fp16 or quantized (bitsandbytes) it is never rounded into the
+    weight: the forward pass applies the branch. Where it is fp32 (or fp64) the weight is
+    rebuilt as ``W0 + accumulated`` with one ``addmm``, so two models that
+    received the same residuals hold the same bits, whether they were rebuilt from
+    :func:`side_state` or folded round by round. ``side_rank`` caps each branch's rank
+    (the server's ``side_rank`` mode sends residuals that keep it there; the cap only
+    drops the float noise of their cancellation).
+
+    Raises:
+        ValueError: If a residual names an unknown module or has the wrong shape.
+    """
+    adapter = _adapter_name(model, adapter)
+    layers = lora_layers(model, adapter)
+    for name, R in residuals.items():
+        if name not in layers:
+            raise ValueError(f"residual for unknown module {name!r}")
+        fold_layer(layers[name], R, adapter, side_rank=side_rank, name=name)
+
+
+@torch.no_grad()
+def fold_layer(
+    layer: LoraLayer,
+    R: Residual,
+    adapter: str = "default",
+    *,
+    side_rank: int | None = None,
+    name: str = "",
+) -> None:
+    """:func:`fold_residuals` for one LoRA layer (``name`` only for error messages)."""
+    d, n = layer.lora_B[adapter].weight.shape[0], layer.lora_A[adapter].weight.shape[1]
+    if tuple(R.shape) != (d, n):
+        raise ValueError(f"module {name!r}: residual is {R.shape}, expected {(d, n)}")
+    if R.is_zero:
+        return
+    scale = float(layer.scaling[adapter])
+    branch = _branch(layer, create=True)
+    branch.max_rank = side_rank
+    branch.add(R.scaled(scale))
+    if _holds_in_weight(layer):
+        _materialize(layer)

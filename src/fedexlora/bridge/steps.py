@@ -1,0 +1,169 @@
+"""The steps of one round on a model, for any loop: the engines' and yours.
+
+A client applies the server's payload to its model, trains however it likes, and makes
+its upload. A server that keeps its own copy of the global model applies each round's
+outcome to it. Everything else (sampling, payloads, validation, aggregation) is the
+:class:`fedexlora.server.Server`'s. See ``docs/API.md``.
+
+Client::
+
+    apply_payload(model, payload)      # residual folded or side-branched, global factors
+    ...train model with your own loop...
+    upload = make_upload(model, num_examples, client_id=i)
+
+Server::
+
+    server = Server(get_state(model), layer_info(model), num_clients=3)
+    payloads = {i: server.payload_for(i) for i in server.sample(rnd)}
+    outcome = server.aggregate(uploads)
+    apply_outcome(model, server, outcome, uploads)   # the server's own global model
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fedexlora.bridge.adapters import (
+    effective_weight,
+    fold_layer,
+    fold_residuals,
+    get_state,
+    lift,
+    load_side_state,
+    lora_layers,
+    set_state,
+    side_state,
+)
+from fedexlora.core.messages import ClientUpload, Payload, RoundOutcome
+from fedexlora.core.state import AdapterState
+
+__all__ = ["apply_outcome", "apply_payload", "client_state", "load_client_state", "make_upload"]
+
+
+@torch.no_grad()
+def apply_payload(
+    model: torch.nn.Module,
+    payload: Payload,
+    *,
+    side_rank: int | None = None,
+    adapter: str | None = None,
+) -> None:
+    """Brings a client's model to the global model the payload describes.
+
+    Folds ``scale * residual`` into each adapted layer's base (an fp32 weight directly; a
+    bf16/fp16 or quantized one through its fp32 side branch), then loads the global
+    factors and extras. The model must hold the base version the payload was built for:
+    what its previous payloads left (see :meth:`fedexlora.server.Server.payload_for`).
+    A ``reset`` payload (a client's first, or one for a client away longer than the
+    server keeps history) starts from the pretrained weights: whatever the model folded
+    before is dropped first, so any model of the client's architecture will do.
+
+    Args:
+        model: The client's peft model.
+        payload: From :meth:`~fedexlora.server.Server.payload_for` (or
+            :meth:`~fedexlora.server.Payload.from_bytes` on the client's side).
+        side_rank: The run's ``side_rank`` cap, if any.
+        adapter: The peft adapter the client trains (heterogeneous ranks: the payload is
+            in that adapter's rank and scale); default: the active one.
+
+    Raises:
+        ValueError: If the payload's modules or shapes do not match the model.
+    """
+    if payload.reset:
+        load_side_state(model, {})  # back to W0: every layer's accumulated delta dropped
+    fold_residuals(model, payload.residuals, adapter, side_rank=side_rank)
+    set_state(model, payload.state, adapter=adapter)
+
+
+def client_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a client must keep between rounds to rebuild its model, as flat tensors.
+
+    What payloads have folded into each adapted layer (``side.<module>.*``: factored
+    while that is smaller, at most one fp32 ``(d, n)`` per layer) and its adapter
+    (``adapter.*``). Never a base weight: a freshly loaded (pretrained) model plus this
+    state is the client's model, bit for bit (:func:`load_client_state`). Store it where
+    your client lives between rounds (a Flower ``Context``, a file).
+    """
+    out = dict(side_state(model))
+    out.update({f"adapter.{k}": v for k, v in get_state(model).to_flat().items()})
+    return out
+
+
+@torch.no_grad()
+def load_client_state(model: torch.nn.Module, flat: dict[str, torch.Tensor]) -> None:
+    """Restores :func:`client_state` into a freshly loaded (pretrained) model.
+
+    Raises:
+        ValueError: If the state does not match the model's layers or shapes.
+    """
+    load_side_state(model, {k: v for k, v in flat.items() if k.startswith("side.")})
+    adapter = {k[8:]: v for k, v in flat.items() if k.startswith("adapter.")}
+    set_state(model, AdapterState.from_flat(adapter))
+
+
+def make_upload(
+    model: torch.nn.Module,
+    num_examples: int,
+    *,
+    client_id: int = 0,
+    train_loss: float = math.nan,
+    include_A: bool = True,
+) -> ClientUpload:
+    """What a client sends back after training: its factors, extras and example count.
+
+    Args:
+        model: The client's trained peft model.
+        num_examples: Examples it trained on (its aggregation weight).
+        client_id: The client's id, as the server sampled it.
+        train_loss: Optional, for the server's records.
+        include_A: ``False`` for FFA-LoRA (A is frozen).
+    """
+    state = get_state(model, include_A=include_A)
+    return ClientUpload(client_id, state, num_examples, float(train_loss))
+
+
+@torch.no_grad()
+def apply_outcome(
+    model, server, outcome: RoundOutcome, uploads: list[ClientUpload] | None = None
+) -> dict[str, float]:
+    """Applies a round's outcome to the server's global model, and measures it there.
+
+    Loads the new global factors, folds each layer's residual (into the base weight, or
+    its side branch), and compares the layer's effective weight afterwards (base, side
+    branch and adapter, as the forward pass applies them) with the ideal
+    ``W + sum_i p_i (T_i + s_i B_i A_i)`` computed in fp64 from the accepted uploads
+    (:meth:`Server.ideal_update`). One layer at a time, so at most three dense fp64
+    copies of one layer exist at once.
+
+    Args:
+        model: The server's copy of the global model (as of the previous round).
+        server: The server that produced ``outcome`` (before its next payload).
+        outcome: From :meth:`~fedexlora.server.Server.aggregate`.
+        uploads: The uploads of the round; without them nothing is measured.
+
+    Returns:
+        Per layer ``||W_model - W_ideal|| / ||W_ideal - W_previous||``: the error relative
+        to the round's update (empty when no upload was accepted). This is what the
+        lossy modes really apply, not what the server meant to.
+    """
+    set_state(model, server.state)
+    measure = bool(uploads) and bool(outcome.weights) and outcome.previous is not None
+    out = {}
+    for name, layer in lora_layers(model).items():
+        before = effective_weight(layer, lora=False) if measure else None
+        if name in outcome.residuals:  # one layer at a time: no rescan of the model
+            fold_layer(layer, outcome.residuals[name], side_rank=server.side_rank, name=name)
+        if before is None:
+            continue
+        after = effective_weight(layer)
+        # in the server's coordinates, lifted to the layer's (B M A for Fed-SB)
+        update = lift(layer, server.ideal_update(name, uploads, outcome))
+        ideal = before + update.to(before.device)
+        A0, B0 = outcome.previous.factors[name]
+        start = lift(layer, server.layers[name].scale * (B0.double() @ A0.double()))
+        move = (ideal - before) - start.to(before.device)
+        den = float(torch.linalg.norm(move))
+        out[name] = float(torch.linalg.norm(after - ideal)) / den if den > 0 else 0.0
+    return out

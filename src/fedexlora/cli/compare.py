@@ -1,0 +1,309 @@
+"""``fedexlora compare``: a grid of methods x settings x ranks x seeds on identical partitions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from fedexlora.cli._common import console, fail, quiet_libraries
+
+__all__ = ["compare_cmd"]
+
+_COMPARE_DEFAULTS = dict(
+    model="minilm",
+    task="bbc-news",
+    method="fedex,fedit,ffa,flora,centralized",
+    ranks="1,4",
+    seeds="0,1,2",
+    settings="iid-3,dir0.1-5",
+    rounds=5,
+    local_steps="12",
+    total_steps=None,
+    batch_size=16,
+    lr=2e-3,
+    lora_alpha=8.0,
+    max_length=32,
+    max_test=200,
+    min_partition_size=10,
+)
+# The "when exactness matters" study (docs/WHEN_EXACTNESS_MATTERS.md): local steps per
+# round x heterogeneity x clients at a fixed total of local steps per client.
+_STUDIES = {
+    "exactness": dict(
+        method="fedex,fedit,centralized",
+        ranks="4",
+        seeds="0,1,2,3,4",
+        settings="iid-3,dir1.0-3,dir0.1-3,iid-10,dir1.0-10,dir0.1-10",
+        local_steps="4,12,24",
+        total_steps=24,
+        batch_size=4,
+        lr=5e-3,
+        max_test=None,
+    ),
+    # The private comparison (docs/PRIVACY.md): accuracy against epsilon, 4 methods.
+    "privacy": dict(
+        method="fedex,fedit,ffa,fedsb",
+        ranks="8",
+        seeds="0,1,2",
+        settings="iid-3,dir0.1-3",
+        rounds=3,
+        local_steps="8",
+        batch_size=32,
+        lr=3e-2,
+        lora_alpha=16.0,
+        dp_epsilons="1,3,8,inf",
+        dp_max_grad_norm=0.1,
+        fedsb_init="random",
+    ),
+}
+
+
+# The panels of `fedexlora compare --help`, in the order they are shown.
+STUDY = "Study and output"
+GRID = "Grid axes"
+DATA = "Model and data"
+TRAINING = "Training"
+PRIVACY = "Privacy and Fed-SB"
+
+
+def compare_cmd(
+    # Study and output
+    study: str | None = typer.Option(
+        None,
+        help="A preset grid: 'exactness' (local steps x heterogeneity x clients) or "
+        "'privacy' (methods x epsilon, docs/PRIVACY.md).",
+        rich_help_panel=STUDY,
+    ),
+    out: Path = typer.Option(
+        Path("runs/compare"),
+        help="Directory of the grid (default: runs/compare).",
+        show_default=False,
+        rich_help_panel=STUDY,
+    ),
+    report: Path | None = typer.Option(
+        None,
+        help="Also write the study report here (with several --local-steps or --dp-epsilons).",
+        rich_help_panel=STUDY,
+    ),
+    # Grid axes
+    method: str | None = typer.Option(
+        None,
+        help="Comma list of methods (default: fedex,fedit,ffa,flora,centralized).",
+        rich_help_panel=GRID,
+    ),
+    ranks: str | None = typer.Option(
+        None, help="Comma list of LoRA ranks (default: 1,4).", rich_help_panel=GRID
+    ),
+    seeds: str | None = typer.Option(
+        None, help="Comma list of seeds (default: 0,1,2).", rich_help_panel=GRID
+    ),
+    settings: str | None = typer.Option(
+        None,
+        help="Comma list of iid-K or dirA-K, K clients and Dirichlet alpha A "
+        "(default: iid-3,dir0.1-5).",
+        rich_help_panel=GRID,
+    ),
+    local_steps: str | None = typer.Option(
+        None,
+        help="Local steps per client and round; a comma list is an axis (default: 12).",
+        rich_help_panel=GRID,
+    ),
+    total_steps: int | None = typer.Option(
+        None,
+        help="Local steps per client in all: each cell runs total/steps rounds, and "
+        "centralized runs once per client count (default: off).",
+        rich_help_panel=GRID,
+    ),
+    dp_epsilons: str | None = typer.Option(
+        None,
+        help="Comma list of DP budgets per client, inf for none (e.g. 1,3,8,inf): an axis, "
+        "reported in privacy.md or --report (default: no DP).",
+        rich_help_panel=GRID,
+    ),
+    # Model and data
+    model: str | None = typer.Option(None, help="Model (default: minilm).", rich_help_panel=DATA),
+    task: str | None = typer.Option(None, help="Task (default: bbc-news).", rich_help_panel=DATA),
+    max_length: int | None = typer.Option(
+        None, help="Max tokens per example (default: 32).", rich_help_panel=DATA
+    ),
+    max_train: int | None = typer.Option(
+        None, help="Training examples in all (default: all).", rich_help_panel=DATA
+    ),
+    max_test: int | None = typer.Option(
+        None, help="Test examples per evaluation (default: 200).", rich_help_panel=DATA
+    ),
+    full_test: bool = typer.Option(
+        False,
+        help="Evaluate on the whole test split instead of --max-test (default: off).",
+        show_default=False,
+        rich_help_panel=DATA,
+    ),
+    min_partition_size: int | None = typer.Option(
+        None, help="Minimum examples per client (default: 10).", rich_help_panel=DATA
+    ),
+    # Training
+    rounds: int | None = typer.Option(
+        None, help="Rounds per run (default: 5).", rich_help_panel=TRAINING
+    ),
+    batch_size: int | None = typer.Option(
+        None, help="Batch size (default: 16).", rich_help_panel=TRAINING
+    ),
+    lr: float | None = typer.Option(
+        None, help="Learning rate (default: 2e-3).", rich_help_panel=TRAINING
+    ),
+    lora_alpha: float | None = typer.Option(
+        None, help="LoRA alpha, the paper's 8 (default: 8).", rich_help_panel=TRAINING
+    ),
+    # Privacy and Fed-SB
+    dp_delta: float | None = typer.Option(
+        None, help="DP delta of the private cells (default: 1e-5).", rich_help_panel=PRIVACY
+    ),
+    dp_max_grad_norm: float | None = typer.Option(
+        None,
+        help="DP-SGD clipping norm of the private cells (default: 1.0).",
+        rich_help_panel=PRIVACY,
+    ),
+    fedsb_rank: int | None = typer.Option(
+        None, help="Fed-SB's rank (default: 64).", rich_help_panel=PRIVACY
+    ),
+    fedsb_init: str | None = typer.Option(
+        None,
+        help="Fed-SB's init, gradient or random; auto is random with DP (default: auto).",
+        rich_help_panel=PRIVACY,
+    ),
+) -> None:
+    """Grid of methods x settings x ranks x seeds on identical partitions -> comparison.md.
+
+    The defaults are sized to finish in about 45 minutes on 2 idle CPU cores: 5 rounds of
+    12 local steps (60 steps per client in all), 32 tokens per article, 200 test articles.
+    `--study exactness` runs the "when exactness matters" study instead (see
+    docs/WHEN_EXACTNESS_MATTERS.md); flags given with it override its values.
+    """
+    quiet_libraries()
+    from fedexlora.config import ConfigError, validate_mapping
+    from fedexlora.experiments.compare import Setting, run_grid
+
+    given = dict(
+        model=model,
+        task=task,
+        method=method,
+        ranks=ranks,
+        seeds=seeds,
+        settings=settings,
+        rounds=rounds,
+        local_steps=local_steps,
+        total_steps=total_steps,
+        batch_size=batch_size,
+        lr=lr,
+        lora_alpha=lora_alpha,
+        max_length=max_length,
+        max_test=max_test,
+        min_partition_size=min_partition_size,
+        dp_epsilons=dp_epsilons,
+        dp_delta=dp_delta,
+        dp_max_grad_norm=dp_max_grad_norm,
+        fedsb_rank=fedsb_rank,
+        fedsb_init=fedsb_init,
+        max_train=max_train,
+    )
+    if study is not None and study not in _STUDIES:
+        fail(f"--study: unknown study {study!r}; choose from {', '.join(_STUDIES)}")
+    opts = {**_COMPARE_DEFAULTS, **_STUDIES.get(study or "", {})}
+    opts.update({k: v for k, v in given.items() if v is not None})
+    if full_test:
+        if max_test is not None:
+            fail("--full-test and --max-test contradict each other: give one")
+        opts["max_test"] = None
+
+    def items(flag: str, value: str) -> list[str]:
+        out = [x.strip() for x in value.split(",") if x.strip()]
+        if not out:
+            fail(f"{flag} is empty (got {value!r})")
+        return out
+
+    def ints(flag: str, value: str) -> list[int]:
+        try:
+            return [int(x) for x in items(flag, value)]
+        except ValueError:
+            fail(f"{flag} must be a comma list of integers, got {value!r}")
+
+    parsed = []
+    for s in items("--settings", opts["settings"]):
+        kind, _, k = s.rpartition("-")
+        try:
+            if kind == "iid":
+                parsed.append(Setting(s, int(k), "iid"))
+            elif kind.startswith("dir"):
+                parsed.append(Setting(s, int(k), "dirichlet", float(kind[3:])))
+            else:
+                raise ValueError(s)
+        except ValueError:
+            fail(f"--settings: cannot parse {s!r}; use iid-K or dirA-K, e.g. iid-3,dir0.1-5")
+    rank_list = ints("--ranks", opts["ranks"])
+    seed_list = ints("--seeds", opts["seeds"])
+    steps_list = ints("--local-steps", opts["local_steps"])
+    if any(x < 1 for x in steps_list):
+        fail(f"--local-steps must be >= 1, got {opts['local_steps']!r}")
+    if opts["total_steps"] is not None and opts["total_steps"] < 1:
+        fail(f"--total-steps must be >= 1, got {opts['total_steps']}")
+    eps_list = None
+    if opts.get("dp_epsilons") is not None:
+        try:
+            eps_list = [float(x) for x in items("--dp-epsilons", opts["dp_epsilons"])]
+        except ValueError:
+            fail(
+                f"--dp-epsilons must be a comma list of numbers or inf, got {opts['dp_epsilons']!r}"
+            )
+        if any(not e > 0 for e in eps_list):
+            fail(f"--dp-epsilons must all be > 0 (inf: no DP), got {opts['dp_epsilons']!r}")
+    if report is not None and len(steps_list) < 2 and not eps_list:
+        fail(
+            "--report writes the study over several --local-steps or --dp-epsilons; "
+            "give at least two local steps, or --dp-epsilons"
+        )
+    cfg, errs = validate_mapping(
+        dict(
+            model=opts["model"],
+            task=opts["task"],
+            methods=opts["method"],
+            rounds=opts["rounds"],
+            local_steps=steps_list[0],
+            batch_size=opts["batch_size"],
+            lr=opts["lr"],
+            lora_alpha=opts["lora_alpha"],
+            max_length=opts["max_length"],
+            max_test=opts["max_test"],
+            min_partition_size=opts["min_partition_size"],
+            **{
+                k: opts[k]
+                for k in ("dp_delta", "dp_max_grad_norm", "fedsb_rank", "fedsb_init", "max_train")
+                if opts.get(k) is not None
+            },
+        )
+    )
+    if errs:
+        fail(str(ConfigError(errs)))
+    command = ["fedexlora compare"] + [f"--study {study}"] * (study is not None)
+    command += [f"--out {out}"] + [f"--report {report}"] * (report is not None)
+    command += [f"--{k.replace('_', '-')} {v}" for k, v in given.items() if v is not None] + [
+        "--full-test"
+    ] * full_test
+    try:
+        path = run_grid(
+            cfg,
+            out,
+            command=" ".join(command),
+            settings=parsed,
+            ranks=rank_list,
+            seeds=seed_list,
+            local_steps=steps_list if len(steps_list) > 1 else None,
+            total_steps=opts["total_steps"],
+            epsilons=eps_list,
+            report=report,
+            console=console,
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    console.print(path.read_text())
+    console.print(f"wrote {path}")

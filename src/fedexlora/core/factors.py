@@ -1,0 +1,405 @@
+"""The building blocks of every aggregation rule: residuals, weights, stacked factors.
+
+Everything here is a pure function on tensors: inputs are never mutated, results are new
+tensors computed in at least fp32. There is no I/O, no peft and no configuration here.
+
+Shapes follow peft: ``A`` is ``(r, n)`` (``lora_A.weight``), ``B`` is ``(d, r)``
+(``lora_B.weight``) and the update ``B @ A`` is ``(d, n)``, before the LoRA scale.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "AggregationResult",
+    "Residual",
+    "deviation",
+    "factor_product",
+    "normalize_weights",
+    "pad_rank",
+    "residuals_from_flat",
+    "residuals_to_flat",
+    "split_leading",
+]
+
+
+@dataclass(frozen=True)
+class Residual:
+    """A ``(d, n)`` correction, stored factored as ``U @ V`` or dense, whichever is smaller.
+
+    Attributes:
+        shape: The ``(d, n)`` shape of the full matrix.
+        U: ``(d, q)`` left factor, or ``None`` when stored dense.
+        V: ``(q, n)`` right factor, or ``None`` when stored dense.
+        dense: ``(d, n)`` matrix, or ``None`` when stored factored.
+    """
+
+    shape: tuple[int, int]
+    U: torch.Tensor | None = None
+    V: torch.Tensor | None = None
+    dense: torch.Tensor | None = None
+    stored_rank: int | None = None  # known rank; for a directly formed dense one, its bound
+
+    @property
+    def is_factored(self) -> bool:
+        """Whether the residual is stored as two factors."""
+        return self.dense is None
+
+    @property
+    def rank(self) -> int:
+        """The rank: ``q`` when factored; when dense, the numerical rank or its bound.
+
+        A dense residual formed directly (no reduction) reports ``min(q, d, n)``.
+        """
+        if self.stored_rank is not None:
+            return self.stored_rank
+        if self.dense is not None:
+            return int(torch.linalg.matrix_rank(self.dense.double()).item())
+        assert self.U is not None
+        return int(self.U.shape[1])
+
+    @property
+    def is_zero(self) -> bool:
+        """Whether the residual is exactly zero (rank 0, nothing to fold)."""
+        return self.dense is None and self.rank == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors that represent the residual."""
+        tensors = [self.dense] if self.dense is not None else [self.U, self.V]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def to_dense(self) -> torch.Tensor:
+        """Returns the full ``(d, n)`` matrix."""
+        if self.dense is not None:
+            return self.dense.clone()
+        assert self.U is not None and self.V is not None
+        return self.U @ self.V
+
+    def to(self, dtype: torch.dtype) -> Residual:
+        """The same residual with its tensors cast to ``dtype``."""
+        cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+        return Residual(
+            self.shape,
+            U=cast(self.U),
+            V=cast(self.V),
+            dense=cast(self.dense),
+            stored_rank=self.stored_rank,
+        )
+
+    def scaled(self, factor: float) -> Residual:
+        """``factor * self`` (the left factor, or the dense matrix, is scaled)."""
+        if self.dense is not None:
+            return Residual(self.shape, dense=self.dense * factor, stored_rank=self.stored_rank)
+        assert self.U is not None and self.V is not None
+        return Residual(self.shape, U=self.U * factor, V=self.V, stored_rank=self.stored_rank)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors by role: ``{"U", "V"}`` or ``{"dense"}``."""
+        if self.dense is not None:
+            return {"dense": self.dense}
+        assert self.U is not None and self.V is not None
+        return {"U": self.U, "V": self.V}
+
+    @staticmethod
+    def zero(d: int, n: int, dtype: torch.dtype = torch.float32) -> Residual:
+        """A rank-0 residual of shape ``(d, n)``."""
+        return Residual((d, n), U=torch.zeros(d, 0, dtype=dtype), V=torch.zeros(0, n, dtype=dtype))
+
+    @staticmethod
+    def from_factors(
+        U: torch.Tensor,
+        V: torch.Tensor,
+        *,
+        rtol: float | None = None,
+        dense_dtype: torch.dtype | None = None,
+    ) -> Residual:
+        """Builds a residual from ``U @ V``, reduced to its numerical rank.
+
+        The reduction never forms the ``(d, n)`` product: it takes a QR of ``U`` and of
+        ``V.T``, then an SVD of the small ``(q, q)`` core. It falls back to dense storage
+        only where dense is smaller than the reduced factors.
+
+        Args:
+            U: ``(d, q)`` left factor.
+            V: ``(q, n)`` right factor.
+            rtol: Singular values below ``rtol * s_max`` are dropped. Defaults to
+                ``max(d, n) * eps`` of the compute dtype.
+            dense_dtype: The dtype of the one matmul that forms a dense residual when
+                ``q (d + n) >= d n``; defaults to the factors' dtype.
+        """
+        if U.ndim != 2 or V.ndim != 2 or U.shape[1] != V.shape[0]:
+            raise ValueError(
+                f"residual factors must be (d, q) and (q, n), got {tuple(U.shape)} and "
+                f"{tuple(V.shape)}"
+            )
+        d, q = U.shape
+        n = V.shape[1]
+        if q == 0 or not U.any() or not V.any():
+            return Residual.zero(d, n, dtype=U.dtype)
+        if q * (d + n) >= d * n:
+            # Even unreduced factors would not beat dense: one matmul, no QR/SVD. The rank
+            # is then only known as its bound min(q, d, n).
+            dt = dense_dtype or U.dtype
+            return Residual((d, n), dense=U.to(dt) @ V.to(dt), stored_rank=min(q, d, n))
+        Qu, Ru = torch.linalg.qr(U)  # (d, q'), (q', q)
+        Qv, Rv = torch.linalg.qr(V.T)  # (n, q''), (q'', q)
+        core = Ru @ Rv.T  # (q', q'')
+        X, S, Yh = torch.linalg.svd(core, full_matrices=False)
+        if rtol is None:
+            rtol = max(d, n) * torch.finfo(S.dtype).eps
+        keep = int((S > rtol * S[0]).sum().item()) if S.numel() and S[0] > 0 else 0
+        U_red = (Qu @ X[:, :keep]) * S[:keep]  # (d, keep)
+        V_red = Yh[:keep] @ Qv.T  # (keep, n)
+        if keep * (d + n) >= d * n:
+            return Residual((d, n), dense=U_red @ V_red, stored_rank=keep)
+        return Residual((d, n), U=U_red.contiguous(), V=V_red.contiguous())
+
+    def truncate(self, rank: int) -> tuple[Residual, Residual]:
+        """Splits into the best rank-``rank`` part (by SVD) and the remainder.
+
+        Returns:
+            ``(kept, remainder)`` with ``kept + remainder == self``.
+        """
+        if rank < 0:
+            raise ValueError(f"`rank` must be >= 0, got {rank}")
+        d, n = self.shape
+        if self.dense is not None:
+            X, S, Yh = torch.linalg.svd(self.dense, full_matrices=False)
+            Uf, Vf = X * S, Yh
+        else:
+            assert self.U is not None and self.V is not None
+            Uf, Vf = self.U, self.V  # already SVD-ordered by from_factors
+        if rank >= Uf.shape[1]:
+            return self, Residual.zero(d, n, dtype=Uf.dtype)
+        kept = Residual((d, n), U=Uf[:, :rank].contiguous(), V=Vf[:rank].contiguous())
+        rest = Residual((d, n), U=Uf[:, rank:].contiguous(), V=Vf[rank:].contiguous())
+        return kept, rest
+
+    @staticmethod
+    def concat(parts: Sequence[Residual]) -> Residual:
+        """The sum of several residuals of one shape, re-factored to numerical rank."""
+        if not parts:
+            raise ValueError("`parts` must hold at least one residual")
+        shape = parts[0].shape
+        for p in parts:
+            if p.shape != shape:
+                raise ValueError(f"cannot add residuals of shapes {shape} and {p.shape}")
+        if any(p.dense is not None for p in parts):
+            total = sum((p.to_dense() for p in parts[1:]), parts[0].to_dense())
+            bound = min(sum(p.rank for p in parts), *shape)
+            return Residual(shape, dense=total, stored_rank=bound)
+        U = torch.cat([p.U for p in parts], dim=1)  # type: ignore[misc]
+        V = torch.cat([p.V for p in parts], dim=0)  # type: ignore[misc]
+        return Residual.from_factors(U, V)
+
+
+@dataclass(frozen=True)
+class AggregationResult:
+    """The new global adapter of one layer and the residual to fold into its base weight.
+
+    The global update satisfies ``B @ A + residual.to_dense() == target`` where the target
+    is ``sum_i p_i B_i A_i`` for the exact methods (``fedex``, ``ffa``, ``flora``, plus
+    the previous global ``B @ A`` for ``flora``'s fresh adapter, which is zero).
+
+    Attributes:
+        A: ``(r, n)`` new global A.
+        B: ``(d, r)`` new global B.
+        residual: The correction to fold into the base weight (times the LoRA scale).
+        weights: The normalised client weights used.
+        method: The aggregation method.
+    """
+
+    A: torch.Tensor
+    B: torch.Tensor
+    residual: Residual
+    weights: torch.Tensor
+    method: str
+
+
+def normalize_weights(weights: Sequence[float] | torch.Tensor | None, k: int) -> torch.Tensor:
+    """Returns fp64 weights that sum to 1, uniform when ``weights`` is ``None``.
+
+    Raises:
+        ValueError: On a wrong count, negative, non-finite or all-zero weights.
+    """
+    if k == 0:
+        raise ValueError("nothing to aggregate: got 0 clients")
+    if weights is None:
+        return torch.full((k,), 1.0 / k, dtype=torch.float64)
+    w = torch.as_tensor(weights, dtype=torch.float64).flatten()
+    if w.numel() != k:
+        raise ValueError(f"`weights` must have one entry per client ({k}), got {w.numel()}")
+    if not torch.isfinite(w).all():
+        raise ValueError(f"`weights` must be finite, got {w.tolist()}")
+    if (w < 0).any():
+        raise ValueError(f"`weights` must be non-negative, got {w.tolist()}")
+    total = w.sum()
+    if total <= 0:
+        raise ValueError(f"`weights` must not sum to 0, got {w.tolist()}")
+    return w / total
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _stack(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], dtype=None):
+    """Validates and stacks factors: returns ``(k, r, n)`` and ``(k, d, r)`` copies."""
+    if len(As) == 0 or len(Bs) == 0:
+        raise ValueError("nothing to aggregate: `As` and `Bs` must be non-empty")
+    if len(As) != len(Bs):
+        raise ValueError(f"got {len(As)} A factors but {len(Bs)} B factors")
+    A0, B0 = As[0], Bs[0]
+    if A0.ndim != 2 or B0.ndim != 2:
+        raise ValueError(f"factors must be 2-D, got A {tuple(A0.shape)} and B {tuple(B0.shape)}")
+    if B0.shape[1] != A0.shape[0]:
+        raise ValueError(
+            f"rank mismatch: B is {tuple(B0.shape)} but A is {tuple(A0.shape)} (client 0)"
+        )
+    for i, (A, B) in enumerate(zip(As, Bs)):
+        if tuple(A.shape) != tuple(A0.shape):
+            raise ValueError(
+                f"client {i}: A has shape {tuple(A.shape)}, expected {tuple(A0.shape)}"
+            )
+        if tuple(B.shape) != tuple(B0.shape):
+            raise ValueError(
+                f"client {i}: B has shape {tuple(B.shape)}, expected {tuple(B0.shape)}"
+            )
+    dtype = dtype or _compute_dtype(A0)
+    A = torch.stack([a.detach().to(dtype) for a in As])  # (k, r, n)
+    B = torch.stack([b.detach().to(dtype) for b in Bs])  # (k, d, r)
+    return A, B
+
+
+def factor_product(
+    As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ideal update ``sum_i p_i B_i A_i`` as stacked factors ``(P, Q)``, ``P @ Q``.
+
+    Returns:
+        ``P`` of shape ``(d, k r)`` and ``Q`` of shape ``(k r, n)``.
+    """
+    A, B = _stack(As, Bs)
+    p = normalize_weights(weights, A.shape[0]).to(A.dtype)
+    k, r, n = A.shape
+    P = (B * p[:, None, None]).permute(1, 0, 2).reshape(B.shape[1], k * r)  # (d, k r)
+    Q = A.reshape(k * r, n)  # (k r, n)
+    return P, Q
+
+
+def _gram_fro2(U: torch.Tensor, V: torch.Tensor) -> float:
+    """``||U @ V||_F^2`` from the small Gram matrices, without the ``(d, n)`` product."""
+    U64, V64 = U.double(), V.double()
+    return float(torch.sum((U64.T @ U64) * (V64 @ V64.T)).clamp_min(0).item())
+
+
+def deviation(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights=None) -> float:
+    """Relative Frobenius deviation of the averaged-factor product from the ideal update.
+
+    ``||B̄ Ā - sum_i p_i B_i A_i||_F / ||sum_i p_i B_i A_i||_F``: what plain averaging of
+    the factors (FedIT) loses, and what FedEx-LoRA's residual corrects. Computed from
+    ``(k r, k r)`` Gram matrices, never from ``(d, n)`` products. Returns 0 when the ideal
+    update is zero.
+    """
+    A, B = _stack(As, Bs)
+    p = normalize_weights(weights, A.shape[0]).to(A.dtype)
+    U, V = _centred_factors(A, B, p)
+    num = _gram_fro2(U, V)
+    P, Q = factor_product(As, Bs, weights)
+    den = _gram_fro2(P, Q)
+    return math.sqrt(num / den) if den > 0 else 0.0
+
+
+def _centred_factors(A: torch.Tensor, B: torch.Tensor, p: torch.Tensor):
+    """``U = [sqrt(p_i)(B_i - B̄)]`` (d, k r) and ``V = [sqrt(p_i)(A_i - Ā)]`` (k r, n)."""
+    k, r, n = A.shape
+    d = B.shape[1]
+    A_bar = torch.einsum("k,krn->rn", p, A)  # (r, n)
+    B_bar = torch.einsum("k,kdr->dr", p, B)  # (d, r)
+    sq = p.sqrt()
+    U = ((B - B_bar) * sq[:, None, None]).permute(1, 0, 2).reshape(d, k * r)  # (d, k r)
+    V = ((A - A_bar) * sq[:, None, None]).reshape(k * r, n)  # (k r, n)
+    return U, V
+
+
+def split_leading(
+    A: torch.Tensor, B: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, Residual]:
+    """Splits ``B @ A`` into its best rank-``rank`` part and the rest, without ``(d, n)``.
+
+    ``B @ A = X S Y^T`` (QR of both factors, then an SVD of the ``(r, r)`` core). The
+    leading part keeps the most energy.
+
+    Returns:
+        ``(A_lead, B_lead, tail)`` with ``A_lead`` ``(rank, n)``, ``B_lead`` ``(d, rank)``,
+        both carrying ``sqrt(S)``, and ``B_lead @ A_lead + tail.to_dense() == B @ A``.
+    """
+    if rank < 1:
+        raise ValueError(f"`rank` must be >= 1, got {rank}")
+    out = _compute_dtype(A)
+    A64, B64 = A.detach().double(), B.detach().double()
+    Qb, Rb = torch.linalg.qr(B64)  # (d, r), (r, r)
+    Qa, Ra = torch.linalg.qr(A64.T)  # (n, r), (r, r)
+    X, S, Yh = torch.linalg.svd(Rb @ Ra.T)
+    U = Qb @ X  # (d, r)
+    V = Yh @ Qa.T  # (r, n)
+    k = min(rank, S.numel())
+    root = S[:k].sqrt()
+    B_lead = torch.zeros(B.shape[0], rank, dtype=torch.float64)
+    A_lead = torch.zeros(rank, A.shape[1], dtype=torch.float64)
+    B_lead[:, :k] = U[:, :k] * root
+    A_lead[:k] = root[:, None] * V[:k]
+    d, n = B.shape[0], A.shape[1]
+    tail = Residual((d, n), U=(U[:, k:] * S[k:]).to(out), V=V[k:].to(out).contiguous())
+    return A_lead.to(out), B_lead.to(out), tail
+
+
+def pad_rank(A: torch.Tensor, B: torch.Tensor, rank: int, factor: float = 1.0):
+    """Zero-pads ``(A, B)`` to ``rank`` and multiplies both by ``sqrt(factor)``.
+
+    ``pad_B @ pad_A == factor * B @ A``: used to express a client's rank-``r_i`` factors,
+    trained at scale ``s_i``, in the global adapter's rank and scale
+    (``factor = s_i / s_global``).
+    """
+    r = A.shape[0]
+    if r > rank:
+        raise ValueError(f"cannot pad rank {r} down to {rank}")
+    root = math.sqrt(factor)
+    pA = torch.zeros(rank, A.shape[1], dtype=A.dtype)
+    pB = torch.zeros(B.shape[0], rank, dtype=B.dtype)
+    pA[:r] = A * root
+    pB[:, :r] = B * root
+    return pA, pB
+
+
+def residuals_to_flat(prefix: str, residuals: dict[str, Residual]) -> dict[str, torch.Tensor]:
+    """``{f"{prefix}.{module}.U"|".V"|".dense": tensor}``: a flat map for transport or disk."""
+    out = {}
+    for name, r in residuals.items():
+        for role, t in r.tensors().items():
+            out[f"{prefix}.{name}.{role}"] = t
+    return out
+
+
+def residuals_from_flat(prefix: str, flat: dict[str, torch.Tensor]) -> dict[str, Residual]:
+    """Inverse of :func:`residuals_to_flat`; shapes are read from the tensors."""
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in flat.items():
+        if k.startswith(prefix + "."):
+            name, role = k[len(prefix) + 1 :].rsplit(".", 1)
+            parts.setdefault(name, {})[role] = v
+    out = {}
+    for name, p in parts.items():
+        if "dense" in p:
+            out[name] = Residual(tuple(p["dense"].shape), dense=p["dense"])
+        elif "U" in p and "V" in p:
+            out[name] = Residual((p["U"].shape[0], p["V"].shape[1]), U=p["U"], V=p["V"])
+        else:
+            raise ValueError(f"residual {prefix}.{name} needs U and V, or dense; got {sorted(p)}")
+    return out

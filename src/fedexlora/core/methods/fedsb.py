@@ -1,0 +1,25 @@
+"""Fed-SB: frozen shared A and B, a trained r x r core R, averaged exactly."""
+
+from __future__ import annotations
+
+from fedexlora.core.methods.ffa import shared_A_aggregate
+from fedexlora.core.methods.spec import MethodSpec
+
+SPEC = MethodSpec(
+    name="fedsb",
+    title="Fed-SB",
+    paper="Singhal et al., 2025 (arXiv 2502.15436)",
+    trains="the r x r core R (A and B frozen, shared)",
+    keeps_local="nothing",
+    uploads="R_i",
+    downloads="R̄",
+    exact=True,
+    linear=True,
+    bytes_per_round="up 4kr^2; down 4kr^2 (r: the Fed-SB rank)",
+    # In latent coordinates (A = I shared, B = R) FFA-LoRA's rule is Fed-SB's: exact,
+    # because the update B R A is linear in R.
+    aggregate=shared_A_aggregate,
+    frozen_A=True,
+    latent=True,
+    claims=(("fedex", "Fed-SB ahead of FedEx-LoRA under DP (Fed-SB, arXiv 2502.15436)"),),
+)

@@ -1,0 +1,45 @@
+"""FFA-LoRA: A frozen and shared by every client; only B is trained and averaged (exact)."""
+
+from __future__ import annotations
+
+import torch
+
+from fedexlora.core.factors import Residual
+from fedexlora.core.methods.spec import MethodSpec
+
+
+def shared_A_aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6):
+    """The shared A and ``B̄``: exact, since the update ``B A`` is linear in B.
+
+    Raises:
+        ValueError: If the clients' A differ (A was trained).
+    """
+    del out_dtype, generator
+    k, r, n = A.shape
+    d = B.shape[1]
+    spread = (A - A[0]).abs().amax().item()
+    scale = A[0].abs().amax().item()
+    if spread > atol + 1e-5 * scale:
+        raise ValueError(
+            "ffa requires every client to share the frozen A, but the clients' A "
+            f"differ by up to {spread:.3g}; was A trained?"
+        )
+    B_new = torch.einsum("k,kdr->dr", p, B)  # (d, r)
+    return A[0].clone(), B_new, Residual.zero(d, n, dtype=A.dtype)
+
+
+SPEC = MethodSpec(
+    name="ffa",
+    title="FFA-LoRA",
+    paper="Sun et al., ICLR 2024 (arXiv 2403.12313)",
+    trains="B (A frozen, shared from the seed)",
+    keeps_local="nothing",
+    uploads="B_i",
+    downloads="B̄",
+    exact=True,
+    linear=True,
+    bytes_per_round="up 4krd; down 4krd",
+    aggregate=shared_A_aggregate,
+    frozen_A=True,
+    claims=(("fedit", "FFA-LoRA ahead of FedIT under DP (FFA-LoRA, ICLR 2024)"),),
+)

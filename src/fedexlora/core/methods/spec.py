@@ -1,0 +1,90 @@
+"""What a federated LoRA method is, as the rest of the package needs to know it."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fedexlora.core.factors import Residual
+
+__all__ = ["Aggregate", "MethodSpec"]
+
+# The server math of one layer: stacked client factors A (k, r, n) and B (k, d, r) in
+# fp64, normalised weights p (k,) -> the new global A (r, n), B (d, r) and the residual
+# (d, n) to fold into the base, before the LoRA scale. Keyword arguments: ``out_dtype``
+# (the dtype results are returned in), ``generator`` (seeded randomness), ``atol``.
+Aggregate = Callable[..., tuple[torch.Tensor, torch.Tensor, Residual]]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method: what clients train and keep, what travels, and how the server aggregates.
+
+    Attributes:
+        name: The name users give (``--method``, ``aggregate(method=...)``).
+        title: The method's usual name, e.g. ``FedEx-LoRA``.
+        paper: The paper it follows (authors, venue, arXiv id).
+        trains: What each client trains.
+        keeps_local: What a client keeps and never sends.
+        uploads: What a client sends the server each round.
+        downloads: What the server sends a client each round.
+        exact: Whether the global model equals the ideal average of the client updates.
+        linear: Whether the aggregation is a weighted sum of the clients' uploads (secure
+            aggregation can then compute it from sums alone).
+        bytes_per_round: Bytes sent in one round as a formula of ``d`` and ``n`` (a layer's
+            output and input sizes), ``r`` (the rank) and ``k`` (clients), fp32 numbers.
+        aggregate: The server math (:data:`Aggregate`); ``None`` for a method without one.
+        federated: ``False`` for the pooled, one-party reference (``centralized``).
+        server_method: The method whose server math runs it, when not its own.
+        frozen_A: A is shared, frozen and never uploaded (clients train B, or a core).
+        latent: Clients train an ``r x r`` core between frozen A and B (Fed-SB); the
+            server sees it in latent coordinates (``A = I``, ``B = R``).
+        hetero_ranks: Clients may train adapters of different ranks (``client_ranks``).
+        residual_rank: The residual may be truncated to a rank with error feedback.
+        fresh_adapter: The global adapter restarts every round (a seeded fresh A, B = 0).
+        flower: Runs under the Flower engine.
+        effective_is_deviation: The update applied is the averaged factors' product, so
+            its deviation from the ideal is the factor-averaging deviation itself.
+        baseline: The inexact method this one is measured against in reports.
+        claims: Published claims a private comparison checks: ``(other method, text)``
+            read as "this method ahead of the other".
+    """
+
+    name: str
+    title: str
+    paper: str
+    trains: str
+    keeps_local: str
+    uploads: str
+    downloads: str
+    exact: bool
+    linear: bool
+    bytes_per_round: str
+    aggregate: Aggregate | None = None
+    federated: bool = True
+    server_method: str | None = None
+    frozen_A: bool = False
+    latent: bool = False
+    hetero_ranks: bool = False
+    residual_rank: bool = False
+    fresh_adapter: bool = False
+    flower: bool = True
+    effective_is_deviation: bool = False
+    baseline: str | None = None
+    claims: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", self.name):
+            raise ValueError(f"`name` must be lower-case letters, digits or _, got {self.name!r}")
+        if self.federated and self.aggregate is None and self.server_method is None:
+            raise ValueError(f"method {self.name!r}: a federated method needs `aggregate`")
+        if self.latent and not self.frozen_A:
+            raise ValueError(f"method {self.name!r}: a latent method keeps A frozen")
+
+    @property
+    def server(self) -> str:
+        """The name of the method whose server math runs this one."""
+        return self.server_method or self.name

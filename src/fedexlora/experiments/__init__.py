@@ -1,0 +1,1 @@
+"""Experiments on top of runs: comparison grids, their reports, benchmarks."""

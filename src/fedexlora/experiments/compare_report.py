@@ -1,0 +1,657 @@
+"""The reports of ``fedexlora compare``: per-cell tables, the exactness study, plots.
+
+Everything here reads finished cells (their metrics rows and configs); nothing runs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fedexlora.config import RunConfig
+from fedexlora.core.methods import REGISTRY
+from fedexlora.experiments.stats import paired
+from fedexlora.run.report import best_value, higher_is_better, primary_metric
+
+if TYPE_CHECKING:
+    from fedexlora.experiments.cells import Cell
+
+__all__ = [
+    "comparison_table",
+    "exactness_report",
+    "plot_comparison",
+    "plot_gap",
+    "plot_privacy",
+    "privacy_report",
+]
+
+
+# The methods measured against a baseline in reports, each with its baseline, in registry
+# order: fedex against fedit. The exactness study is about the first pair.
+_BASELINES = tuple((name, spec.baseline) for name, spec in REGISTRY.items() if spec.baseline)
+_OURS, _BASE = _BASELINES[0]
+
+
+def _key(cell: Cell, method: str) -> str:
+    steps = "" if cell.steps is None else f"|s{cell.steps}"
+    eps = "" if cell.epsilon is None else f"|eps{cell.epsilon:g}"
+    return f"{cell.setting.name}|r{cell.rank}{steps}{eps}|{method}"
+
+
+def _aggregate(rows: dict) -> dict:
+    """Per (setting, rank, steps, method): lists over seeds of final/best metric, bytes..."""
+    agg: dict = defaultdict(lambda: defaultdict(list))
+    for cell, rs in sorted(rows.items(), key=lambda kv: kv[0].seed):
+        metric = primary_metric(rs)
+        by_method = defaultdict(list)
+        for row in rs:
+            by_method[row["method"]].append(row)
+        for m, mrs in by_method.items():
+            a = agg[_key(cell, m)]
+            vals = [x["metrics"][metric] for x in mrs]
+            a["seed"].append(cell.seed)
+            a["metric"].append(metric)
+            a["final"].append(vals[-1])
+            a["best"].append(best_value(metric, vals))
+            a["bytes"].append(sum(x["bytes_up"] + x["bytes_down"] for x in mrs))
+            a["deviation"].append(statistics.fmean(x["deviation"]["mean"] for x in mrs))
+            a["effective"].append(max(x["effective_deviation"]["max"] for x in mrs))
+    return {k: dict(v) for k, v in agg.items()}
+
+
+def _ms(xs: list[float]) -> str:
+    if len(xs) == 1:
+        return f"{xs[0]:.4f}"
+    return f"{statistics.fmean(xs):.4f} ± {statistics.stdev(xs):.4f}"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.2f} MB"
+
+
+def _pair(agg: dict, key: str, a: str, b: str, metric: str):
+    """The paired ``a − b`` of the final metric over the seeds both have, or None."""
+    xa, xb = agg.get(f"{key}|{a}"), agg.get(f"{key}|{b}")
+    if xa is None or xb is None:
+        return None
+    fa, fb = dict(zip(xa["seed"], xa["final"])), dict(zip(xb["seed"], xb["final"]))
+    seeds = sorted(set(fa) & set(fb))
+    if not seeds:
+        return None
+    return paired([fa[s] for s in seeds], [fb[s] for s in seeds], higher_is_better(metric))
+
+
+def _paired_line(agg: dict, key: str, a: str, b: str, metric: str) -> str | None:
+    p = _pair(agg, key, a, b, metric)
+    if p is None:
+        return None
+    return (
+        f"{a} − {b}, final {metric} paired by seed: {p.text()} "
+        f"({p.ahead} ahead, {p.tied} tied, {p.behind} behind)"
+    )
+
+
+def _same(cfgs, attr: str):
+    vals = {repr(getattr(c, attr)) for c in cfgs}
+    return getattr(next(iter(cfgs)), attr) if len(vals) == 1 else None
+
+
+def _describe(cfgs: list[RunConfig]) -> str:
+    """The settings every cell shares, read from the cells' own configs."""
+    parts = []
+    for attr, label in (
+        ("batch_size", "batch"),
+        ("lr", "lr"),
+        ("lora_alpha", "lora_alpha"),
+        ("max_length", "max_length"),
+        ("max_train", "train examples"),
+        ("max_test", "test examples"),
+    ):
+        v = _same(cfgs, attr)
+        if v is not None:
+            parts.append(f"{label} {v}")
+        elif len({repr(getattr(c, attr)) for c in cfgs}) > 1:
+            parts.append(f"{label} varies by cell")
+    return ", ".join(parts)
+
+
+def _steps_text(cfg: RunConfig) -> str:
+    rounds = f"{cfg.rounds} round{'s' if cfg.rounds != 1 else ''}"
+    if cfg.local_steps:
+        return f"{rounds} of {cfg.local_steps} local step{'s' if cfg.local_steps != 1 else ''}"
+    return f"{rounds} of {cfg.local_epochs:g} local epochs"
+
+
+def comparison_table(rows: dict, cfgs: dict, elapsed: float, reused: int = 0) -> str:
+    """Markdown: one table per (setting, rank, steps), mean ± std over seeds per method.
+
+    Args:
+        rows: Per :class:`Cell`, its metrics rows.
+        cfgs: Per cell, the configuration it ran with (its labels come from there).
+        elapsed: Wall seconds of this invocation.
+        reused: Cells reused from an earlier invocation.
+    """
+    agg = _aggregate(rows)
+    metric = primary_metric(next(iter(rows.values())))
+    compute = sum(x["seconds"] for rs in rows.values() for x in rs)
+    all_cfgs = list(cfgs.values())
+    first = all_cfgs[0]
+    seeds = sorted({c.seed for c in rows})
+    methods = list(dict.fromkeys(m for c in all_cfgs for m in c.methods))
+    totals = {
+        c.rounds * c.local_steps if c.local_steps else c.rounds * c.local_epochs
+        for cell, c in cfgs.items()
+        if not cell.ceiling
+    }
+    unit = "local steps" if first.local_steps else "local epochs"
+    total = (
+        f"{next(iter(totals)):g} {unit} per client in all"
+        if len(totals) == 1
+        else f"{unit} per client vary by cell"
+    )
+    rounds = _steps_text(first) if len({_steps_text(c) for c in all_cfgs}) == 1 else None
+    lines = [
+        "# fedex-lora comparison",
+        "",
+        f"Task `{first.task}`, model `{first.model}`; methods {', '.join(methods)}; "
+        f"seeds {seeds}; "
+        + (rounds or "rounds and local steps per cell as in its heading")
+        + f" ({_describe(all_cfgs)}). `centralized` trains on the pooled data with as many "
+        "steps per round as all clients together. Within a cell every method sees the same "
+        "partitions, initial adapters and data order. Each figure is read from the cell's "
+        "own `config.toml` and `metrics.jsonl`.",
+        "",
+        f"Sizing: {len(rows)} runs, {total}. "
+        f"Time in the rounds, summed over every run: {compute / 60:.1f} min; "
+        f"wall time of this invocation: {elapsed / 60:.1f} min"
+        + (f" ({reused} of {len(rows)} runs reused from an earlier invocation)" if reused else "")
+        + ".",
+        "",
+        "Differences between methods are paired by seed (same partition and start): mean, "
+        "95% confidence interval (t distribution) and two-sided paired t-test.",
+        "",
+    ]
+    groups = list(dict.fromkeys(c.group for c in rows))
+    for g in groups:
+        s, r, st, ceiling, eps = g
+        cell = next(c for c in rows if c.group == g)
+        cfg = cfgs[cell]
+        head = f"## {s.name} ({s.num_clients} clients, {s.partition}" + (
+            f" α={s.alpha}" if s.partition == "dirichlet" else ""
+        )
+        head += f"), r={r}" + (f", {_steps_text(cfg)}" if st is not None or ceiling else "")
+        if eps is not None:
+            head += ", no DP" if math.isinf(eps) else f", DP ε={eps:g} δ={cfg.dp_delta:g}"
+        lines += [
+            head,
+            "",
+            f"| method | final {metric} | best {metric} | total bytes | mean deviation "
+            "| max effective deviation |",
+            "|---|---|---|---|---|---|",
+        ]
+        key = _key(cell, "x").rsplit("|", 1)[0]
+        present = [m for m in methods if f"{key}|{m}" in agg]
+        for m in present:
+            a = agg[f"{key}|{m}"]
+            lines.append(
+                f"| {m} | {_ms(a['final'])} | {_ms(a['best'])} | "
+                f"{_mb(statistics.fmean(a['bytes']))} | "
+                f"{statistics.fmean(a['deviation']):.3g} | {max(a['effective']):.2g} |"
+            )
+        lines.append("")
+        for ours in (m for m, _ in _BASELINES if m in present):
+            for other in present:
+                if other != ours:
+                    line = _paired_line(agg, key, ours, other, metric)
+                    if line:
+                        lines += [f"- {line}"]
+            lines.append("")
+    lines += [
+        "*deviation*: relative Frobenius deviation of the averaged-factor product from the "
+        "ideal update, mean over layers and rounds (what FedIT loses). *effective "
+        "deviation*: the same for the update actually applied.",
+        "",
+        "![final metric per method](comparison.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _ceiling_of(rows: dict, k: int, rank: int) -> list[float]:
+    out = []
+    for c, rs in rows.items():
+        if c.ceiling and c.setting.num_clients == k and c.rank == rank:
+            metric = primary_metric(rs)
+            out.append(rs[-1]["metrics"][metric])
+    return out
+
+
+def exactness_report(
+    rows: dict, cfgs: dict, png: str, elapsed: float, reused: int, command: str | None = None
+) -> str:
+    """The "when exactness matters" study: fedex − fedit per cell, with its uncertainty.
+
+    One row per (setting, rank, local steps): both methods' final metric over the seeds,
+    the paired difference with its 95% CI and paired t-test, FedIT's deviation and
+    effective deviation, and the centralized ceiling for that client count.
+    """
+    agg = _aggregate(rows)
+    fed = {c: rs for c, rs in rows.items() if not c.ceiling}
+    metric = primary_metric(next(iter(fed.values())))
+    hib = higher_is_better(metric)
+    first = cfgs[next(iter(fed))]
+    seeds = sorted({c.seed for c in fed})
+    totals = sorted({cfgs[c].rounds * (cfgs[c].local_steps or 0) for c in fed})
+    compute = sum(x["seconds"] for rs in rows.values() for x in rs)
+    lines = [
+        "| setting | local steps × rounds | fedex | fedit | fedex − fedit [95% CI] | p "
+        "| FedIT deviation (mean) | FedIT effective deviation (max) | centralized |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    table = []
+    for g in dict.fromkeys(c.group for c in fed):
+        s, r, st = g[:3]
+        cell = next(c for c in fed if c.group == g)
+        key = _key(cell, "x").rsplit("|", 1)[0]
+        p = _pair(agg, key, _OURS, _BASE, metric)
+        a, b = agg.get(f"{key}|{_OURS}"), agg.get(f"{key}|{_BASE}")
+        if p is None or a is None or b is None:
+            continue
+        ceil = _ceiling_of(rows, s.num_clients, r)
+        table.append((s, st, p, b))
+        ci = f"{p.mean:+.4f} [{p.lo:+.4f}, {p.hi:+.4f}]" if p.n > 1 else f"{p.mean:+.4f}"
+        lines.append(
+            f"| {s.name} | {st} × {cfgs[cell].rounds} | {_ms(a['final'])} | {_ms(b['final'])} "
+            f"| {ci} | {_pval(p.p)} | {statistics.fmean(b['deviation']):.3f} "
+            f"| {max(b['effective']):.3f} | {_ms(ceil) if ceil else '—'} |"
+        )
+    better = [t for t in table if t[2].n > 1 and (t[2].lo > 0 if hib else t[2].hi < 0)]
+    worse = [t for t in table if t[2].n > 1 and (t[2].hi < 0 if hib else t[2].lo > 0)]
+    gaps, devs = _gap_points(rows)
+    fit = _fit(devs, gaps)
+    holm = _holm(
+        [t[2].p for t in table if t[2].n > 1 and t[2].mean * (1 if hib else -1) > 0],
+        sum(t[2].n > 1 for t in table),
+    )
+    pooled = []
+    for st in dict.fromkeys(t[1] for t in table):
+        a_all, b_all = [], []
+        for c, rs in fed.items():
+            if c.steps != st:
+                continue
+            last = {x["method"]: x["metrics"][metric] for x in rs}
+            if _OURS in last and _BASE in last:
+                a_all.append(last[_OURS])
+                b_all.append(last[_BASE])
+        if len(a_all) > 1:
+            q = paired(a_all, b_all, hib)
+            pooled.append(
+                f"  - {st} local steps per round: {q.text()} "
+                f"({q.ahead} ahead, {q.tied} tied, {q.behind} behind)"
+            )
+    summary = [
+        f"- FedEx-LoRA ahead of FedIT with a 95% CI above zero in **{len(better)} of "
+        f"{len(table)}** cells"
+        + (
+            ": " + ", ".join(f"{t[0].name} at {t[1]} steps ({t[2].mean:+.4f})" for t in better)
+            if better
+            else ""
+        )
+        + ".",
+        f"- FedIT ahead with a CI below zero in {len(worse)} of {len(table)} cells"
+        + (": " + ", ".join(f"{t[0].name} at {t[1]} steps" for t in worse) if worse else "")
+        + ".",
+        f"- In the other {len(table) - len(better) - len(worse)} cells the interval "
+        "includes zero: no difference this study can detect.",
+        f"- {len(table)} cells are {len(table)} tests: at the 5% level about "
+        f"{0.05 * len(table):.1f} would come out significant by chance. With Holm's "
+        f"correction for the {len(table)} tests, {holm} cell(s) stay significant.",
+    ]
+    if pooled:
+        summary += [
+            "- Pooled over every setting and seed (one pair per setting and seed; paired "
+            "t-test), by local steps per round:",
+            *pooled,
+        ]
+    if fit:
+        summary.append(
+            f"- Across all {len(gaps)} (cell, seed) pairs, the gap grows by "
+            f"{fit[0]:+.3f} [95% CI {fit[1]:+.3f}, {fit[2]:+.3f}] {metric} per unit of "
+            f"FedIT's mean deviation (least squares; r = {fit[3]:.2f})."
+        )
+    head = [
+        "# When exactness matters: FedEx-LoRA against FedIT",
+        "",
+        *([f"Written by `{command}`.", ""] if command else []),
+        f"Task `{first.task}`, model `{first.model}`, r={first.lora_r}; seeds {seeds}; "
+        f"{', '.join(str(t) for t in totals)} local steps per client in all, split into "
+        f"rounds of the local steps each row names; {_describe(list(cfgs.values()))}"
+        + ("; the whole test split" if first.max_test is None else "")
+        + ". `centralized` trains once per client count on the pooled data, as many steps as "
+        "all clients together: the ceiling.",
+        "",
+        "fedex and fedit columns: final "
+        f"{metric}, mean ± std over seeds. The difference is paired by seed (same partition, "
+        "initial adapters and data order): mean, 95% confidence interval from the t "
+        "distribution, and the two-sided paired t-test's p-value (n = seeds). The "
+        "deviation is FedIT's own: how far its averaged factors' product is from the ideal "
+        "update, relative, mean over layers and rounds; the effective deviation is that of "
+        "the update it applied, max over rounds.",
+        "",
+        f"Compute: {len(rows)} runs, {compute / 60:.1f} min in the rounds; this invocation "
+        f"{elapsed / 60:.1f} min wall"
+        + (f", {reused} runs reused from earlier invocations" if reused else "")
+        + ".",
+        "",
+        *lines,
+        "",
+        "## What it shows",
+        "",
+        *summary,
+        "",
+        f"![accuracy gap against FedIT's deviation, one point per cell and seed]({png})",
+        "",
+    ]
+    return "\n".join(head)
+
+
+def _holm(pvalues: list[float], tests: int, level: float = 0.05) -> int:
+    """How many of ``pvalues`` stay significant under Holm's step-down correction.
+
+    ``tests`` is the number of tests made (every cell of the table); ``pvalues`` need
+    only hold those that could reject, the smallest first after sorting.
+    """
+    n = 0
+    for i, p in enumerate(sorted(p for p in pvalues if not math.isnan(p))):
+        if p > level / (tests - i):
+            break
+        n += 1
+    return n
+
+
+def _pval(p: float) -> str:
+    if math.isnan(p):
+        return "—"
+    return f"{p:.2g}" if p >= 1e-4 else "<1e-4"
+
+
+def _gap_points(rows: dict) -> tuple[list[float], list[float]]:
+    """Per (cell, seed): fedex − fedit final metric, and FedIT's mean deviation."""
+    gaps, devs = [], []
+    for c, rs in rows.items():
+        if c.ceiling:
+            continue
+        metric = primary_metric(rs)
+        by = defaultdict(list)
+        for x in rs:
+            by[x["method"]].append(x)
+        if _OURS in by and _BASE in by:
+            gaps.append(by[_OURS][-1]["metrics"][metric] - by[_BASE][-1]["metrics"][metric])
+            devs.append(statistics.fmean(x["deviation"]["mean"] for x in by[_BASE]))
+    return gaps, devs
+
+
+def _fit(x: list[float], y: list[float]):
+    """Least-squares slope of y on x with its 95% CI, and r; None when undefined."""
+    if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
+        return None
+    from scipy import stats
+
+    res = stats.linregress(x, y)
+    half = float(stats.t.ppf(0.975, len(x) - 2)) * res.stderr
+    return res.slope, res.slope - half, res.slope + half, res.rvalue
+
+
+def plot_gap(rows: dict, path: Path) -> None:
+    """PNG: fedex − fedit against FedIT's deviation, one point per cell and seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
+    groups = defaultdict(lambda: ([], []))
+    for c, rs in rows.items():
+        if c.ceiling:
+            continue
+        g, d = _gap_points({c: rs})
+        if g:
+            groups[(c.setting.name, c.steps)][0].append(d[0])
+            groups[(c.setting.name, c.steps)][1].append(g[0])
+    # colour: local steps per round; marker: the setting (clients and heterogeneity)
+    settings = list(dict.fromkeys(k[0] for k in groups))
+    steps = sorted({k[1] for k in groups}, key=lambda s: (s is None, s or 0))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    markers = "os^vD<>pPX*h"
+    for (name, st), (xs, ys) in groups.items():
+        ax.scatter(
+            xs,
+            ys,
+            label=f"{name}, {st} steps/round",
+            marker=markers[settings.index(name) % len(markers)],
+            color=colours[steps.index(st) % len(colours)],
+            s=24,
+            alpha=0.8,
+        )
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlabel("FedIT's mean deviation from the ideal update")
+    ax.set_ylabel("fedex − fedit, final metric")
+    ax.legend(fontsize=6, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_comparison(rows: dict, path: Path) -> None:
+    """PNG: final metric per method, mean ± std over seeds, one panel per cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    agg = _aggregate(rows)
+    panels = list(dict.fromkeys(_key(c, "x").rsplit("|", 1)[0] for c in rows))
+    cols = min(len(panels), 6)
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, panel in zip(axes.flat, panels):
+        keys = [k for k in agg if k.startswith(f"{panel}|")]
+        names = [k.rsplit("|", 1)[1] for k in keys]
+        means = [statistics.fmean(agg[k]["final"]) for k in keys]
+        stds = [
+            statistics.stdev(agg[k]["final"]) if len(agg[k]["final"]) > 1 else 0.0 for k in keys
+        ]
+        ax.bar(names, means, yerr=stds, capsize=3)
+        lo = min((m - sd for m, sd in zip(means, stds)), default=0.0)
+        hi = max((m + sd for m, sd in zip(means, stds)), default=1.0)
+        bottom = max(0.0, math.floor(lo * 10) / 10 - 0.05)
+        ax.set_ylim(bottom, hi + 0.05 * max(hi - bottom, 1e-6))  # room for the error bars
+        ax.set_title(panel.replace("|", ", "))
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- the private comparison (``--dp-epsilons``) --------------------------------------
+# The published claims the methods' specs make, ``(method, other, text)``: "method ahead
+# of other". Listed by the method they are measured against, in registry order (then by
+# claimant): Fed-SB's over FedEx-LoRA, then FFA-LoRA's over FedIT.
+CLAIMS = tuple(
+    sorted(
+        ((name, other, text) for name, spec in REGISTRY.items() for other, text in spec.claims),
+        key=lambda claim: list(REGISTRY).index(claim[1]),
+    )
+)
+
+
+def _eps_label(e: float) -> str:
+    return "no DP" if math.isinf(e) else f"ε={e:g}"
+
+
+def _final_by_seed(rows: dict, setting, eps, method: str, metric: str) -> dict[int, float]:
+    out = {}
+    for c, rs in rows.items():
+        if c.setting == setting and c.epsilon == eps:
+            vals = [x["metrics"][metric] for x in rs if x["method"] == method]
+            if vals:
+                out[c.seed] = vals[-1]
+    return out
+
+
+def _spent(rows: dict, setting, eps) -> float | None:
+    """The largest epsilon any client spent in these cells, read from their rows."""
+    spent = [
+        x["privacy"]["epsilon"]
+        for c, rs in rows.items()
+        if c.setting == setting and c.epsilon == eps
+        for x in rs
+        if x.get("privacy")
+    ]
+    return max(spent) if spent else None
+
+
+def _verdict(pairs: list) -> str:
+    """``ahead``/``behind`` where the 95% CI excludes 0, else ``no clear difference``."""
+    if not pairs:
+        return "not run"
+    ahead = sum(p.n > 1 and p.lo > 0 for p in pairs)
+    behind = sum(p.n > 1 and p.hi < 0 for p in pairs)
+    rest = len(pairs) - ahead - behind
+    return f"ahead in {ahead}, behind in {behind}, no clear difference in {rest}"
+
+
+def privacy_report(
+    rows: dict, cfgs: dict, png: str, elapsed: float, reused: int, command: str | None = None
+) -> str:
+    """Accuracy against epsilon per method, paired differences, and the two claims.
+
+    One table per setting (mean ± std over seeds of the final metric, one column per
+    epsilon), the largest epsilon spent by any client (from the rows' ``privacy``
+    objects), and for each claim the paired difference per epsilon and setting, then a
+    count of where it held and the pooled paired test over every private cell and seed.
+    """
+    metric = primary_metric(next(iter(rows.values())))
+    hib = higher_is_better(metric)
+    first = cfgs[next(iter(rows))]
+    seeds = sorted({c.seed for c in rows})
+    settings = list(dict.fromkeys(c.setting for c in rows))
+    epsilons = sorted({c.epsilon for c in rows}, key=lambda e: (math.isinf(e), e))
+    methods = list(dict.fromkeys(m for c in cfgs.values() for m in c.methods))
+    compute = sum(x["seconds"] for rs in rows.values() for x in rs)
+    sb = _same(list(cfgs.values()), "fedsb_init")
+    lines = [
+        "# Accuracy under differential privacy",
+        "",
+        f"Task `{first.task}`, model `{first.model}`; methods {', '.join(methods)}; seeds "
+        f"{seeds}; {_steps_text(first)} ({_describe(list(cfgs.values()))}); LoRA rank "
+        f"{first.lora_r}, Fed-SB rank {first.fedsb_rank} (init {sb}). "
+        + (
+            f"DP-SGD on every client: δ={first.dp_delta:g}, clipping norm "
+            f"{first.dp_max_grad_norm:g}, each client's noise multiplier set so that its ε "
+            "over all its planned steps meets the budget. "
+            if any(not math.isinf(e) for e in epsilons)
+            else "No cell uses DP: this is the reference without it. "
+        )
+        + f"{len(rows)} runs; time in the rounds {compute / 60:.1f} min, wall time "
+        f"of this invocation {elapsed / 60:.1f} min"
+        + (f" ({reused} runs reused)" if reused else "")
+        + ".",
+        "",
+    ]
+    if command:
+        lines += ["```", command, "```", ""]
+    head = " | ".join(_eps_label(e) for e in epsilons)
+    pooled: dict[tuple, tuple[list, list]] = {}
+    per_claim: dict[tuple, list] = defaultdict(list)
+    for s in settings:
+        title = f"## {s.name} ({s.num_clients} clients, {s.partition}" + (
+            f" α={s.alpha})" if s.partition == "dirichlet" else ")"
+        )
+        lines += [title, "", f"Final {metric}, mean ± std over seeds.", ""]
+        lines += [f"| method | {head} |", "|---" * (len(epsilons) + 1) + "|"]
+        for m in methods:
+            cells = []
+            for e in epsilons:
+                v = list(_final_by_seed(rows, s, e, m, metric).values())
+                cells.append(_ms(v) if v else "—")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        spent = [_spent(rows, s, e) for e in epsilons]
+        lines.append(
+            "| largest ε spent | "
+            + " | ".join("—" if x is None else f"{x:.3g}" for x in spent)
+            + " |"
+        )
+        lines += ["", "Paired differences of the final metric by seed: mean [95% CI], p.", ""]
+        lines += [f"| difference | {head} |", "|---" * (len(epsilons) + 1) + "|"]
+        for a, b, _ in CLAIMS:
+            if a not in methods or b not in methods:
+                continue
+            cells = []
+            for e in epsilons:
+                fa = _final_by_seed(rows, s, e, a, metric)
+                fb = _final_by_seed(rows, s, e, b, metric)
+                common = sorted(set(fa) & set(fb))
+                if not common:
+                    cells.append("—")
+                    continue
+                p = paired([fa[k] for k in common], [fb[k] for k in common], hib)
+                if not math.isinf(e):
+                    per_claim[(a, b)].append(p)
+                    xs, ys = pooled.setdefault((a, b), ([], []))
+                    xs += [fa[k] for k in common]
+                    ys += [fb[k] for k in common]
+                ci = f" [{p.lo:+.3f}, {p.hi:+.3f}]" if p.n > 1 else ""
+                cells.append(f"{p.mean:+.3f}{ci}, p={_pval(p.p)}")
+            lines.append(f"| {a} − {b} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if pooled:
+        lines += ["## The published claims, here", ""]
+    for a, b, text in CLAIMS:
+        if (a, b) not in pooled:
+            continue
+        p = paired(*pooled[(a, b)], hib)
+        lines.append(
+            f"- **{text}**: over the {len(per_claim[(a, b)])} private (setting, ε) cells, "
+            f"{a} is {_verdict(per_claim[(a, b)])} (95% CI of the paired difference). "
+            f"Pooled over every private cell and seed ({p.n} pairs): {a} − {b} = "
+            f"{p.mean:+.4f} [{p.lo:+.4f}, {p.hi:+.4f}], p={_pval(p.p)}."
+        )
+    lines += ["", f"![{metric} against ε]({png})", ""]
+    return "\n".join(lines)
+
+
+def plot_privacy(rows: dict, path: Path) -> None:
+    """PNG: final metric against epsilon per method (mean ± std), one panel per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = primary_metric(next(iter(rows.values())))
+    settings = list(dict.fromkeys(c.setting for c in rows))
+    epsilons = sorted({c.epsilon for c in rows}, key=lambda e: (math.isinf(e), e))
+    methods = list(dict.fromkeys(x["method"] for rs in rows.values() for x in rs))
+    fig, axes = plt.subplots(1, len(settings), figsize=(5 * len(settings), 3.8), squeeze=False)
+    xs = list(range(len(epsilons)))
+    for ax, s in zip(axes.flat, settings):
+        for i, m in enumerate(methods):
+            means, stds = [], []
+            for e in epsilons:
+                v = list(_final_by_seed(rows, s, e, m, metric).values())
+                means.append(statistics.fmean(v) if v else math.nan)
+                stds.append(statistics.stdev(v) if len(v) > 1 else 0.0)
+            off = [x + (i - (len(methods) - 1) / 2) * 0.06 for x in xs]
+            ax.errorbar(off, means, yerr=stds, marker="o", capsize=3, label=m)
+        ax.set_xticks(xs, [_eps_label(e) for e in epsilons])
+        ax.set_title(s.name)
+        ax.set_ylabel(f"final {metric}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,230 @@
+"""Exports of a run's final global model that stay exact: a PEFT adapter or a merged model.
+
+``adapter`` writes one standard PEFT LoRA adapter directory. Applied with plain peft to
+the unchanged base model, loaded the same way as in the run (same dtype, same
+quantization), it gives the exact global model: per layer, the global factors and the
+accumulated residual's factors are concatenated into one LoRA of rank
+``r + rank(residual)``, with the scales absorbed (``lora_alpha`` = rank, so the scale is 1).
+
+``merged`` writes a Hugging Face model directory in fp32 (or, with ``allow_inexact``, in
+bf16/fp16) whose adapted weights are the model's effective weights (base, side branch
+and adapter). A quantized base is merged into its dequantized weights: every quantized
+layer, adapted or not, is written dequantized.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fedexlora.bridge.adapters import _side, effective_weight, lora_layers
+from fedexlora.bridge.models import resolve_model
+from fedexlora.config import load_config
+from fedexlora.core.aggregation import Residual
+from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
+from fedexlora.run.layout import RunError, RunLayout
+from fedexlora.run.restore import load_task_for, restore_model
+
+__all__ = ["ExportResult", "export_model"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """Where an export went, in which format, and what the user should know."""
+
+    path: Path
+    format: str
+    note: str
+
+
+def export_model(
+    run_dir: str | Path,
+    dest: str | Path,
+    method: str | None = None,
+    *,
+    fmt: str | None = None,
+    dtype: str | None = None,
+    allow_inexact: bool | None = None,
+) -> ExportResult:
+    """Writes the final global model of a run as a PEFT adapter or a merged model.
+
+    Args:
+        run_dir: A run directory written by ``fedexlora run``.
+        dest: Where to write.
+        method: Which method's model (the run's first by default).
+        fmt: ``adapter`` or ``merged``; by default the run's ``export_format``, else
+            ``merged`` for fp32 bases and ``adapter`` for half-precision and quantized ones.
+        dtype: Dtype of a merged model (``fp32`` by default).
+        allow_inexact: Allow a merged model in bf16/fp16, which rounds the update.
+
+    Raises:
+        RunError: If the run directory or checkpoint is missing, or the export would not
+            be exact and ``allow_inexact`` is not set.
+    """
+    layout = RunLayout(run_dir)
+    run = layout.root
+    if not layout.config.is_file():
+        raise RunError(f"{str(run)!r} is not a run directory (no config.toml)")
+    cfg = load_config(layout.config)
+    fmt = fmt or cfg.resolved_export_format
+    dtype = dtype or cfg.export_dtype
+    allow = cfg.allow_inexact if allow_inexact is None else allow_inexact
+    if fmt not in ("adapter", "merged"):
+        raise RunError(f"--format must be adapter or merged, got {fmt!r}")
+    if dtype not in _DTYPES:
+        raise RunError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if fmt == "merged" and dtype != "fp32" and not allow:
+        raise RunError(
+            f"--format merged in {dtype} rounds the federated update away, so it cannot be "
+            "exact; fix: use --format adapter, keep fp32, or confirm with --allow-inexact"
+        )
+    method = method or cfg.methods[0]
+    if method not in cfg.methods:
+        raise RunError(f"method {method!r} is not in this run; it has {cfg.methods}")
+    ckpt = latest_checkpoint(layout.checkpoints(method))
+    if ckpt is None:
+        raise RunError(f"run {str(run)!r} has no checkpoint for method {method!r}")
+    task = load_task_for(cfg)
+    model, tokenizer, server, _ = restore_model(
+        cfg, task, method, ckpt, config_fingerprint(cfg.to_dict())
+    )
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    if fmt == "adapter":
+        note = _write_adapter(cfg, model, server, dest)
+    else:
+        note = _write_merged(cfg, task, method, model, dest, _DTYPES[dtype])
+    tokenizer.save_pretrained(str(dest))
+    load = {
+        "model": cfg.model,
+        "dtype": cfg.dtype,
+        "quantization": cfg.quantization,
+        "double_quant": cfg.double_quant,
+    }
+    info = {"format": fmt, "method": method, "round": server.round, "base": load, "note": note}
+    if fmt == "merged":
+        info["dtype"] = dtype
+    (dest / "fedexlora_export.json").write_text(json.dumps(info, indent=1))
+    return ExportResult(dest, fmt, note)
+
+
+def _as_factors(r: Residual) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U, V)`` with ``U @ V == r``; a dense ``(d, n)`` becomes ``(D, I)`` or ``(I, D)``."""
+    if r.dense is None:
+        return r.U.double(), r.V.double()
+    d, n = r.shape
+    D = r.dense.double()
+    eye = torch.eye(min(d, n), dtype=torch.float64, device=D.device)
+    return (D, eye) if n <= d else (eye, D)
+
+
+@torch.no_grad()
+def _write_adapter(cfg, model, server, dest: Path) -> str:
+    """One PEFT adapter of rank ``r + q`` per layer: ``[s B | U] @ [A ; V]``, scale 1."""
+    from safetensors.torch import load_file, save_file
+
+    layers = lora_layers(model)
+    with tempfile.TemporaryDirectory(prefix="fedexlora-export-") as tmp:
+        model.save_pretrained(tmp)  # peft's own key names and config, then widened
+        tensors = load_file(str(Path(tmp) / "adapter_model.safetensors"))
+        config = json.loads((Path(tmp) / "adapter_config.json").read_text())
+    ranks: dict[str, int] = {}
+    for name, layer in layers.items():
+        scale = float(layer.scaling["default"])
+        A = layer.lora_A["default"].weight.detach().double().cpu()
+        B = layer.lora_B["default"].weight.detach().double().cpu()
+        side = _side(layer)
+        if side is not None:
+            extra = side.residual if side.rank else None
+        else:
+            delta = server.base_delta.get(name)
+            extra = delta.scaled(scale) if delta is not None and not delta.is_zero else None
+        Bs, As = [scale * B], [A]
+        if extra is not None:
+            U, V = _as_factors(extra)
+            Bs.append(U.cpu())
+            As.append(V.cpu())
+        A_new, B_new = torch.cat(As, 0).float(), torch.cat(Bs, 1).float()
+        key = name.removeprefix("base_model.model.")
+        ka, kb = f"{name}.lora_A.weight", f"{name}.lora_B.weight"
+        if ka not in tensors or kb not in tensors:
+            raise RunError(f"peft saved no factors for {name!r}; cannot export an adapter")
+        tensors[ka], tensors[kb] = A_new.contiguous(), B_new.contiguous()
+        ranks[re.escape(key)] = int(A_new.shape[0])
+    config.update(
+        base_model_name_or_path=resolve_model(cfg.model).path,
+        r=max(ranks.values()),
+        lora_alpha=max(ranks.values()),
+        rank_pattern=ranks,
+        alpha_pattern=dict(ranks),  # alpha = rank: every layer's scale is 1
+        use_rslora=False,
+        lora_dropout=0.0,
+    )
+    save_file(tensors, str(dest / "adapter_model.safetensors"))
+    (dest / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return (
+        "PEFT adapter: load the base model exactly as the run did (same dtype and "
+        "quantization), then peft.PeftModel.from_pretrained(base, this directory)"
+    )
+
+
+@torch.no_grad()
+def _write_merged(cfg, task, method, model, dest: Path, dtype: torch.dtype) -> str:
+    """The effective model written as plain weights (dequantized, upcast, merged)."""
+    from transformers.pytorch_utils import Conv1D
+
+    from fedexlora.run.engine import new_model
+
+    quantized = cfg.quantization is not None
+    if quantized or cfg.dtype != "fp32":
+        plain = new_model(cfg.replace(quantization=None, dtype="fp32"), task, method)[0]
+        _copy_dequantized(model, plain)
+    else:
+        plain = model
+    src_layers, dst_layers = lora_layers(model), lora_layers(plain)
+    for name, layer in src_layers.items():
+        eff = effective_weight(layer).float()
+        base = dst_layers[name].get_base_layer()
+        base.weight.copy_(eff.T if isinstance(base, Conv1D) else eff)
+    # adapters dropped, not merged: the weights already hold them (an fp32 model never
+    # has side branches, so nothing else is left)
+    merged = plain.unload().to(dtype)
+    merged.save_pretrained(str(dest))
+    what = "dequantized fp32 weights" if quantized else f"{cfg.dtype} base upcast to fp32"
+    if cfg.dtype == "fp32" and not quantized:
+        what = "fp32 weights"
+    note = f"merged model: {what} plus the federated update"
+    if dtype != torch.float32:
+        note += f", rounded to {dtype} (--allow-inexact)"
+    return note
+
+
+def _copy_dequantized(src, dst) -> None:
+    """Copies every parameter of ``src`` into ``dst`` (same architecture, fp32).
+
+    bitsandbytes layers are dequantized with peft's helper; Conv1D targets transposed.
+    """
+    from peft.utils.integrations import dequantize_bnb_weight
+    from transformers.pytorch_utils import Conv1D
+
+    dst_mods = dict(dst.named_modules())
+    for name, mod in src.named_modules():
+        if type(mod).__module__.split(".")[0] != "bitsandbytes" or name not in dst_mods:
+            continue
+        w = dequantize_bnb_weight(mod.weight, state=getattr(mod, "state", None)).float()
+        target = dst_mods[name]
+        target.weight.copy_(w.T if isinstance(target, Conv1D) else w)
+        if getattr(mod, "bias", None) is not None:
+            target.bias.copy_(mod.bias.float())
+    dst_params = dict(dst.named_parameters())
+    for name, p in src.named_parameters():
+        q = dst_params.get(name)
+        if q is not None and p.dtype.is_floating_point and tuple(p.shape) == tuple(q.shape):
+            q.copy_(p.detach().float())

@@ -1,0 +1,264 @@
+"""The life of a run, one for both engines: its directory from the first line to the last.
+
+:class:`Run` owns the run directory (:class:`fedexlora.run.layout.RunLayout`): it refuses
+to overwrite a run, writes ``config.toml`` and ``partitions.txt``, loads the task and the
+partitions, restores every method on a resume, and after each round appends the row,
+logs it to the trackers and writes the checkpoint; at the end it writes ``summary.md``
+and the plots. An engine only trains rounds:
+
+.. code-block:: python
+
+    run = Run(cfg, out, resume=resume)
+    for m in run.methods():          # each method still to run, its model and server
+        ...train the rounds after m.server.round, and after each one:
+        run.record(m, row)
+    rows = run.finish()
+
+The in-process engine (:func:`fedexlora.run.pipeline.run_experiment`) and the Flower
+ServerApp (:func:`fedexlora.flower.server_app.run_server`) both drive it.
+:func:`run_tasks` runs every task of a multi-task recipe, through either engine.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedexlora.config import RunConfig
+from fedexlora.run.checkpoint import config_fingerprint, save_checkpoint
+from fedexlora.run.engine import Prepared, new_model, new_server, prepare
+from fedexlora.run.layout import RunError, RunLayout, append_row, write_atomic, write_rows
+from fedexlora.run.recipes import get_recipe, paper_section, recipe_section
+from fedexlora.run.report import read_metrics, write_summary
+from fedexlora.run.restore import base_deltas, load_task_for, restore_run
+from fedexlora.run.trackers import open_trackers
+
+__all__ = ["MethodRun", "Run", "run_tasks"]
+
+_TABLE_LINES = 20
+
+
+@dataclass
+class MethodRun:
+    """One method of a run: its model, its server and its rows so far.
+
+    Attributes:
+        method: The method's name.
+        model: The model the server's global state lives in (base with residuals folded).
+        server: The method's :class:`fedexlora.server.Server`.
+        rows: Its metrics rows, restored ones first.
+        restored: How many of ``rows`` came from a checkpoint (a resume).
+    """
+
+    method: str
+    model: Any
+    server: Any
+    rows: list[dict] = field(default_factory=list)
+    restored: int = 0
+
+    @property
+    def new_rows(self) -> list[dict]:
+        """The rows written in this process."""
+        return self.rows[self.restored :]
+
+
+class Run:
+    """One run directory, from its checks to its summary; see the module docstring.
+
+    Args:
+        cfg: A validated configuration.
+        out: The run directory.
+        resume: Continue the run in ``out`` from each method's last intact checkpoint.
+        say: Prints a message (``print``, or a rich console's ``print``).
+        resume_hint: How the user resumes, for the message when ``out`` holds a run.
+
+    Raises:
+        RunError: If ``out`` holds a run and ``resume`` is not set, or the reverse.
+        CheckpointError: If a checkpoint is corrupt or does not match the configuration.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        out: str | Path,
+        *,
+        resume: bool = False,
+        say: Callable[[str], Any] = print,
+        resume_hint: str = "pass --resume to continue it",
+    ):
+        self.cfg = cfg
+        self.layout = layout = RunLayout(out)
+        self.resume = resume
+        self.say = say
+        self.fingerprint = config_fingerprint(cfg.to_dict())
+        if resume:
+            if not layout.config.is_file():
+                raise RunError(f"--resume: {str(layout.root)!r} holds no run (no config.toml)")
+        elif layout.holds_run():
+            raise RunError(
+                f"--out {str(layout.root)!r} already holds a run; {resume_hint} or "
+                "choose another directory"
+            )
+        layout.root.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            write_atomic(layout.config, cfg.to_toml())
+
+        self.task = load_task_for(cfg)
+        self._first_model, tokenizer = new_model(cfg, self.task, cfg.methods[0])
+        self.prep: Prepared = prepare(cfg, tokenizer, self.task)
+        say(f"task {cfg.task}: {len(self.prep.task.train)} train / {len(self.prep.task.test)} test")
+        say(self._partition_summary())
+        if cfg.dp:  # each client checks its own too; this names the problem before round 1
+            from fedexlora.training.privacy import check_delta
+
+            check_delta(cfg.dp_delta, [len(p) for p in self.prep.parts])
+        if not resume:
+            self._note_partition()
+        self._restored: dict[str, tuple] = {}
+        self._done_rows: dict[str, list[dict]] = {}
+        if resume:
+            self._restored, self._done_rows = restore_run(
+                cfg, self.task, layout.root, self.fingerprint, say
+            )
+        else:
+            layout.metrics.write_text("")
+        self.trackers = open_trackers(cfg, layout.root, resume)
+        self.all_rows: list[dict] = []
+
+    # -- the methods ------------------------------------------------------------------
+    def methods(self) -> Iterator[MethodRun]:
+        """Each method of the run, restored or new; those already finished are skipped.
+
+        The first method reuses the model loaded to tokenize the task. A method's model
+        is released when the loop moves on to the next one.
+        """
+        for method in self.cfg.methods:
+            rows = list(self._done_rows.get(method, []))
+            if method in self._restored:
+                model, server = self._restored.pop(method)
+            else:
+                model = self._first_model
+                if model is None:
+                    model = new_model(self.cfg, self.task, method)[0]
+                server = new_server(self.cfg, method, model)
+            self._first_model = None
+            current = MethodRun(method, model, server, rows, restored=len(rows))
+            if server.round < self.cfg.rounds:
+                t0 = time.perf_counter()
+                yield current
+                dropped = sorted({c for r in current.new_rows for c in r.get("dropped", [])})
+                self.say(
+                    f"{method}: {len(current.new_rows)} rounds in "
+                    f"{time.perf_counter() - t0:.1f}s"
+                    + (f" (clients dropped at some round: {dropped})" if dropped else "")
+                )
+            self.all_rows.extend(current.rows)
+            del current, model, server
+
+    def record(self, current: MethodRun, row: dict) -> None:
+        """After a round: the row appended and fsynced, logged, and the checkpoint written."""
+        current.rows.append(row)
+        append_row(self.layout.metrics, row)
+        self.trackers.log_row(row)
+        save_checkpoint(
+            self.layout.checkpoints(current.method),
+            current.server,
+            meta={
+                "rows": current.rows,
+                "fingerprint": self.fingerprint,
+                "parts": self.prep.parts,
+                "config": self.cfg.to_dict(),
+            },
+            keep=self.cfg.keep_checkpoints,
+            base=base_deltas(current.model),
+        )
+
+    def run_token(self) -> str:
+        """This run's identity (Flower clients key their state on it); kept on a resume."""
+        path = self.layout.run_token
+        if self.resume and path.is_file():
+            return path.read_text().strip()
+        token = uuid.uuid4().hex
+        write_atomic(path, token)
+        return token
+
+    def finish(self) -> list[dict]:
+        """Every method's rows in order in ``metrics.jsonl``, the summary and the plots."""
+        if self.resume:  # restored rows were written first: every method's rows in order
+            write_rows(self.layout.metrics, self.all_rows)
+        write_summary(
+            self.layout.root,
+            self.all_rows,
+            self.cfg.to_toml(),
+            extra=recipe_section(self.cfg, self.all_rows),
+        )
+        self.trackers.finish()
+        return self.all_rows
+
+    # -- partitions -------------------------------------------------------------------
+    def _note_partition(self) -> None:
+        """Adds a comment to ``config.toml`` when the clients were not partitioned as it says."""
+        from fedexlora.run.engine import effective_partition
+
+        _, note = effective_partition(self.cfg, self.task)
+        if note:
+            path = self.layout.config
+            write_atomic(path, path.read_text() + f"\n# note: {note}\n")
+
+    def _partition_summary(self) -> str:
+        """The partition table, written to ``partitions.txt``; shortened on screen when long."""
+        prep = self.prep
+        write_atomic(self.layout.partitions, prep.partition_table + "\n")
+        lines = prep.partition_table.splitlines()
+        if len(prep.parts) <= _TABLE_LINES:
+            return prep.partition_table
+        sizes = sorted(len(p) for p in prep.parts)
+        return "\n".join(
+            lines[: _TABLE_LINES // 2 + 1]
+            + [
+                f"   ... {len(sizes)} clients of {sizes[0]} to {sizes[-1]} examples "
+                f"(median {sizes[len(sizes) // 2]}): see partitions.txt",
+                lines[-1],
+            ]
+        )
+
+
+def run_tasks(
+    cfg: RunConfig,
+    tasks: tuple[str, ...] | list[str],
+    out: str | Path,
+    run_one: Callable[[RunConfig, Path, bool], Any],
+    *,
+    say: Callable[[str], Any] = print,
+) -> dict[str, list[dict]]:
+    """Runs ``cfg`` on every task of a multi-task recipe, each in ``out/<task>/``.
+
+    ``run_one(cfg, directory, resume)`` runs one task on the chosen engine. A task whose
+    directory already holds all its rows is not run again; one that holds some resumes.
+    Then ``out/summary.md`` gets the recipe's paper figures beside every task's.
+
+    Returns:
+        Per task, its metrics rows.
+    """
+    layout = RunLayout(out)
+    layout.root.mkdir(parents=True, exist_ok=True)
+    recipe = get_recipe(cfg.recipe) if cfg.recipe else None
+    per_task: dict[str, list[dict]] = {}
+    for i, task in enumerate(tasks, 1):
+        sub = layout.task(task)
+        resume = sub.config.is_file()
+        name = recipe.name if recipe is not None else "run"
+        say(f"[{i}/{len(tasks)}] {name}: task {task} -> {sub.root}")
+        done = resume and len(read_metrics(sub.metrics)) == len(cfg.methods) * cfg.rounds
+        if not done:
+            run_one(cfg.replace(task=task), sub.root, resume)
+        per_task[task] = read_metrics(sub.metrics)
+    title = f"# fedex-lora recipe {recipe.name}\n\n" if recipe is not None else "# fedex-lora\n\n"
+    text = title + (paper_section(recipe, per_task) if recipe is not None else "")
+    layout.summary.write_text(text)
+    say(text)
+    return per_task

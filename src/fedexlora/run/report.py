@@ -1,0 +1,298 @@
+"""Reports from ``metrics.jsonl``: markdown tables, a terminal table and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from fedexlora.run.layout import RunLayout
+
+__all__ = [
+    "best_value",
+    "final_rows",
+    "higher_is_better",
+    "layer_group",
+    "plot_deviation",
+    "plot_metrics",
+    "primary_metric",
+    "read_metrics",
+    "summary_table",
+    "write_summary",
+]
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All rows of a ``metrics.jsonl`` file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def final_rows(rows: list[dict]) -> dict[str, dict]:
+    """The last round's row of each method, in first-seen method order."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        if r["method"] not in out or r["round"] >= out[r["method"]]["round"]:
+            out[r["method"]] = r
+    return out
+
+
+def primary_metric(rows: list[dict]) -> str:
+    """The headline metric of metrics rows: the first key of their ``metrics``."""
+    return next(iter(rows[0]["metrics"])) if rows and rows[0]["metrics"] else "loss"
+
+
+def higher_is_better(metric: str) -> bool:
+    """False for a loss or perplexity, True for every other metric."""
+    return metric not in ("loss", "perplexity")
+
+
+def best_value(metric: str, values: list[float]) -> float:
+    """The best of ``values``: the highest, or the lowest for a loss or perplexity."""
+    return max(values) if higher_is_better(metric) else min(values)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+PROPORTIONS = ("accuracy", "exact_match")
+
+
+def wilson(p: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion ``p`` measured on ``n`` examples."""
+    den = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def sampled_examples(row: dict) -> int:
+    """How many test examples a row's headline proportion is a plain fraction of.
+
+    0 when it is a mean over sub-tasks (commonsense's ``accuracy`` averages eight
+    ``accuracy_<task>``), whose interval a single Wilson interval would understate.
+    """
+    if any(str(k).startswith("accuracy_") for k in row.get("metrics", {})):
+        return 0
+    return int(row.get("test_examples") or 0)
+
+
+def _final(metric: str, value: float, n: int) -> str:
+    if metric in PROPORTIONS and n and math.isfinite(value):
+        lo, hi = wilson(value, n)
+        return f"{value:.4f} [{lo:.3f}, {hi:.3f}]"
+    return f"{value:.4f}"
+
+
+def summary_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Header and cells of the final table: one line per method.
+
+    A proportion (accuracy, exact match) carries its 95% Wilson interval over the test
+    examples it was measured on.
+    """
+    metric = primary_metric(rows)
+    by_method: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_method[r["method"]].append(r)
+    header = [
+        "method",
+        f"final {metric}",
+        f"best {metric}",
+        "final train loss",
+        "bytes up",
+        "bytes down",
+        "deviation (mean)",
+        "effective deviation (max)",
+        "seconds",
+    ]
+    cells = []
+    for method, rs in by_method.items():
+        vals = [r["metrics"].get(metric, float("nan")) for r in rs]
+        last = rs[-1]
+        best = best_value(metric, vals)
+        label = method + (" (approximate)" if last.get("approximate") else "")
+        cells.append(
+            [
+                label,
+                _final(metric, vals[-1], sampled_examples(last)),
+                f"{best:.4f}",
+                f"{last['train_loss']:.4f}",
+                _fmt_bytes(sum(r["bytes_up"] for r in rs)),
+                _fmt_bytes(sum(r["bytes_down"] for r in rs)),
+                f"{sum(r['deviation']['mean'] for r in rs) / len(rs):.3g}",
+                f"{max(r['effective_deviation']['max'] for r in rs):.2g}",
+                f"{sum(r['seconds'] for r in rs):.1f}",
+            ]
+        )
+    return header, cells
+
+
+def _markdown(header: list[str], cells: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(c) + " |" for c in cells]
+    return "\n".join(lines)
+
+
+def write_summary(
+    out_dir: str | Path,
+    rows: list[dict],
+    config_text: str = "",
+    extra: str | None = None,
+) -> Path:
+    """Writes ``summary.md`` (final table, plots, notes) and the PNG plots it references.
+
+    ``extra`` is a markdown section put before the plots (a recipe's paper figures beside
+    the run's).
+    """
+    layout = RunLayout(out_dir)
+    header, cells = summary_table(rows)
+    plot_metrics(rows, layout.metrics_plot)
+    has_dev = any(r["deviation"].get("per_layer") for r in rows)
+    if has_dev:
+        plot_deviation(rows, layout.deviation_plot)
+    parts = [
+        "# fedex-lora run summary",
+        "",
+        _markdown(header, cells),
+        "",
+        "- *deviation*: relative Frobenius deviation of the averaged-factor product "
+        "`B̄Ā` from the ideal update `Σ p_i B_i A_i`, per layer, averaged over layers and "
+        "rounds: what plain factor averaging (FedIT) loses.",
+        "- *effective deviation*: measured on the model after each round: its effective "
+        "weights (base, side branch and adapter, as the forward pass applies them) "
+        "against the ideal average of the clients' models, relative to the round's "
+        "update. FedEx-LoRA, FFA-LoRA and FLoRA are exact (float rounding only); "
+        "FedIT's is what plain factor averaging loses.",
+        "- Bytes are counted from the tensors sent; `centralized` sends nothing.",
+    ]
+    n = max((sampled_examples(r) for r in rows), default=0)
+    if n and primary_metric(rows) in PROPORTIONS:
+        parts.append(
+            f"- Uncertainty: the final {primary_metric(rows)} is measured on {n} test "
+            "examples; brackets give its 95% Wilson interval, the test-sampling error "
+            "alone. This is one run, one seed: a difference between methods here carries "
+            "no seed-to-seed variation and no paired test. `fedexlora compare` runs seeds "
+            "and gives paired 95% confidence intervals and p-values."
+        )
+    if any(r.get("approximate") for r in rows):
+        parts.append(
+            "- Methods marked *(approximate)* truncated the residual (`residual_rank`) or "
+            "capped the side branch (`side_rank`); the remainder is kept on the server as "
+            "error feedback."
+        )
+    private = [r for r in rows if r.get("privacy")]
+    if private:
+        last: dict[str, dict] = {}
+        for r in private:
+            last[r["method"]] = r["privacy"]
+        p0 = next(iter(last.values()))
+        spent = ", ".join(f"{m} {v['epsilon']:.3g}" for m, v in last.items())
+        parts.append(
+            f"- Differential privacy: every client trained with DP-SGD (Opacus; per-sample "
+            f"clipping and Gaussian noise, Poisson sampling) within epsilon "
+            f"{p0['epsilon_budget']:g} at delta {p0['delta']:g} over its planned steps; "
+            f"the largest epsilon any client has spent: {spent} ({p0['accountant']} "
+            f"accountant, orders {p0['orders'][0]}-{p0['orders'][1]}). Each row's `privacy` "
+            "object in metrics.jsonl gives every client's noise multiplier, sampling rate "
+            "and steps, so any accountant can recompute it."
+        )
+        refused = sorted({(r["method"], r["round"], tuple(r["privacy"]["refused"]))
+                          for r in private if r["privacy"]["refused"]})  # fmt: skip
+        for method, rnd, ids in refused:
+            parts.append(
+                f"- {method}, round {rnd}: clients {list(ids)} were not trained, their "
+                "privacy budget spent"
+            )
+    rejected = [(r["method"], r["round"], r["rejected"]) for r in rows if r.get("rejected")]
+    for method, rnd, rej in rejected:
+        for cid, why in rej.items():
+            parts.append(f"- {method}, round {rnd}: rejected client {cid}: {why}")
+    if extra:
+        parts += ["", extra]
+    parts += ["", f"![metric per round]({layout.metrics_plot.name})"]
+    if has_dev:
+        parts += ["", f"![per-layer deviation]({layout.deviation_plot.name})"]
+    if config_text:
+        parts += ["", "## Configuration", "", "```toml", config_text.strip(), "```"]
+    path = layout.summary
+    path.write_text("\n".join(parts) + "\n")
+    return path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _integer_rounds(ax) -> None:
+    """Rounds are whole numbers: no fractional ticks on the x axis."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def plot_metrics(rows: list[dict], path: str | Path) -> Path:
+    """PNG of the primary metric per round, one line per method."""
+    plt = _plt()
+    metric = primary_metric(rows)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    by_method: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_method[r["method"]].append(r)
+    for method, rs in by_method.items():
+        ax.plot(
+            [r["round"] for r in rs], [r["metrics"].get(metric) for r in rs], "o-", label=method
+        )
+    _integer_rounds(ax)
+    ax.set_xlabel("round")
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def layer_group(name: str) -> str:
+    """``...layer.3.attention.self.query`` -> ``query``: the module's own name."""
+    return name.rsplit(".", 1)[-1]
+
+
+def plot_deviation(rows: list[dict], path: str | Path) -> Path:
+    """PNG of the per-layer-group deviation over rounds, one panel per method."""
+    plt = _plt()
+    methods = [
+        m
+        for m in final_rows(rows)
+        if any(r["method"] == m and r["deviation"].get("per_layer") for r in rows)
+    ]
+    fig, axes = plt.subplots(1, len(methods), figsize=(5 * len(methods), 3.8), squeeze=False)
+    for ax, method in zip(axes[0], methods):
+        rs = [r for r in rows if r["method"] == method]
+        groups: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+        for r in rs:
+            for name, v in r["deviation"].get("per_layer", {}).items():
+                groups[layer_group(name)][r["round"]].append(v)
+        for g, by_round in sorted(groups.items()):
+            xs = sorted(by_round)
+            ax.plot(xs, [sum(by_round[x]) / len(by_round[x]) for x in xs], "o-", label=g)
+        ax.set_title(method)
+        _integer_rounds(ax)
+        ax.set_xlabel("round")
+        ax.set_ylabel("relative deviation of B̄Ā from ideal")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

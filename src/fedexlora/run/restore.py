@@ -1,0 +1,150 @@
+"""Resume: a run's models and servers brought back from their newest intact checkpoints."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from fedexlora.bridge.adapters import folded_weights, load_side_state, set_state, side_state
+from fedexlora.config import RunConfig
+from fedexlora.run.checkpoint import BASE_DELTAS, CheckpointError, checkpoints, load_checkpoint
+from fedexlora.run.engine import new_model, new_server
+from fedexlora.run.layout import RunLayout, write_rows
+
+__all__ = [
+    "apply_base_deltas",
+    "base_deltas",
+    "load_task_for",
+    "restore_latest",
+    "restore_model",
+    "restore_run",
+]
+
+
+def base_deltas(model) -> dict[str, torch.Tensor]:
+    """What folding changed in the model: each layer's accumulated residual.
+
+    ``side.<module>.U|V|dense``, factored or dense (:func:`fedexlora.bridge.adapters.side_state`):
+    a freshly loaded model plus these is the model, bit for bit.
+    """
+    return side_state(model)
+
+
+@torch.no_grad()
+def apply_base_deltas(model, deltas: dict[str, torch.Tensor]) -> None:
+    """Restores :func:`base_deltas` onto a freshly loaded model.
+
+    Checkpoints written before the accumulators hold ``W - W0`` of each fp32 layer in
+    fp64 under the module's name; those are still restored (``W0 + delta -> W``).
+    """
+    side = {k: v for k, v in deltas.items() if k.startswith("side.")}
+    legacy = {k: v for k, v in deltas.items() if not k.startswith("side.")}
+    if legacy:
+        weights = folded_weights(model)
+        if set(legacy) != set(weights):
+            raise CheckpointError("checkpoint base deltas cover other modules than the model")
+        for n, w in weights.items():
+            if tuple(legacy[n].shape) != tuple(w.shape):
+                raise CheckpointError(f"checkpoint base delta for {n!r} has the wrong shape")
+            w.copy_((w.double() + legacy[n]).to(w.dtype))
+    try:
+        load_side_state(model, side)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint side branches do not match the model: {exc}") from None
+
+
+def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: str | None):
+    """A fresh model and server brought to the state of checkpoint ``ckpt``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    model, tokenizer = new_model(cfg, task, method)
+    server = new_server(cfg, method, model)
+    info = load_checkpoint(ckpt, server, fingerprint=fingerprint)
+    try:
+        deltas = load_file(str(ckpt / BASE_DELTAS))
+    except (OSError, SafetensorError) as exc:
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r}: base deltas unreadable: {exc}", corrupt=True
+        ) from None
+    apply_base_deltas(model, deltas)
+    set_state(model, server.state)
+    return model, tokenizer, server, info
+
+
+def restore_latest(cfg: RunConfig, task, method: str, directory: Path, fingerprint):
+    """:func:`restore_model` from the newest checkpoint in ``directory`` that is intact.
+
+    A damaged newest checkpoint (unreadable, or left incomplete by a crash) is skipped with
+    a warning and the one before it is used; one from another configuration is an error.
+    Returns ``None`` when there is no checkpoint at all.
+
+    Raises:
+        CheckpointError: If no checkpoint is intact, or the newest intact one does not
+            match the configuration.
+    """
+    complete = checkpoints(directory)
+    broken = [
+        p for p in sorted(Path(directory).glob("round-*")) if p.is_dir() and p not in complete
+    ]
+    for p in broken:
+        warnings.warn(f"skipping incomplete checkpoint {str(p)!r}", stacklevel=2)
+    first_error = None
+    if broken and not complete:
+        raise CheckpointError(
+            f"checkpoint {str(broken[-1])!r} is unreadable or corrupt: a file it lists is "
+            "missing or has the wrong size, and no older checkpoint is intact",
+            corrupt=True,
+        )
+    for ckpt in reversed(complete):
+        try:
+            return restore_model(cfg, task, method, ckpt, fingerprint)
+        except CheckpointError as exc:
+            if not exc.corrupt:
+                raise
+            first_error = first_error or exc
+            warnings.warn(f"{exc}; falling back to the checkpoint before it", stacklevel=2)
+    if first_error is not None:
+        raise first_error
+    return None
+
+
+def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
+    """Every method of the run in ``out`` restored from its newest intact checkpoint.
+
+    Rewrites ``metrics.jsonl`` to the rows those checkpoints hold (rows of a round that
+    was not checkpointed are dropped: it runs again). Shared by both engines.
+
+    Returns:
+        ``(restored, done_rows)``: method -> ``(model, server)``, and method -> its rows,
+        for the methods that have a checkpoint.
+    """
+    layout = RunLayout(out)
+    restored: dict[str, tuple] = {}
+    done_rows: dict[str, list[dict]] = {}
+    for method in cfg.methods:
+        found = restore_latest(cfg, task, method, layout.checkpoints(method), fingerprint)
+        if found is None:
+            continue
+        model, _, server, info = found
+        restored[method] = (model, server)
+        done_rows[method] = info["rows"]
+        say(f"resuming {method} after round {server.round}")
+    write_rows(layout.metrics, [r for m in cfg.methods for r in done_rows.get(m, [])])
+    return restored, done_rows
+
+
+def load_task_for(cfg: RunConfig):
+    """The configuration's task, split and sliced as the run uses it."""
+    from fedexlora.tasks.data import load_task
+
+    return load_task(
+        cfg.task,
+        seed=cfg.seed,
+        test_fraction=cfg.test_fraction,
+        max_train=cfg.max_train,
+        max_test=cfg.max_test,
+        data_dir=cfg.data_dir,
+    )

@@ -1,0 +1,204 @@
+"""The in-process engine: one base model in memory, clients trained in turn.
+
+The server logic (:class:`fedexlora.server.Server`) and the aggregation are the same as in
+every other engine, and so are the shared steps (:mod:`fedexlora.run.engine`); this module is
+the loop alone: it moves tensors between the server and one shared model, and records
+what happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import fedexlora.run.engine as _engine
+from fedexlora.bridge.adapters import (
+    fold_residuals,
+    layer_info,
+    restore_base,
+    set_state,
+    snapshot_base,
+)
+from fedexlora.config import RunConfig
+from fedexlora.run.engine import (
+    Prepared,
+    apply_round,
+    client_adapter,
+    local_update,
+    new_model,
+    new_server,
+    round_row,
+    save_client_adapter,
+)
+from fedexlora.run.layout import RunLayout
+from fedexlora.server.server import Server
+
+__all__ = ["run_method"]
+
+
+def run_method(
+    cfg: RunConfig,
+    method: str,
+    prep: Prepared,
+    *,
+    out_dir: Path | None = None,
+    on_row: Callable[[dict], None] | None = None,
+    progress: bool = True,
+    model=None,
+    server: Server | None = None,
+    after_round: Callable[[dict, Server, torch.nn.Module], None] | None = None,
+    history: list[dict] | None = None,
+):
+    """Runs one method for ``cfg.rounds`` rounds and returns ``(rows, model, server)``.
+
+    Each sampled client gets ``server.payload_for(client)`` and trains through this
+    module's ``local_update`` (:func:`fedexlora.run.engine.local_update`), looked up when
+    called: tests wrap those two to watch payloads or play faulty clients.
+
+    Args:
+        cfg: The run configuration.
+        method: ``fedex``, ``fedit``, ``ffa``, ``flora`` or ``centralized``.
+        prep: The shared task, partitions and tokenized data.
+        out_dir: Where client adapters go when ``cfg.save_client_adapters`` is set.
+        on_row: Called with each round's metrics row as soon as it exists.
+        progress: Whether to show progress bars.
+        model: A model to use instead of loading one (with ``server``: already restored).
+        server: A server restored from a checkpoint; training resumes after its round.
+        after_round: Called with ``(row, server, model)`` after each round (checkpoints).
+        history: This method's rows so far (a resume): DP budgets continue from them.
+    """
+    from fedexlora.core.methods import get_method
+
+    centralized = not get_method(method).federated
+    if model is None:
+        model, _ = new_model(cfg, prep.task, method)
+    parts = [sorted(i for p in prep.parts for i in p)] if centralized else prep.parts
+    server = server or new_server(cfg, method, model)
+    client_data = [prep.train.subset(p) for p in parts]
+    # centralized: as many gradient steps per round as all clients together
+    steps = cfg.local_steps
+    if centralized and steps is not None:
+        steps *= len(prep.parts)
+    ledger = None
+    if cfg.dp:
+        from fedexlora.training.privacy import Ledger, check_model, steps_per_round
+
+        check_model(model)
+        ledger = Ledger.for_run(cfg, [len(d) for d in client_data])
+        if history:
+            ledger.restore(history[-1])
+    rows = []
+    for rnd in range(server.round + 1, cfg.rounds + 1):
+        t0 = time.perf_counter()
+        sampled = server.sample(rnd)
+        uploads, bytes_up, bytes_down, down_max = [], 0, 0, 0
+        refused = []
+        for c in sampled:
+            if ledger is not None:
+                want = steps if steps is not None else steps_per_round(cfg, len(client_data[c]))
+                if not ledger.allow(c, want):
+                    refused.append(c)  # its budget is spent: not trained, nothing sent
+                    continue
+            payload = server.payload_for(c)
+            bytes_down += payload.nbytes
+            down_max = max(down_max, payload.nbytes)
+            set_state(model, server.state)  # the shared base already holds the residuals
+            with _client_view(model, server, c, client_adapter(cfg, method, c)):
+                up = local_update(
+                    cfg, method, model, client_data[c], rnd, c, steps=steps, progress=progress,
+                    dp=None if ledger is None else ledger.budgets[c],
+                )  # fmt: skip
+            if ledger is not None:
+                ledger.record(c, want)
+            bytes_up += up.nbytes
+            uploads.append(up)
+            if cfg.save_client_adapters and out_dir is not None:
+                save_client_adapter(model, out_dir, rnd, c, up.num_examples)
+        outcome = server.aggregate(uploads)
+        if cfg.save_client_adapters and out_dir is not None:
+            for c, w in outcome.weights.items():
+                meta = RunLayout(out_dir).client_adapter_meta(rnd, c)
+                meta.write_text(json.dumps({**json.loads(meta.read_text()), "weight": w}))
+        metrics, measured = apply_round(cfg, method, rnd, model, server, outcome, prep, uploads)
+        if centralized:
+            bytes_up = bytes_down = down_max = 0
+        row = round_row(
+            method,
+            rnd,
+            metrics,
+            outcome,
+            uploads,
+            seconds=time.perf_counter() - t0,
+            bytes_up=bytes_up,
+            bytes_down=bytes_down,
+            approximate=cfg.approximate and not centralized,
+            sampled=sampled,
+            effective=measured,
+            bytes_down_max=down_max,
+            server_bytes=server.nbytes(),
+            test_examples=len(prep.task.test),
+        )
+        if ledger is not None:
+            row["privacy"] = ledger.row(refused)
+            if refused:
+                row["note"] = (
+                    f"clients {refused} were not trained: their privacy budget "
+                    f"(epsilon {cfg.dp_epsilon}) would be exceeded"
+                )
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+        if after_round is not None:
+            after_round(row, server, model)
+    return rows, model, server
+
+
+@contextlib.contextmanager
+def _client_view(model, server: Server, client: int, adapter: str | None):
+    """Temporarily turns the shared model into a client of another rank.
+
+    The client's remainder ``T_c`` is folded into the shared base under the client's own
+    adapter and scale, and restored bit for bit afterwards.
+    """
+    if adapter is None:
+        yield
+        return
+    snapshot = snapshot_base(model)
+    info = layer_info(model, adapter)
+    remainder = server.remainder.get(client, {})
+    fold_residuals(
+        model, {n: t.scaled(1.0 / info[n].scale) for n, t in remainder.items()}, adapter=adapter
+    )
+    model.set_adapter(adapter)
+    set_state(model, server.sent[client], adapter=adapter)
+    try:
+        yield
+    finally:
+        restore_base(model, snapshot)
+        model.set_adapter("default")
+
+
+_MOVED = {name: "fedexlora.run.engine" for name in _engine.__all__}
+_MOVED["fold_and_measure"] = "fedexlora.bridge.steps.apply_outcome"
+
+
+def __getattr__(name: str):
+    """The shared steps moved to :mod:`fedexlora.run.engine`; old imports still work, warned."""
+    if name in _MOVED:
+        warnings.warn(
+            f"fedexlora.run.simulation.{name} moved to {_MOVED[name]}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if name == "fold_and_measure":
+            from fedexlora.bridge.steps import apply_outcome
+
+            return apply_outcome
+        return getattr(_engine, name)
+    raise AttributeError(f"module 'fedexlora.run.simulation' has no attribute {name!r}")

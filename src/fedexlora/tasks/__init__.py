@@ -1,0 +1,1 @@
+"""Tasks: embedded and local data, hub loaders, partitioners, metrics, NLG metrics."""

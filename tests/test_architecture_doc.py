@@ -1,0 +1,31 @@
+"""docs/ARCHITECTURE.md's walk-through of adding a method runs as written."""
+
+import re
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "ARCHITECTURE.md"
+
+
+def test_adding_a_method_walkthrough_runs(monkeypatch):
+    from fedexlora.core import aggregation, methods
+
+    monkeypatch.setattr(methods, "REGISTRY", dict(methods.REGISTRY))
+    monkeypatch.setattr(aggregation, "REGISTRY", methods.REGISTRY)
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+    assert len(blocks) == 3
+    scope: dict = {}
+    for block in blocks:
+        exec(compile(block, str(DOC), "exec"), scope)
+    assert "fedex_dense" in methods.REGISTRY
+    assert methods.get_method("fedex_dense").exact
+
+
+def test_the_tree_it_describes_exists():
+    src = Path(__file__).resolve().parents[1] / "src" / "fedexlora"
+    for layer in ("core", "server", "bridge", "tasks", "training", "run", "flower",
+                  "experiments", "cli"):  # fmt: skip
+        assert (src / layer / "__init__.py").is_file(), layer
+        assert f"`{layer}`" in DOC.read_text(), layer
+    for path in re.findall(r"`((?:core|server|bridge|tasks|training|run|flower|cli)/[\w/.]+\.py)`",
+                           DOC.read_text()):  # fmt: skip
+        assert (src / path).is_file(), path
