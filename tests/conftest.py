@@ -144,3 +144,20 @@ def task_identity(monkeypatch):
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
+
+
+# The tests that start Flower (a SuperLink, Ray, ClientApp processes...) take most of the
+# suite's time, and two of them side by side on two cores each run slower than one after
+# the other. pytest-xdist (--dist loadgroup) gives them all to one worker, in turn, while
+# the other workers take the rest; they go first, so that they are not left for last.
+
+
+def _starts_flower(item) -> bool:
+    return "flower" in item.nodeid.lower()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _starts_flower(item):
+            item.add_marker(pytest.mark.xdist_group("flower"))
+    items.sort(key=lambda item: not _starts_flower(item))  # stable within each part

@@ -400,7 +400,7 @@ def test_top_level_help_groups_the_commands():
         return [m.group(1) for ln in panel.splitlines() if (m := re.match(r"│ (\S+) ", ln))]
 
     assert names(run_panel) == ["run", "validate", "export"]
-    assert names(experiments) == ["recipes", "compare", "bench"]
+    assert names(experiments) == ["methods", "recipes", "compare", "bench"]
     assert "--version" in out
 
 

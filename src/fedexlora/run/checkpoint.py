@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from fedexlora.server.server import Server, ServerStateMismatch
+from fedexlora.server.server import STATE_KEYS, Server, ServerStateMismatch
 
 __all__ = [
     "CheckpointError",
@@ -31,16 +31,7 @@ _TENSORS = "tensors.safetensors"
 # stands for a key in checkpoints written before it existed (without last_sizes,
 # payloads say keep until the next round; without sent_clients, heterogeneous views are
 # rebuilt when each client is next sampled).
-_SERVER_KEYS = (
-    "round",
-    "version",
-    "method",
-    "client_version",
-    "history_versions",
-    "remainder_clients",
-    "last_sizes",
-    "sent_clients",
-)
+_SERVER_KEYS = tuple(k for k in STATE_KEYS if k != "tensors")
 _SERVER_DEFAULTS = {"remainder_clients": [], "last_sizes": {}, "sent_clients": []}
 
 

@@ -45,7 +45,7 @@ class ServerStateMismatch(ValueError):
     """
 
 
-_STATE_KEYS = (
+STATE_KEYS = (  # what Server.state_dict() holds
     "round",
     "version",
     "method",
@@ -668,10 +668,10 @@ def _parse_state(state: Mapping, *, assign: bool) -> dict:
     """A :meth:`Server.state_dict` turned back into the server's fields, or ``ValueError``."""
     if not isinstance(state, Mapping):
         raise ValueError(f"server state must be a mapping, got {type(state).__name__}")
-    missing = [k for k in _STATE_KEYS if k not in state]
+    missing = [k for k in STATE_KEYS if k not in state]
     if missing:
         raise ValueError(f"server state lacks {missing}")
-    extra = sorted(str(k) for k in state if k not in _STATE_KEYS)
+    extra = sorted(str(k) for k in state if k not in STATE_KEYS)
     if extra:
         raise ValueError(f"server state has unexpected keys {extra}")
     out: dict = {"method": state["method"]}
