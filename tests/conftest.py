@@ -156,6 +156,7 @@ def _starts_flower(item) -> bool:
     return "flower" in item.nodeid.lower()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _starts_flower(item):
