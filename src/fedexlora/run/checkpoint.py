@@ -12,7 +12,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from fedexlora.server.server import STATE_KEYS, Server, ServerStateMismatch
+from fedexlora.server.server import Server
+from fedexlora.server.snapshot import STATE_KEYS, ServerStateMismatch
 
 __all__ = [
     "CheckpointError",
