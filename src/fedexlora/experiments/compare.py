@@ -27,9 +27,8 @@ from fedexlora.experiments.compare_report import (
     exactness_report,
     plot_comparison,
     plot_gap,
-    plot_privacy,
-    privacy_report,
 )
+from fedexlora.experiments.privacy_report import plot_privacy, privacy_report
 from fedexlora.run.layout import RunLayout
 from fedexlora.run.report import read_metrics
 
