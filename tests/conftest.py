@@ -13,6 +13,38 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
+# Under pytest-xdist, scripts/test.sh runs with --dist loadfile: a file's tests share a
+# worker, so a module-scoped fixture (a whole Flower deployment, a killed and resumed run)
+# runs once, not once per worker. The files that start Flower runs go first, so that the
+# two workers do not end with one of them alone on a long file.
+SLOW_FIRST = [
+    "test_flower_deploy.py",
+    "test_flower_simulation.py",
+    "test_scale.py",
+    "test_flower.py",
+    "test_resume.py",
+    "test_precision.py",
+    "test_privacy.py",
+    "test_compare.py",
+    "test_examples.py",
+    "test_paper_tasks.py",
+    "test_flower_parity.py",
+    "test_recipes.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow files first (stable: each file's tests keep their order)."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+ONE_ACTOR = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 1}}
+"""A Flower simulation backend of one ClientApp actor (Ray given one CPU): every client of
+the run trains in turn in one process, whose spare model is reused from client to client.
+Each actor imports torch, transformers and peft (about 15 CPU-seconds here), so tests
+that do not test concurrency use this one."""
+
 WORDS = {
     0: ["goal", "match", "league", "coach", "striker", "season"],
     1: ["shares", "market", "profit", "bank", "investor", "economy"],

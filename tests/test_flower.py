@@ -6,7 +6,6 @@ Ray), and ``run_flower_experiment`` through Flower's simulation runtime against
 """
 
 import sys
-import time
 from pathlib import Path
 from uuid import uuid4
 
@@ -14,7 +13,7 @@ import pytest
 from flwr.serverapp import Grid
 
 from fedexlora.run.checkpoint import latest_checkpoint
-from fedexlora.run.pipeline import load_task_for, restore_model, run_experiment
+from fedexlora.run.pipeline import load_task_for, restore_model
 from fedexlora.run.report import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,59 +150,7 @@ def test_centralized_is_refused(tiny_cfg, tmp_path):
 
 
 # -- simulation runtime ----------------------------------------------------------------
-def test_simulation_engine_matches_local_engine(tiny_cfg, tmp_path):
-    from fedexlora.flower.simulation import run_flower_experiment
-
-    cfg = tiny_cfg.replace(methods=["fedex", "fedit", "ffa", "flora"], rounds=2)
-    t0 = time.perf_counter()
-    run_experiment(cfg, tmp_path / "local", progress=False)
-    t_local = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    returned = run_flower_experiment(
-        cfg.replace(engine="flower", report_to=["tensorboard"]), tmp_path / "flower", client_cpus=1
-    )
-    t_flower = time.perf_counter() - t0
-    # same threads, same bits: Ray gives each ClientApp OMP_NUM_THREADS = its CPUs (1)
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run_experiment(cfg, tmp_path / "local-1-thread", progress=False)
-    finally:
-        torch.set_num_threads(threads)
-    same = {m: max_rel_diff(cfg, tmp_path / "flower", tmp_path / "local-1-thread", m)
-            for m in cfg.methods}  # fmt: skip
-    assert set(same.values()) == {0.0}, same
-    # same run directory, same rows (up to wall time and float rounding): each engine's
-    # metrics.jsonl, as written, against the other's
-    for name in ("config.toml", "metrics.jsonl", "summary.md", "metrics.png", "deviation.png"):
-        assert (tmp_path / "flower" / name).is_file(), name
-    flower = read_metrics(tmp_path / "flower" / "metrics.jsonl")
-    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
-    assert len(returned) == len(flower) == len(local) == 2 * len(cfg.methods)
-    assert [(r["method"], r["round"]) for r in flower] == [(r["method"], r["round"]) for r in local]
-    # the ServerApp logged every round to TensorBoard
-    from test_trackers import tensorboard_scalars
-
-    tb = tensorboard_scalars(tmp_path / "flower")
-    for r in local:
-        assert tb[f"{r['method']}/accuracy"][r["round"]] == pytest.approx(
-            r["metrics"]["accuracy"], abs=1e-6
-        )
-    for a, b in zip(flower, local):
-        assert set(a) == set(b) and ROW_FIELDS <= set(a)
-        for key in ("sampled", "accepted", "rejected", "dropped", "num_examples", "bytes_up"):
-            assert a[key] == b[key], (a["method"], a["round"], key)
-        assert a["bytes_down"] == b["bytes_down"]
-        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
-        assert a["metrics"] == pytest.approx(b["metrics"], rel=1e-5, abs=1e-6)
-    worst = {m: max_rel_diff(cfg, tmp_path / "flower", tmp_path / "local", m) for m in cfg.methods}
-    print(
-        f"\nmax relative difference flower vs local: {worst}; local {t_local:.1f}s, "
-        f"flower {t_flower:.1f}s"
-    )
-    assert max(worst.values()) < 1e-5
+# The simulation runtime against the in-process engine: tests/test_flower_simulation.py.
 
 
 # -- the strategy over an in-process grid (no Ray, no sockets) -------------------------
@@ -446,6 +393,28 @@ def test_backend_config_maps_to_the_federation_config():
         federation_config(2, {"resources": {}})
 
 
+def test_ray_cpus_caps_the_simulation_and_bad_values_are_named(tiny_cfg, monkeypatch):
+    from fedexlora.flower.simulation import federation_config, simulation_backend
+
+    monkeypatch.delenv("FEDEXLORA_CLIENT_CPUS", raising=False)
+    monkeypatch.delenv("FEDEXLORA_RAY_CPUS", raising=False)
+    assert "init_args" not in simulation_backend(tiny_cfg, client_cpus=1)  # Ray's default
+    monkeypatch.setenv("FEDEXLORA_RAY_CPUS", "1")
+    backend = simulation_backend(tiny_cfg, client_cpus=1)
+    assert backend == {
+        "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+        "init_args": {"num_cpus": 1},
+    }
+    assert federation_config(3, backend) == (
+        "num-supernodes=3 client-resources-num-cpus=1 client-resources-num-gpus=0.0 "
+        "init-args-num-cpus=1"
+    )
+    for bad in ("0", "1.5", "two", "-2"):
+        monkeypatch.setenv("FEDEXLORA_RAY_CPUS", bad)
+        with pytest.raises(ValueError, match=f"FEDEXLORA_RAY_CPUS must be a whole .*'{bad}'"):
+            simulation_backend(tiny_cfg)
+
+
 def test_a_client_app_gets_the_users_home_back(monkeypatch):
     import os
 
@@ -457,73 +426,3 @@ def test_a_client_app_gets_the_users_home_back(monkeypatch):
     assert os.environ["HOME"] == "/home/someone" and USER_HOME_VAR not in os.environ
     restore_user_home()  # idempotent
     assert os.environ["HOME"] == "/home/someone"
-
-
-@pytest.mark.integration
-def test_ray_simulation_connects_to_loopback_only(tiny_bert_dir, tiny_csv, tmp_path):
-    """Every connect() of a whole `--engine flower` run, Ray's daemons included."""
-    import re
-    import shutil
-    import subprocess
-
-    strace = shutil.which("strace")
-    if strace is None:
-        pytest.skip("strace is not installed")
-    log = tmp_path / "strace.out"
-    import os
-
-    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home"), "HF_HUB_OFFLINE": "1",
-           "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}  # fmt: skip
-    env.pop("RAY_USAGE_STATS_ENABLED", None)  # fedex-lora's default: off
-    proc = subprocess.run(
-        [
-            strace,
-            "-f",
-            "--seccomp-bpf",  # only connect() stops a process: a fraction of the overhead
-            "-qq",
-            "-e",
-            "trace=connect",
-            "-e",
-            "signal=none",
-            "-o",
-            str(log),
-            str(VENV_BIN / "fedexlora"),
-            "run",
-            "--engine",
-            "flower",
-            "--model",
-            tiny_bert_dir,
-            "--task",
-            tiny_csv,
-            "--min-partition-size",
-            "5",
-            "--clients",
-            "2",
-            "--rounds",
-            "1",
-            "--local-steps",
-            "1",
-            "--max-test",
-            "10",
-            "--method",
-            "fedex",
-            "--out",
-            str(tmp_path / "run"),
-            "--no-progress",
-        ],  # fmt: skip
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    if proc.returncode != 0 and "PTRACE" in proc.stderr.upper():
-        pytest.skip(f"strace cannot trace here: {proc.stderr.strip()[:200]}")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert len(read_metrics(tmp_path / "run" / "metrics.jsonl")) == 1
-    text = log.read_text()
-    v4 = re.findall(r'sin_addr=inet_addr\("([^"]+)"\)', text)
-    v6 = re.findall(r'inet_pton\(AF_INET6, "([^"]+)"', text)
-    assert v4, "strace saw no TCP connect at all: the check would be empty"
-    outside = [a for a in v4 if not a.startswith("127.")]
-    outside += [a for a in v6 if a not in ("::1",) and not a.startswith("::ffff:127.")]
-    assert not outside, f"connections outside loopback: {sorted(set(outside))}"

@@ -3,7 +3,8 @@
 Over the in-process Flower grid of ``test_flower.py`` (the real ClientApp and strategy,
 one Context per node, no Ray): heterogeneous client ranks, saved client adapters, a
 4-bit base, and a run resumed after its server died, with and without client state on
-disk. The Ray and SuperLink versions are in ``test_flower_crash.py``.
+disk. The Ray and SuperLink versions are in ``test_flower_simulation.py`` and
+``test_flower_deploy.py``.
 """
 
 import pytest

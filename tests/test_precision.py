@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import ONE_ACTOR
 from fedexlora.bridge.adapters import effective_weight, lora_layers
 from fedexlora.bridge.models import load_model
 from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
@@ -71,7 +72,7 @@ def test_flower_engine_model_equals_hand_computed_ideal(tiny_cfg, tmp_path, prec
 
     nf4 only: its side branch is the code path bf16 and fp16 bases take too (checked
     in-process against the ideal above); fp32 under Flower is
-    ``test_flower.py::test_simulation_engine_matches_local_engine``, identical to the
+    ``test_flower_simulation.py::test_simulation_engine_matches_local_engine``, identical to the
     in-process engine at the same threads, which this file checks against the ideal.
 
     Clients rebuild their model from the Flower Context every round (no process cache),
@@ -84,7 +85,7 @@ def test_flower_engine_model_equals_hand_computed_ideal(tiny_cfg, tmp_path, prec
     run_experiment(cfg, tmp_path / "local", progress=False)  # the clients' adapters
     ideal, w0 = ideal_from_client_adapters(tmp_path / "local", cfg)
     fcfg = cfg.replace(engine="flower", save_client_adapters=False)
-    rows = run_flower_experiment(fcfg, tmp_path / "flower")
+    rows = run_flower_experiment(fcfg, tmp_path / "flower", backend_config=ONE_ACTOR)
     assert all(r["accepted"] == [0, 1, 2] for r in rows)
     assert all(r["effective_deviation"]["max"] <= 1e-5 for r in rows)
     task = load_task_for(fcfg)

@@ -2,8 +2,6 @@
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import launch
 from fedexlora.run.checkpoint import CheckpointError, latest_checkpoint
 from fedexlora.run.pipeline import run_experiment
 from fedexlora.run.report import read_metrics
@@ -29,8 +28,13 @@ def _cfg_file(tmp_path, tiny_bert_dir, tiny_csv):
     return p
 
 
+def _args(*args):
+    return ["run", "--no-progress", *args]
+
+
 def _cmd(*args):
-    return [sys.executable, "-m", "fedexlora", "run", "--no-progress", *args]
+    """``python -m fedexlora run ...``: the real console entry point, imports and all."""
+    return [sys.executable, "-m", "fedexlora", *_args(*args)]
 
 
 def _rows_without_timing(path):
@@ -51,12 +55,7 @@ def test_sigkill_in_round_3_then_resume_is_identical(tmp_path, tiny_bert_dir, ti
     cfg = _cfg_file(tmp_path, tiny_bert_dir, tiny_csv)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     crashed = tmp_path / "crashed"
-    proc = subprocess.Popen(
-        _cmd("--config", str(cfg), "--out", str(crashed)),
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = launch.start(*_args("--config", str(cfg), "--out", str(crashed)), env=env)
     metrics = crashed / "metrics.jsonl"
     deadline = time.monotonic() + 600
     ckpts = crashed / "checkpoints" / "fedex"
@@ -66,20 +65,19 @@ def test_sigkill_in_round_3_then_resume_is_identical(tmp_path, tiny_bert_dir, ti
             break  # round 2 fully written: round 3 (90 local steps) starts now
         time.sleep(0.02)
     time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.poll() is None, "the run ended before its kill: " + proc.output()[-2000:]
+    proc.kill()
     proc.wait()
     assert len(metrics.read_text().splitlines()) == 2, "the kill must land during round 3"
     assert latest_checkpoint(crashed / "checkpoints" / "fedex").name == "round-0002"
 
-    res = subprocess.run(_cmd("--resume", str(crashed)), env=env, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "resuming fedex after round 2" in res.stdout
+    code, out = launch.run(*_args("--resume", str(crashed)), env=env)
+    assert code == 0, out[-2000:]
+    assert "resuming fedex after round 2" in out
 
     clean = tmp_path / "clean"
-    res = subprocess.run(
-        _cmd("--config", str(cfg), "--out", str(clean)), env=env, capture_output=True, text=True
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
+    code, out = launch.run(*_args("--config", str(cfg), "--out", str(clean)), env=env)
+    assert code == 0, out[-2000:]
 
     assert _rows_without_timing(crashed / "metrics.jsonl") == _rows_without_timing(
         clean / "metrics.jsonl"
@@ -304,10 +302,8 @@ def test_random_sigkills_then_resume_each_time_is_identical(tmp_path, tiny_bert_
     )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     clean = tmp_path / "clean"
-    res = subprocess.run(
-        _cmd("--config", str(cfg), "--out", str(clean)), env=env, capture_output=True
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
+    code, out = launch.run(*_args("--config", str(cfg), "--out", str(clean)), env=env)
+    assert code == 0, out[-2000:]
 
     # Kill moments are drawn from the run's progress, not the clock (shared machines are
     # noisy): during start-up, or a random instant after the next round's row appears
@@ -321,9 +317,7 @@ def test_random_sigkills_then_resume_each_time_is_identical(tmp_path, tiny_bert_
         args = ("--resume", str(run)) if started else ("--config", str(cfg), "--out", str(run))
         now = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
         target = now + (rng.choice([0, 1, 1, 2]) if now < 6 else 0)
-        proc = subprocess.Popen(
-            _cmd(*args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        proc = launch.start(*_args(*args), env=env)
         t0 = time.monotonic()
         if target == now:
             while proc.poll() is None and time.monotonic() - t0 < rng.uniform(0.2, 4.0):
@@ -334,13 +328,13 @@ def test_random_sigkills_then_resume_each_time_is_identical(tmp_path, tiny_bert_
             ):
                 time.sleep(0.005)
             time.sleep(rng.uniform(0.0, 0.4))
-        assert proc.poll() is None, "the run ended before its kill: " + proc.stderr.read().decode()
-        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.poll() is None, "the run ended before its kill: " + proc.output()[-2000:]
+        proc.kill()
         proc.wait()
         done = latest_checkpoint(run / "checkpoints" / "fedex")
         progress.append(done.name if done else None)
-    res = subprocess.run(_cmd("--resume", str(run)), env=env, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
+    code, out = launch.run(*_args("--resume", str(run)), env=env)
+    assert code == 0, out[-2000:]
     assert len({p for p in progress if p}) >= 3, f"kills landed in too few rounds: {progress}"
     assert _rows_without_timing(run / "metrics.jsonl") == _rows_without_timing(
         clean / "metrics.jsonl"

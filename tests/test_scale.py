@@ -7,6 +7,7 @@ The ideal global model is tracked by hand in fp64, from the uploads alone:
 import pytest
 import torch
 
+from conftest import ONE_ACTOR
 from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_info
 from fedexlora.bridge.adapters import effective_weight, lora_layers
 from fedexlora.bridge.models import load_model
@@ -264,7 +265,9 @@ def test_200_virtual_clients_under_flower_match_the_in_process_engine(
         cfg, "fedex", prepare(cfg, tok, task), progress=False, model=model, server=server
     )
     monkeypatch.undo()  # the Flower run below trains its clients unwatched
-    flower = run_flower_experiment(cfg.replace(engine="flower"), tmp_path / "flower")
+    flower = run_flower_experiment(
+        cfg.replace(engine="flower"), tmp_path / "flower", backend_config=ONE_ACTOR
+    )
     assert [r["round"] for r in flower] == [1, 2, 3, 4]
     for a, b in zip(flower, local):
         keys = ("sampled", "accepted", "num_examples", "bytes_up", "bytes_down", "bytes_down_max")

@@ -14,7 +14,8 @@ float rounding) and writes the same run directory.
 
 Client resources on Ray come from ``client_cpus`` / ``client_gpus`` (or the environment
 variables ``FEDEXLORA_CLIENT_CPUS`` / ``FEDEXLORA_CLIENT_GPUS``): Ray runs as many
-ClientApp actors at once as the machine's CPUs and GPUs allow at that size.
+ClientApp actors at once as the machine's CPUs and GPUs allow at that size, or as
+``FEDEXLORA_RAY_CPUS`` (Ray's total CPUs) allows.
 
 Nothing leaves the machine (:data:`RAY_ENV`, :data:`FLOWER_ENV`, where the environment
 does not already say otherwise): Ray binds to 127.0.0.1
@@ -57,6 +58,7 @@ __all__ = [
     "federation_config",
     "restore_user_home",
     "run_flower_experiment",
+    "simulation_backend",
 ]
 
 RAY_ENV = {
@@ -414,6 +416,30 @@ def client_resources(
     return {"num_cpus": cpus, "num_gpus": gpus}
 
 
+def simulation_backend(
+    cfg, client_cpus: float | None = None, client_gpus: float | None = None
+) -> dict[str, dict]:
+    """The default backend config: :func:`client_resources`, and Ray's total CPUs.
+
+    Ray takes every CPU of the machine unless ``FEDEXLORA_RAY_CPUS`` (whole CPUs, at
+    least 1) caps it, for example on a shared machine: with ``FEDEXLORA_RAY_CPUS=1`` and
+    one CPU per client, one ClientApp actor trains every client in turn.
+
+    Raises:
+        ValueError: If ``FEDEXLORA_RAY_CPUS`` is not a whole number >= 1.
+    """
+    backend: dict[str, dict] = {"client_resources": client_resources(cfg, client_cpus, client_gpus)}
+    raw = os.environ.get("FEDEXLORA_RAY_CPUS", "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(
+                f"environment variable FEDEXLORA_RAY_CPUS must be a whole number >= 1 "
+                f"(the CPUs Ray may use), got {raw!r}"
+            )
+        backend["init_args"] = {"num_cpus": int(raw)}
+    return backend
+
+
 def run_flower_experiment(
     cfg,
     out_dir: str | Path,
@@ -432,7 +458,8 @@ def run_flower_experiment(
         out_dir: The run directory (same layout as the in-process engine's).
         progress: Unused (clients train without progress bars); kept for the CLI.
         console: Unused: ``flwr run --stream`` writes the run's log to standard output.
-        client_cpus: Ray CPUs per ClientApp actor (see :func:`client_resources`).
+        client_cpus: Ray CPUs per ClientApp actor (see :func:`client_resources`; Ray's
+            total comes from ``FEDEXLORA_RAY_CPUS``, see :func:`simulation_backend`).
         client_gpus: Ray GPUs per ClientApp actor (fractions share a GPU).
         backend_config: Flower backend settings, replacing the above: what Flower's
             simulation runtime takes (``client_resources``: ``num_cpus``, ``num_gpus``;
@@ -475,9 +502,7 @@ def run_flower_experiment(
         resume=str(out) if resume else "",
         client_state_dir=str(layout.client_state),
     )
-    backend = backend_config or {
-        "client_resources": client_resources(cfg, client_cpus, client_gpus),
-    }
+    backend = backend_config or simulation_backend(cfg, client_cpus, client_gpus)
     federation = federation_config(cfg.num_clients, backend)
     root = Path(tempfile.mkdtemp(prefix="fedexlora-flower-"))
     private_home = None
