@@ -183,6 +183,7 @@ def compare_cmd(
     quiet_libraries()
     from fedexlora.config import ConfigError, validate_mapping
     from fedexlora.experiments.compare import Setting, run_grid
+    from fedexlora.training.privacy import DPCheckError
 
     given = dict(
         model=model,
@@ -303,7 +304,7 @@ def compare_cmd(
             report=report,
             console=console,
         )
-    except ValueError as exc:
+    except (ValueError, DPCheckError) as exc:
         fail(str(exc))
     console.print(path.read_text())
     console.print(f"wrote {path}")

@@ -471,6 +471,7 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
     from fedexlora.run.export import export_model
     from fedexlora.run.layout import RunLayout
     from fedexlora.run.pipeline import RunError, run_experiment
+    from fedexlora.training.privacy import DPCheckError
 
     layout = RunLayout(out)
     console.print(f"[bold]fedex-lora[/bold] run -> {out}  methods={','.join(cfg.methods)}")
@@ -497,7 +498,7 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
         if cfg.export:
             res = export_model(out, cfg.export)
             console.print(f"exported {cfg.methods[0]} global model to {res.path} ({res.note})")
-    except (RunError, CheckpointError, ValueError) as exc:
+    except (RunError, CheckpointError, ValueError, DPCheckError) as exc:
         fail(str(exc))
     except ImportError as exc:
         fail(f"a required package is missing: {exc}")

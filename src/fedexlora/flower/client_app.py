@@ -324,6 +324,7 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     from fedexlora.bridge.steps import apply_payload
     from fedexlora.run.engine import local_update
     from fedexlora.server.server import Payload
+    from fedexlora.training.privacy import DPCheckError
 
     cfg, fingerprint, settings = _resolve(defaults, context)
     conf = msg.content["config"]
@@ -360,7 +361,13 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
             check_model(model)
     up = None
     if not refused:
-        up = local_update(cfg, method, model, data, rnd, pid, dp=budget)
+        try:
+            up = local_update(cfg, method, model, data, rnd, pid, dp=budget)
+        except DPCheckError as exc:
+            # a round that would train nothing: the server stops the run with this message
+            fields = {"partition-id": pid, "server-round": rnd, "method": method}
+            error = ConfigRecord({**fields, "error": str(exc)})
+            return Message(RecordDict({"config": error}), reply_to=msg)
         if budget is not None:
             budget.steps += want
             _dp_record(context, method, run_token, disk, budget)

@@ -436,6 +436,25 @@ class FedExLoRA(FedAvg):
             "dp-planned-steps": int(rep["planned_steps"]),
         }
 
+    def _stop_on_check_failure(self, msg: Message, rec: RoundRecord) -> None:
+        """Stops the run when a client reports a failed training check: never a silent round.
+
+        (A DP-SGD round whose first step left a trainable parameter without per-sample
+        gradients or unmoved would have trained nothing.)
+
+        Raises:
+            DPCheckError: With the client's own message.
+        """
+        conf = msg.content.get("config") if msg.has_content() else None
+        error = str(conf.get("error", "")) if conf is not None else ""
+        if error:
+            from fedexlora.training.privacy import DPCheckError
+
+            c = self.nodes.partition_of.get(msg.metadata.src_node_id)
+            raise DPCheckError(
+                f"{self.method} round {rec.round}: client {c} stopped the run: {error}"
+            )
+
     def _dp_report(self, msg: Message, rec: RoundRecord) -> bool:
         """Records a reply's DP accounting; True when the client refused to train."""
         c = self.nodes.partition_of.get(msg.metadata.src_node_id)
@@ -474,6 +493,7 @@ class FedExLoRA(FedAvg):
             else:
                 rec.errors[c] = msg.error.reason
         for msg in valid:
+            self._stop_on_check_failure(msg, rec)
             if self._dp_report(msg, rec):
                 continue  # refused by its own budget: nothing to aggregate
             try:

@@ -260,19 +260,26 @@ def _train_dp(
     model, data: Encoded, dp, *, epochs, steps, batch_size, lr, weight_decay, warmup_ratio,
     seed, device, desc, progress, autocast,
 ) -> TrainResult:  # fmt: skip
-    """DP-SGD: Poisson sampling, per-sample clipping, Gaussian noise (Opacus)."""
-    from opacus import GradSampleModule
+    """DP-SGD: Poisson sampling, per-sample clipping, Gaussian noise (Opacus).
+
+    The first step with examples is checked (:class:`~fedexlora.training.privacy.
+    FirstStepCheck`): every trainable parameter got its per-sample gradients and moved,
+    else :class:`~fedexlora.training.privacy.DPCheckError`.
+    """
     from opacus.optimizers import DPOptimizer
+
+    from fedexlora.training.privacy import FirstStepCheck, wrap
 
     n = len(data)
     if n == 0:
         raise ValueError("cannot train on an empty dataset")
     total = steps if steps is not None else max(1, math.ceil(epochs * math.ceil(n / batch_size)))
     params = [p for p in model.parameters() if p.requires_grad]
+    check = FirstStepCheck(model, params)
     gen = torch.Generator().manual_seed(seed)
     noise = torch.Generator(device=torch.device(device)).manual_seed(seed + 1)
     torch.manual_seed(seed)  # dropout
-    gsm = GradSampleModule(model, batch_first=True, loss_reduction="mean", strict=True)
+    gsm = wrap(model)
     try:
         opt = DPOptimizer(
             torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay),
@@ -290,6 +297,8 @@ def _train_dp(
         bar = tqdm(range(total), desc=desc, leave=False, disable=not progress, dynamic_ncols=True)
         for _ in bar:
             idx = (torch.rand(n, generator=gen) < dp.sample_rate).nonzero().flatten().tolist()
+            if not check.done:
+                check.before_forward()
             if idx:
                 batch = _collate(data.subset(idx), device)
                 with _amp(device, autocast):
@@ -300,10 +309,14 @@ def _train_dp(
                     )
                     loss.backward()
                 losses.append(float(loss.detach()))
+                if not check.done:
+                    check.after_backward(len(idx))
             else:  # an empty Poisson batch: the step is noise alone
                 for p in params:
                     p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
             opt.step()
+            if not check.done:
+                check.after_step()
             sched.step()
             opt.zero_grad(set_to_none=True)
             if losses:

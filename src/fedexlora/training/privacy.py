@@ -34,6 +34,8 @@ differ: Opacus 1.6 reported 3.890 where Google's dp-accounting reports 3.918 at 
 __all__ = [
     "ACCOUNTANT",
     "Budget",
+    "DPCheckError",
+    "FirstStepCheck",
     "Ledger",
     "budget_for",
     "check_delta",
@@ -44,6 +46,7 @@ __all__ = [
     "privacy_row",
     "report",
     "steps_per_round",
+    "wrap",
 ]
 
 
@@ -124,6 +127,101 @@ def check_model(model) -> None:
             f"--dp-epsilon: Opacus cannot train {', '.join(bad)} privately (a trainable "
             "layer with buffers, whose statistics mix examples); freeze it or drop DP"
         )
+
+
+class DPCheckError(RuntimeError):
+    """DP-SGD's first step did not train what it must (see :class:`FirstStepCheck`)."""
+
+
+_ISSUE_820 = (
+    "A DP-SGD run in this state trains with a falling loss and a growing epsilon while "
+    "these weights never change (Opacus issue 820: parameters created, replaced or moved "
+    "to another device after Opacus wrapped the model). Put the model on its device and "
+    "add the adapters before DP training starts; fedex-lora's own engines do, so from "
+    "`fedexlora run` this is a bug: please report it."
+)
+
+
+def wrap(model):
+    """The model with Opacus's per-sample-gradient hooks (what DP-SGD trains through).
+
+    ``loss_reduction="mean"``: the models' losses are batch means, and Opacus rescales so
+    that each example's gradient is that of its own share of the loss, times the batch
+    size. Undo with ``to_standard_module()``.
+    """
+    from opacus import GradSampleModule
+
+    return GradSampleModule(model, batch_first=True, loss_reduction="mean", strict=True)
+
+
+class FirstStepCheck:
+    """Checks DP-SGD's first step with examples: per-sample gradients, and movement.
+
+    Every trainable parameter must get its per-sample gradients, and every one that got
+    a gradient must move. Made before the model is wrapped, with the parameters the
+    optimizer updates; :meth:`before_forward` runs before each step's forward pass until
+    the check is done, :meth:`after_backward` before the first optimizer step with a
+    non-empty batch, :meth:`after_step` right after it. Each raises
+    :class:`DPCheckError` naming the parameters and the cause, so that a client never
+    trains a silent, frozen round.
+    """
+
+    def __init__(self, model, params):
+        self.model = model
+        self.params = list(params)
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.names = [names.get(id(p), "(a tensor no longer in the model)") for p in self.params]
+        self.before: list | None = None
+        self.done = False
+
+    def before_forward(self) -> None:
+        """Raises unless the model's trainable parameters are those DP-SGD updates."""
+        ours = {id(p) for p in self.params}
+        stray = [
+            n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in ours
+        ]
+        if stray:
+            raise DPCheckError(
+                f"DP-SGD: {_names(stray)} {'is' if len(stray) == 1 else 'are'} trainable in the "
+                "model but not among the parameters DP-SGD updates. " + _ISSUE_820
+            )
+
+    def after_backward(self, batch_size: int) -> None:
+        """Raises unless each trainable parameter holds ``batch_size`` per-sample gradients."""
+        missing = []
+        for name, p in zip(self.names, self.params):
+            g = getattr(p, "grad_sample", None)
+            if g is None or tuple(g.shape) != (batch_size, *p.shape):
+                missing.append(name)
+        if missing:
+            raise DPCheckError(
+                f"DP-SGD: Opacus computed no per-sample gradient (for the {batch_size} examples "
+                f"of the first batch) for {_names(missing)}. " + _ISSUE_820
+            )
+        self.before = [p.detach().clone() for p in self.params]
+
+    def after_step(self) -> None:
+        """Raises if a parameter that got a (noised) gradient did not change."""
+        import torch
+
+        if self.before is None:
+            return
+        frozen = [
+            name
+            for name, p, old in zip(self.names, self.params, self.before)
+            if p.grad is not None and bool(p.grad.any()) and torch.equal(p.detach(), old)
+        ]
+        self.before, self.done = None, True
+        if frozen:
+            raise DPCheckError(
+                f"DP-SGD: {_names(frozen)} got a gradient in the first private step but did "
+                "not change. " + _ISSUE_820
+            )
+
+
+def _names(names: list[str], shown: int = 4) -> str:
+    head = ", ".join(repr(n) for n in names[:shown])
+    return head + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def check_delta(delta: float, sizes: list[int]) -> None:
