@@ -148,6 +148,25 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory):
+    """A tiny randomly initialised GPT-2 (Conv1D layers, as the E2E recipe targets)."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from fedexlora.bridge.models import resolve_model
+
+    d = tmp_path_factory.mktemp("tiny-gpt2")
+    tok = AutoTokenizer.from_pretrained(resolve_model("minilm").path)
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=tok.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=128,
+                     pad_token_id=tok.pad_token_id, eos_token_id=tok.sep_token_id,
+                     bos_token_id=tok.cls_token_id)  # fmt: skip
+    GPT2LMHeadModel(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
 def tiny_qa_jsonl(tmp_path_factory):
     """Prompt/response/answer lines with a final number, like GSM8K."""
     import json

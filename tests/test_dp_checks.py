@@ -17,22 +17,6 @@ from fedexlora.training.privacy import DPCheckError
 
 
 # -- 1. per-sample gradients against a hand computation ---------------------------------
-@pytest.fixture(scope="module")
-def tiny_gpt2_dir(tmp_path_factory):
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
-
-    from fedexlora.bridge.models import resolve_model
-
-    d = tmp_path_factory.mktemp("tiny-gpt2")
-    tok = AutoTokenizer.from_pretrained(resolve_model("minilm").path)
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=tok.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                     pad_token_id=tok.pad_token_id)  # fmt: skip
-    GPT2LMHeadModel(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return str(d)
-
-
 def _no_dropout(model):
     """Opacus records activations in train mode only; dropout would make each
     example's forward pass differ between the batch and the hand computation."""
