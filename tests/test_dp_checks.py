@@ -179,12 +179,8 @@ def _dp(tiny_cfg, method="fedex"):
     return cfg.replace(fedsb_rank=4) if method == "fedsb" else cfg
 
 
-@pytest.mark.parametrize("method", ["fedex", "fedsb"])
-def test_guard_lets_a_correct_dp_round_through(tiny_cfg, tmp_path, method):
-    from fedexlora.run.pipeline import run_experiment
-
-    rows = run_experiment(_dp(tiny_cfg, method), tmp_path, progress=False)
-    assert rows[0]["accepted"] == [0, 1, 2]
+# No false alarm: every DP run of test_privacy.py (FedEx, FedIT and Fed-SB, both engines)
+# goes through the guard.
 
 
 def test_model_moved_after_wrapping_is_stopped(tiny_cfg, tmp_path, moved_after_wrapping):
