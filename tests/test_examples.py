@@ -101,8 +101,8 @@ def test_flower_app_example_is_exact(tiny_bert_dir, tiny_csv, monkeypatch):
         server_app=server_app.app,
         client_app=client_app.app,
         num_supernodes=3,
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0},
-                        "init_args": {"include_dashboard": False}},
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0},  # one actor
+                        "init_args": {"include_dashboard": False, "num_cpus": 1}},
     )  # fmt: skip
     run = server_app.LAST_RUN
     assert [sorted(o.accepted) for o, _ in run["rounds"]] == [[0, 1, 2]] * 3
