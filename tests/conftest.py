@@ -13,53 +13,30 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-# The tests marked `integration` start many processes each (Flower's SuperLink, Ray, a
-# ClientApp process per message, killed and resumed runs). Two of them at once on the
-# 2-core CI machine ran 3-4 times slower than one alone (measured: the Flower simulation
-# fixture took 186 s alone and 769 s beside the deployment test). Under pytest-xdist they
-# therefore form one work unit, run in turn on one worker (first, so that the light
-# tests fill the other worker meanwhile), while every other file is a unit of its own
-# (--dist loadfile: a module-scoped fixture runs once). The scheduler sees only node ids,
-# so the heavy ones are listed here; collection fails if the list and the marker differ.
-HEAVY = [
-    "tests/test_flower_deploy.py::",
-    "tests/test_flower_simulation.py::",
-    "tests/test_scale.py::test_200_virtual_clients_under_flower",
-    "tests/test_precision.py::test_flower_engine_model_equals_hand_computed_ideal",
-    "tests/test_examples.py::test_flower_app_example_is_exact",
-    "tests/test_resume.py::test_sigkill_in_round_3_then_resume_is_identical",
-    "tests/test_resume.py::test_random_sigkills_then_resume_each_time_is_identical",
-    "tests/test_bench.py::test_embedded_shape_is_minilm_qv_with_a_five_class_head",
+# Under pytest-xdist, scripts/test.sh runs with --dist loadfile: a file's tests share a
+# worker, so a module-scoped fixture (a whole Flower deployment, a killed and resumed run)
+# runs once, not once per worker. The files that start Flower runs go first, so that the
+# two workers do not end with one of them alone on a long file.
+SLOW_FIRST = [
+    "test_flower_deploy.py",
+    "test_flower_simulation.py",
+    "test_scale.py",
+    "test_flower.py",
+    "test_resume.py",
+    "test_precision.py",
+    "test_privacy.py",
+    "test_compare.py",
+    "test_examples.py",
+    "test_paper_tasks.py",
+    "test_flower_parity.py",
+    "test_recipes.py",
 ]
 
 
-def is_heavy(nodeid: str) -> bool:
-    return any(nodeid.startswith(prefix) for prefix in HEAVY)
-
-
 def pytest_collection_modifyitems(config, items):
-    """Heavy tests first; checks that HEAVY lists exactly the `integration` tests."""
-    marked = {item.nodeid for item in items if item.get_closest_marker("integration")}
-    listed = {item.nodeid for item in items if is_heavy(item.nodeid)}
-    if marked != listed and len(items) > len(listed):  # a whole run, not a -k selection
-        raise pytest.UsageError(
-            "tests/conftest.py HEAVY must list exactly the tests marked integration; "
-            f"marked only: {sorted(marked - listed)}, listed only: {sorted(listed - marked)}"
-        )
-    items.sort(key=lambda item: not is_heavy(item.nodeid))  # stable
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """--dist loadfile, with every heavy test in one work unit (see HEAVY)."""
-    if config.getoption("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class HeavyTogether(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return "heavy" if is_heavy(nodeid) else super()._split_scope(nodeid)
-
-    return HeavyTogether(config, log)
+    """Slow files first (stable: each file's tests keep their order)."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 ONE_ACTOR = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 1}}

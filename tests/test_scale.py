@@ -247,7 +247,6 @@ def test_200_clients_in_process_each_sampled_client_is_exact_after_its_payload(
     assert len(held) > 30  # many different clients came and went
 
 
-@pytest.mark.integration
 def test_200_virtual_clients_under_flower_match_the_in_process_engine(
     tiny_bert_dir, tmp_path, monkeypatch
 ):
