@@ -27,7 +27,7 @@ from fedexlora.run.checkpoint import latest_checkpoint
 from fedexlora.run.report import read_metrics
 from test_flower import ROW_FIELDS, VENV_BIN
 from test_flower_deploy import _descendants
-from test_resume import _args
+from test_resume import _args, _tensors_of
 from test_resume import _rows_without_timing as _rows
 
 METHODS = ["fedex", "fedit", "ffa", "flora"]
@@ -145,10 +145,7 @@ def killed_and_resumed(tmp_path_factory, tiny_bert_dir, tiny_csv):
 def _checkpoint_tensors(run_dir: Path, method: str) -> dict:
     ckpt = latest_checkpoint(run_dir / "checkpoints" / method)
     assert ckpt is not None and ckpt.name == f"round-{ROUNDS:04d}", (method, ckpt)
-    out = load_file(str(ckpt / "tensors.safetensors"))
-    base = load_file(str(ckpt / "base_deltas.safetensors"))
-    out.update({f"delta.{k}": v for k, v in base.items()})
-    return out
+    return _tensors_of(ckpt)
 
 
 @pytest.mark.integration
