@@ -10,13 +10,14 @@ the residual into the base weight W (fp32 throughout, uniform weights, scale 2):
 * ``stacked``: the dense residual as one matmul of the stacked, centred factors,
   ``R = U @ V / k`` with ``U = [B_i - B̄]`` and ``V = [A_i - Ā]``, then ``W += scale * R``
   (the variant behind the "about 19x" figure in PAPER.md).
-* ``ours``: ``fedexlora.aggregate(method="fedex")`` (fp64 QR + small SVD of the stacked
-  centred factors, residual kept factored at numerical rank) and
-  ``fedexlora.bridge.adapters.fold_residuals`` on a one-layer peft model: one
-  ``W.addmm_(U, V, alpha=scale)``. Where ``(k-1) r (d + n) >= d n`` the residual is
-  smaller dense, so ``aggregate`` returns it dense and the fold is one ``W.add_``.
-* ``floor``: ``W.add_(X)`` with a dense ``X`` of W's shape: one read-modify-write pass
-  over W, the least any fold of a full-rank update can cost.
+* ``ours``: ``fedexlora.aggregate(method="fedex")`` (the residual's exact factors
+  ``U = [p_i (B_i - B̄)]``, ``V = [A_i - A_j]`` over the clients but the heaviest, ``j``:
+  rank (k-1) r, no QR or SVD) and ``fedexlora.bridge.adapters.fold_residuals`` on a
+  one-layer peft model: one ``addmm_`` into the layer's dense fp32 accumulator and the
+  rebuild ``W = W0 + accumulated`` (one ``add``). Where ``(k-1) r (d + n) >= d n`` the
+  residual is smaller dense, so ``aggregate`` returns it dense (one matmul).
+* ``floor``: one ``W.addmm_(U, V)`` of random rank-(k-1) r factors: the least any exact
+  fold of a rank-(k-1) r update into W can cost.
 
 Timing: ``time.perf_counter`` around each call; the variants are interleaved so that
 load from other processes hits them alike. The first call of each variant runs on a zero
@@ -151,10 +152,11 @@ def make_ours(model):
 
     acc = _acc(lora_layers(model)[LAYER], create=True)
 
+    acc.set(Residual.zero(*acc.shape))  # the first call is round 1, on a zero base
+
     def ours(As, Bs, W=None):
-        # one round's server step from an empty accumulator, as in round 1: later rounds
-        # re-factor the accumulated residual together with the new one
-        acc.set(Residual.zero(*acc.shape))
+        # one round's server step: the repeats are later rounds, whose accumulator is
+        # already dense (one addmm_ into it, then W = W0 + accumulated)
         res = aggregate(As, Bs, method="fedex")
         fold_residuals(model, {LAYER: res.residual})
         return res
@@ -162,8 +164,8 @@ def make_ours(model):
     return ours
 
 
-def floor(X, W):
-    W.add_(X)
+def floor(UV, W):
+    W.addmm_(UV[0], UV[1], alpha=SCALE)
 
 
 def one_layer_model(d: int, n: int, r: int):
@@ -211,7 +213,8 @@ def run_cell(d, n, k, r, *, budget: float, max_reps: int) -> dict:
     model, W_ours = one_layer_model(d, n, r)
     ours = make_ours(model)
     W_ref = torch.zeros(d, n, device=DEVICE)
-    X = torch.randn(d, n, device=DEVICE)
+    q_floor = (k - 1) * r
+    X = (torch.randn(d, q_floor, device=DEVICE), torch.randn(q_floor, n, device=DEVICE))
 
     # first calls on a zero base: accuracy and warm-up
     first, mem = {}, {}

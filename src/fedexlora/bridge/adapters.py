@@ -2,10 +2,11 @@
 
 It reads LoRA factors from a :class:`peft.PeftModel`, writes global factors back, and folds
 ``scale * residual`` into the frozen base. Every adapted layer accumulates what was folded
-into it in a :class:`~fedexlora.core.side.SideBranch` (fp32, factored or dense, whichever is
-smaller). For a bf16/fp16 or bitsandbytes-quantized weight the forward pass applies that
-branch, so no precision is lost; an fp32 weight is rebuilt as ``W0 + branch`` (one
-``addmm``), so the model is a function of what it received, however it got there.
+into it in a :class:`~fedexlora.core.side.SideBranch`. For a bf16/fp16 or
+bitsandbytes-quantized weight the forward pass applies that branch (fp32, factored or
+dense, whichever is smaller), so no precision is lost; an fp32 weight keeps the sum dense
+(one ``addmm_`` per residual) and is rebuilt as ``W0 + sum`` (one ``add``), so the model
+is a function of the residuals it received, in the order it received them.
 Orientation (``fan_in_fan_out``) and scale are always taken from the peft layer itself,
 never recomputed: ``nn.Linear`` stores its weight ``(out, in)``, GPT-2's ``Conv1D``
 stores ``(in, out)``.
@@ -21,7 +22,7 @@ from peft.tuners.lora import LoraLayer
 from fedexlora.bridge.latent import is_latent
 from fedexlora.bridge.layers import _adapter_name, _is_bnb, lora_layers
 from fedexlora.core.aggregation import Residual, residuals_from_flat, residuals_to_flat
-from fedexlora.core.side import SideBranch
+from fedexlora.core.side import Accumulator, SideBranch
 from fedexlora.core.state import AdapterState, LayerInfo
 
 __all__ = [
@@ -226,22 +227,20 @@ def _side(layer: LoraLayer, create: bool = False) -> SideBranch | None:
     return side
 
 
-def _acc(layer: LoraLayer, create: bool = False) -> SideBranch | None:
+def _acc(layer: LoraLayer, create: bool = False) -> Accumulator | None:
     """An fp32 layer's accumulator: what was folded, and the weight before (``base0``)."""
     acc = getattr(layer, _ACC, None)
     if acc is None and create:
         weight = layer.get_base_layer().weight
         A, B = next(iter(layer.lora_A.values())).weight, next(iter(layer.lora_B.values())).weight
         dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        acc = SideBranch(
-            int(B.shape[0]), int(A.shape[1]), device=weight.device, dtype=dtype, refactor=False
-        )
+        acc = Accumulator(int(B.shape[0]), int(A.shape[1]), device=weight.device, dtype=dtype)
         acc.register_buffer("base0", weight.detach().clone(), persistent=False)
         layer.add_module(_ACC, acc)
     return acc
 
 
-def _branch(layer: LoraLayer, create: bool = False) -> SideBranch | None:
+def _branch(layer: LoraLayer, create: bool = False) -> SideBranch | Accumulator | None:
     """Where the layer accumulates what is folded into it (either kind)."""
     if _holds_in_weight(layer):
         return _acc(layer, create)
@@ -250,23 +249,19 @@ def _branch(layer: LoraLayer, create: bool = False) -> SideBranch | None:
 
 @torch.no_grad()
 def _materialize(layer: LoraLayer) -> None:
-    """``W = base0 + accumulated``, written straight into the weight (one ``addmm``).
+    """``W = base0 + accumulated``, written straight into the weight (one ``add``).
 
     A function of ``base0`` and what was accumulated only: every model that received the
-    same residuals computes the same bits here, however it got there.
+    same residuals (or was restored from :func:`side_state`) computes the same bits here.
     """
     acc = _acc(layer)
     w = layer.get_base_layer().weight.data
     fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))
-    if acc.dense is not None:
-        dense = acc.dense.to(w)
-        torch.add(acc.base0, dense.T if fan_in_fan_out else dense, out=w)
-    elif acc.U.shape[1] == 0:
+    if acc.total is None:
         w.copy_(acc.base0)
-    elif fan_in_fan_out:  # weight (n, d): base0 + (U V)^T = base0 + V^T U^T
-        torch.addmm(acc.base0, acc.V.to(w).T, acc.U.to(w).T, out=w)
     else:
-        torch.addmm(acc.base0, acc.U.to(w), acc.V.to(w), out=w)
+        total = acc.total.to(w)
+        torch.add(acc.base0, total.T if fan_in_fan_out else total, out=w)
 
 
 def _apply_side(layer: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
@@ -322,6 +317,9 @@ def side_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         branch = _branch(layer)
         if branch is not None and branch.rank:
             out.update(residuals_to_flat("side", {name: branch.residual}))
+            splits = getattr(branch, "splits", [])
+            if len(splits) > 1:  # an fp32 layer's parts, replayed in order on load
+                out[f"side.{name}.splits"] = torch.tensor(splits, dtype=torch.int64)
     return out
 
 
@@ -337,7 +335,9 @@ def load_side_state(model: torch.nn.Module, flat: Mapping[str, torch.Tensor]) ->
         ValueError: If a tensor names an unknown module or has the wrong shape.
     """
     layers = lora_layers(model)
-    residuals = residuals_from_flat("side", dict(flat))
+    tail = ".splits"  # an fp32 layer's parts (see side_state), not a tensor of the sum
+    splits = {k[5 : -len(tail)]: v for k, v in flat.items() if k.endswith(tail)}
+    residuals = residuals_from_flat("side", {k: v for k, v in flat.items() if not k.endswith(tail)})
     unknown = sorted(set(residuals) - set(layers))
     if unknown:
         raise ValueError(f"side-branch state for unknown modules {unknown[:3]}")
@@ -345,7 +345,12 @@ def load_side_state(model: torch.nn.Module, flat: Mapping[str, torch.Tensor]) ->
         branch = _branch(layer, create=name in residuals)
         if branch is None:
             continue
-        branch.set(residuals[name] if name in residuals else Residual.zero(*branch.shape))
+        residual = residuals[name] if name in residuals else Residual.zero(*branch.shape)
+        if isinstance(branch, Accumulator):
+            cut = splits.get(name)
+            branch.set(residual, splits=None if cut is None else cut.tolist())
+        else:
+            branch.set(residual)
         if _holds_in_weight(layer):
             _materialize(layer)
 
@@ -387,12 +392,12 @@ def fold_residuals(
 
     The scale and the orientation come from the peft layer. The scaled residual is added
     to what the layer accumulated (:class:`SideBranch`: re-factored in fp64 for a branch
-    the forward pass applies, concatenated for an fp32 layer). Where the
-    base weight is bf16/fp16 or quantized (bitsandbytes) it is never rounded into the
+    the forward pass applies, summed dense with one ``addmm_`` for an fp32 layer). Where
+    the base weight is bf16/fp16 or quantized (bitsandbytes) it is never rounded into the
     weight: the forward pass applies the branch. Where it is fp32 (or fp64) the weight is
-    rebuilt as ``W0 + accumulated`` with one ``addmm``, so two models that
-    received the same residuals hold the same bits, whether they were rebuilt from
-    :func:`side_state` or folded round by round. ``side_rank`` caps each branch's rank
+    rebuilt as ``W0 + accumulated`` with one ``add``, so two models that received the
+    same residuals hold the same bits, whether they were rebuilt from :func:`side_state`
+    or folded round by round. ``side_rank`` caps each branch's rank
     (the server's ``side_rank`` mode sends residuals that keep it there; the cap only
     drops the float noise of their cancellation).
 

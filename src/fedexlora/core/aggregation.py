@@ -78,9 +78,9 @@ def aggregate(
     spec = REGISTRY.get(method) if isinstance(method, str) else None
     if spec is None or spec.aggregate is None:
         raise ValueError(f"unknown aggregation `method` {method!r}; choose from {METHODS}")
-    # The factors are small (k r (d + n) numbers): aggregate them in fp64, so that the
-    # residual's numerical rank is decided far below fp32 rounding, then return fp32
-    # (or fp64 for fp64 inputs).
+    # The factors are small (k r (d + n) numbers): aggregate them in fp64 (the averages
+    # and the residual's exact factors, two subtractions away from the inputs), then
+    # return fp32 (or fp64 for fp64 inputs) on the factors' device.
     out_dtype = _compute_dtype(As[0]) if len(As) else torch.float32
     A, B = _stack(As, Bs, dtype=torch.float64)  # (k, r, n), (k, d, r)
     k = A.shape[0]

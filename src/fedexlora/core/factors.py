@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "AggregationResult",
     "Residual",
+    "centred_residual",
     "deviation",
     "factor_product",
     "normalize_weights",
@@ -44,6 +45,7 @@ class Residual:
     V: torch.Tensor | None = None
     dense: torch.Tensor | None = None
     stored_rank: int | None = None  # known rank; for a directly formed dense one, its bound
+    ordered: bool = False  # factored as ``X S @ Y^T`` by an SVD, strongest direction first
 
     @property
     def is_factored(self) -> bool:
@@ -90,6 +92,7 @@ class Residual:
             V=cast(self.V),
             dense=cast(self.dense),
             stored_rank=self.stored_rank,
+            ordered=self.ordered,
         )
 
     def scaled(self, factor: float) -> Residual:
@@ -97,7 +100,13 @@ class Residual:
         if self.dense is not None:
             return Residual(self.shape, dense=self.dense * factor, stored_rank=self.stored_rank)
         assert self.U is not None and self.V is not None
-        return Residual(self.shape, U=self.U * factor, V=self.V, stored_rank=self.stored_rank)
+        return Residual(
+            self.shape,
+            U=self.U * factor,
+            V=self.V,
+            stored_rank=self.stored_rank,
+            ordered=self.ordered,
+        )
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stored tensors by role: ``{"U", "V"}`` or ``{"dense"}``."""
@@ -107,9 +116,28 @@ class Residual:
         return {"U": self.U, "V": self.V}
 
     @staticmethod
-    def zero(d: int, n: int, dtype: torch.dtype = torch.float32) -> Residual:
+    def zero(d: int, n: int, dtype: torch.dtype = torch.float32, device=None) -> Residual:
         """A rank-0 residual of shape ``(d, n)``."""
-        return Residual((d, n), U=torch.zeros(d, 0, dtype=dtype), V=torch.zeros(0, n, dtype=dtype))
+        return Residual(
+            (d, n),
+            U=torch.zeros(d, 0, dtype=dtype, device=device),
+            V=torch.zeros(0, n, dtype=dtype, device=device),
+        )
+
+    @staticmethod
+    def exact(U: torch.Tensor, V: torch.Tensor, dense_dtype: torch.dtype | None = None) -> Residual:
+        """``U @ V`` kept as given (no reduction, no rounding), or dense where smaller.
+
+        The dense form is one matmul in ``dense_dtype`` (default: the factors' dtype).
+        """
+        d, q = U.shape
+        n = V.shape[1]
+        if q == 0:
+            return Residual.zero(d, n, dtype=dense_dtype or U.dtype, device=U.device)
+        if q * (d + n) >= d * n:
+            dt = dense_dtype or U.dtype
+            return Residual((d, n), dense=U.to(dt) @ V.to(dt), stored_rank=min(q, d, n))
+        return Residual((d, n), U=U, V=V)
 
     @staticmethod
     def from_factors(
@@ -141,7 +169,7 @@ class Residual:
         d, q = U.shape
         n = V.shape[1]
         if q == 0 or not U.any() or not V.any():
-            return Residual.zero(d, n, dtype=U.dtype)
+            return Residual.zero(d, n, dtype=U.dtype, device=U.device)
         if q * (d + n) >= d * n:
             # Even unreduced factors would not beat dense: one matmul, no QR/SVD. The rank
             # is then only known as its bound min(q, d, n).
@@ -158,7 +186,7 @@ class Residual:
         V_red = Yh[:keep] @ Qv.T  # (keep, n)
         if keep * (d + n) >= d * n:
             return Residual((d, n), dense=U_red @ V_red, stored_rank=keep)
-        return Residual((d, n), U=U_red.contiguous(), V=V_red.contiguous())
+        return Residual((d, n), U=U_red.contiguous(), V=V_red.contiguous(), ordered=True)
 
     def truncate(self, rank: int) -> tuple[Residual, Residual]:
         """Splits into the best rank-``rank`` part (by SVD) and the remainder.
@@ -174,16 +202,29 @@ class Residual:
             Uf, Vf = X * S, Yh
         else:
             assert self.U is not None and self.V is not None
-            Uf, Vf = self.U, self.V  # already SVD-ordered by from_factors
+            if not self.ordered:  # e.g. the exact factors of `centred_residual`: SVD first
+                reduced = Residual.from_factors(self.U, self.V)
+                if reduced.dense is None and not reduced.ordered:  # zero
+                    return reduced, Residual.zero(d, n, dtype=self.U.dtype, device=self.U.device)
+                return reduced.truncate(rank)
+            Uf, Vf = self.U, self.V
         if rank >= Uf.shape[1]:
-            return self, Residual.zero(d, n, dtype=Uf.dtype)
-        kept = Residual((d, n), U=Uf[:, :rank].contiguous(), V=Vf[:rank].contiguous())
-        rest = Residual((d, n), U=Uf[:, rank:].contiguous(), V=Vf[rank:].contiguous())
+            return self, Residual.zero(d, n, dtype=Uf.dtype, device=Uf.device)
+        kept = Residual((d, n), U=Uf[:, :rank].contiguous(), V=Vf[:rank].contiguous(), ordered=True)
+        rest = Residual((d, n), U=Uf[:, rank:].contiguous(), V=Vf[rank:].contiguous(), ordered=True)
         return kept, rest
 
     @staticmethod
-    def concat(parts: Sequence[Residual]) -> Residual:
-        """The sum of several residuals of one shape, re-factored to numerical rank."""
+    def concat(parts: Sequence[Residual], *, reduce: bool = True) -> Residual:
+        """The sum of several residuals of one shape.
+
+        Args:
+            parts: Residuals of one shape.
+            reduce: Re-factor the concatenated factors to numerical rank (QR of both and an
+                SVD of the core). Without it the factors are only concatenated (no
+                rounding, cost linear in their size), and summed dense with one matmul
+                where dense is smaller.
+        """
         if not parts:
             raise ValueError("`parts` must hold at least one residual")
         shape = parts[0].shape
@@ -191,12 +232,20 @@ class Residual:
             if p.shape != shape:
                 raise ValueError(f"cannot add residuals of shapes {shape} and {p.shape}")
         if any(p.dense is not None for p in parts):
-            total = sum((p.to_dense() for p in parts[1:]), parts[0].to_dense())
+            dense = next(p for p in parts if p.dense is not None)
+            total = dense.dense.clone()
+            for p in parts:
+                if p is dense:
+                    continue
+                if p.dense is not None:
+                    total.add_(p.dense.to(total))
+                elif p.U is not None and p.U.shape[1]:
+                    total.addmm_(p.U.to(total), p.V.to(total))
             bound = min(sum(p.rank for p in parts), *shape)
             return Residual(shape, dense=total, stored_rank=bound)
         U = torch.cat([p.U for p in parts], dim=1)  # type: ignore[misc]
         V = torch.cat([p.V for p in parts], dim=0)  # type: ignore[misc]
-        return Residual.from_factors(U, V)
+        return Residual.from_factors(U, V) if reduce else Residual.exact(U, V)
 
 
 @dataclass(frozen=True)
@@ -286,7 +335,7 @@ def factor_product(
         ``P`` of shape ``(d, k r)`` and ``Q`` of shape ``(k r, n)``.
     """
     A, B = _stack(As, Bs)
-    p = normalize_weights(weights, A.shape[0]).to(A.dtype)
+    p = normalize_weights(weights, A.shape[0]).to(device=A.device, dtype=A.dtype)
     k, r, n = A.shape
     P = (B * p[:, None, None]).permute(1, 0, 2).reshape(B.shape[1], k * r)  # (d, k r)
     Q = A.reshape(k * r, n)  # (k r, n)
@@ -308,7 +357,7 @@ def deviation(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights=No
     update is zero.
     """
     A, B = _stack(As, Bs)
-    p = normalize_weights(weights, A.shape[0]).to(A.dtype)
+    p = normalize_weights(weights, A.shape[0]).to(device=A.device, dtype=A.dtype)
     U, V = _centred_factors(A, B, p)
     num = _gram_fro2(U, V)
     P, Q = factor_product(As, Bs, weights)
@@ -326,6 +375,49 @@ def _centred_factors(A: torch.Tensor, B: torch.Tensor, p: torch.Tensor):
     U = ((B - B_bar) * sq[:, None, None]).permute(1, 0, 2).reshape(d, k * r)  # (d, k r)
     V = ((A - A_bar) * sq[:, None, None]).reshape(k * r, n)  # (k r, n)
     return U, V
+
+
+def centred_residual(
+    A: torch.Tensor, B: torch.Tensor, p: torch.Tensor, *, out_dtype: torch.dtype | None = None
+) -> Residual:
+    """``Σ p_i B_i A_i − B̄ Ā``, factored exactly at rank <= (k-1) r without QR or SVD.
+
+    With ``Σ p_i = 1`` the residual is ``Σ_i p_i (B_i − B̄)(A_i − A_j)`` for any client
+    ``j``, whose own term vanishes: ``Σ_i p_i (B_i − B̄) A_j = 0``. So with ``j`` the
+    heaviest client, ``U = [p_i (B_i − B̄)]`` and ``V = [A_i − A_j]`` over the other
+    clients of nonzero weight are exact factors of rank ``(k' − 1) r``: two subtractions
+    of the stacked factors, no ``(d, n)`` product and no factorization. Blocks that are
+    exactly zero (duplicate clients, an unchanged B) are dropped, so identical clients
+    give the zero residual. Where ``q (d + n) >= d n`` the residual is stored dense (one
+    matmul in ``out_dtype``), the smaller of the two.
+
+    Args:
+        A: ``(k, r, n)`` stacked client A factors (fp64 for the exact residual).
+        B: ``(k, d, r)`` stacked client B factors.
+        p: ``(k,)`` weights that sum to one, on the factors' device.
+        out_dtype: The dtype of the returned residual; defaults to ``A``'s.
+
+    Returns:
+        The residual, factored (not SVD-ordered: :meth:`Residual.truncate` orders it when
+        asked) or dense, on the factors' device.
+    """
+    k, r, n = A.shape
+    d = B.shape[1]
+    out = out_dtype or A.dtype
+    p = p.to(device=A.device, dtype=A.dtype)
+    j = int(torch.argmax(p).item()) if A.device.type != "meta" else 0
+    B_bar = torch.einsum("k,kdr->dr", p, B)  # (d, r)
+    others = torch.tensor([i for i in range(k) if i != j], dtype=torch.long, device=A.device)
+    U = (B[others] - B_bar) * p[others, None, None]  # (k-1, d, r)
+    V = A[others] - A[j]  # (k-1, r, n)
+    if A.device.type != "meta":  # values exist: drop the blocks that contribute nothing
+        live = (U.flatten(1).abs().amax(1) > 0) & (V.flatten(1).abs().amax(1) > 0)
+        if not bool(live.all()):
+            U, V = U[live], V[live]
+    m = U.shape[0]
+    U = U.permute(1, 0, 2).reshape(d, m * r).to(out)  # (d, m r)
+    V = V.reshape(m * r, n).to(out)  # (m r, n)
+    return Residual.exact(U, V, dense_dtype=out)
 
 
 def split_leading(
@@ -351,8 +443,8 @@ def split_leading(
     V = Yh @ Qa.T  # (r, n)
     k = min(rank, S.numel())
     root = S[:k].sqrt()
-    B_lead = torch.zeros(B.shape[0], rank, dtype=torch.float64)
-    A_lead = torch.zeros(rank, A.shape[1], dtype=torch.float64)
+    B_lead = torch.zeros(B.shape[0], rank, dtype=torch.float64, device=B.device)
+    A_lead = torch.zeros(rank, A.shape[1], dtype=torch.float64, device=A.device)
     B_lead[:, :k] = U[:, :k] * root
     A_lead[:k] = root[:, None] * V[:k]
     d, n = B.shape[0], A.shape[1]
@@ -371,8 +463,8 @@ def pad_rank(A: torch.Tensor, B: torch.Tensor, rank: int, factor: float = 1.0):
     if r > rank:
         raise ValueError(f"cannot pad rank {r} down to {rank}")
     root = math.sqrt(factor)
-    pA = torch.zeros(rank, A.shape[1], dtype=A.dtype)
-    pB = torch.zeros(B.shape[0], rank, dtype=B.dtype)
+    pA = torch.zeros(rank, A.shape[1], dtype=A.dtype, device=A.device)
+    pB = torch.zeros(B.shape[0], rank, dtype=B.dtype, device=B.device)
     pA[:r] = A * root
     pB[:, :r] = B * root
     return pA, pB

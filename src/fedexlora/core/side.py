@@ -7,6 +7,9 @@ accumulated ``scale * residual`` is kept beside it in fp32, factored ``U @ V`` o
 whichever is smaller, and added to the layer's output in the forward pass:
 ``y = base(x) + lora(x) + x @ (U V)^T``.
 
+An fp32 (or fp64) weight holds its update itself: an :class:`Accumulator` keeps the sum of
+what was folded, and the weight is rebuilt as ``W0 + sum``.
+
 Pure torch: no peft. :mod:`fedexlora.bridge.adapters` attaches one to each LoRA layer that
 needs it.
 """
@@ -17,7 +20,7 @@ import torch
 
 from fedexlora.core.factors import Residual
 
-__all__ = ["SideBranch"]
+__all__ = ["Accumulator", "SideBranch"]
 
 
 class SideBranch(torch.nn.Module):
@@ -36,10 +39,6 @@ class SideBranch(torch.nn.Module):
             the float noise of cancelling updates. ``None`` keeps everything.
         dtype: Storage dtype (fp32; fp64 for an fp64 model, whose accumulator must not
             round to fp32).
-        refactor: Re-factor each sum to numerical rank (QR and a small SVD). A branch
-            the forward pass applies needs its rank small; an fp32 layer's accumulator,
-            rebuilt into the weight with one ``addmm``, only concatenates (no rounding,
-            no QR of ever taller factors) until dense is smaller.
     """
 
     def __init__(
@@ -50,13 +49,11 @@ class SideBranch(torch.nn.Module):
         max_rank: int | None = None,
         device=None,
         dtype=torch.float32,
-        refactor: bool = True,
     ):
         super().__init__()
         self.shape = (d, n)
         self.max_rank = max_rank
         self.dtype = dtype
-        self.refactor = refactor
         self.register_buffer("U", torch.zeros(d, 0, device=device, dtype=dtype), persistent=False)
         self.register_buffer("V", torch.zeros(0, n, device=device, dtype=dtype), persistent=False)
         self.register_buffer("dense", None, persistent=False)
@@ -99,8 +96,7 @@ class SideBranch(torch.nn.Module):
 
         The sum is formed and reduced in fp64 (QR and a small SVD, never the ``(d, n)``
         product while factors are smaller), then stored in fp32, dense only where that
-        is smaller, and cut to ``max_rank`` when set. Without ``refactor`` the factors
-        are only concatenated until dense is smaller. The first residual is kept as it
+        is smaller, and cut to ``max_rank`` when set. The first residual is kept as it
         came.
         """
         if residual.is_zero:
@@ -111,15 +107,6 @@ class SideBranch(torch.nn.Module):
             self.set(residual)  # the first one: as it came (already at numerical rank)
             return
         dev = self.U.device
-        if not self.refactor and residual.dense is None and cur.dense is None:
-            U = torch.cat([cur.U, residual.U.to(dev, self.dtype)], 1)
-            V = torch.cat([cur.V, residual.V.to(dev, self.dtype)], 0)
-            d, n = self.shape
-            if U.shape[1] * (d + n) < d * n:
-                self.set(Residual(self.shape, U=U, V=V))
-            else:  # dense is smaller now
-                self.set(Residual(self.shape, dense=U.double() @ V.double()))
-            return
         if residual.dense is not None or cur.dense is not None:
             total = Residual(
                 self.shape,
@@ -151,3 +138,122 @@ class SideBranch(torch.nn.Module):
             else:
                 delta = (x32 @ self.V.T) @ self.U.T
             return (out.to(torch.float32) + delta).to(out.dtype)
+
+
+class Accumulator(torch.nn.Module):
+    """The sum of what was folded into an fp32 (or fp64) layer, for ``W = W0 + sum``.
+
+    The sum is held dense from the first residual on (``total``, one ``addmm_`` per
+    residual), so every round costs one fold whatever came before, and the form never
+    changes. Beside it the residuals themselves are kept, factored, while together they
+    are smaller than one dense ``(d, n)``: that is what :attr:`residual` returns for a
+    client's saved state, and :meth:`set` replays them one by one (``splits``) into the
+    very bits of ``total``. Once they outgrow dense they are dropped and the state is
+    ``total`` itself.
+
+    The tensors are non-persistent buffers (the parts follow the module's device too).
+    """
+
+    def __init__(self, d: int, n: int, *, device=None, dtype=torch.float32):
+        super().__init__()
+        self.shape = (d, n)
+        self.dtype = dtype
+        self.max_rank = None  # not used: the sum is exact (kept for the fold's interface)
+        self.parts: list[tuple[torch.Tensor, torch.Tensor]] | None = []
+        self.register_buffer("total", None, persistent=False)
+        self.register_buffer(
+            "_anchor", torch.zeros(0, device=device, dtype=dtype), persistent=False
+        )
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if self.parts:
+            self.parts = [(fn(U), fn(V)) for U, V in self.parts]
+        return out
+
+    @property
+    def splits(self) -> list[int]:
+        """The rank of each residual held factored, in the order they were added."""
+        return [int(U.shape[1]) for U, _ in self.parts or []]
+
+    @property
+    def residual(self) -> Residual:
+        """The sum as a :class:`Residual`: the factors concatenated while held, else dense."""
+        d, n = self.shape
+        if self.parts:
+            U = torch.cat([U for U, _ in self.parts], 1)
+            V = torch.cat([V for _, V in self.parts], 0)
+            return Residual(self.shape, U=U, V=V)
+        if self.total is not None:
+            return Residual(self.shape, dense=self.total)
+        return Residual.zero(d, n, dtype=self.dtype, device=self._anchor.device)
+
+    @property
+    def rank(self) -> int:
+        """Columns of the factors held, ``min(d, n)`` once dense, 0 when empty."""
+        if self.parts:
+            return sum(self.splits)
+        return min(self.shape) if self.total is not None else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the state (:attr:`residual`)."""
+        return self.residual.nbytes
+
+    @torch.no_grad()
+    def set(self, residual: Residual, splits: list[int] | None = None) -> None:
+        """Replaces the sum with ``residual``, added as the parts ``splits`` say.
+
+        ``splits`` are the ranks of the residuals a factored state was built from
+        (:attr:`splits`); replaying them in order gives the bits the sum had. Without
+        them the factors are one part.
+        """
+        if tuple(residual.shape) != self.shape:
+            raise ValueError(f"accumulator is {self.shape}, got a residual of {residual.shape}")
+        self.parts, self.total = [], None
+        if residual.is_zero:
+            return
+        if residual.dense is not None:
+            self.add(residual)
+            return
+        q = int(residual.U.shape[1])
+        splits = list(splits) if splits else [q]
+        if sum(splits) != q or any(s <= 0 for s in splits):
+            raise ValueError(f"accumulator splits {splits} do not add up to the rank {q}")
+        start = 0
+        for s in splits:
+            part = Residual(
+                self.shape,
+                U=residual.U[:, start : start + s],
+                V=residual.V[start : start + s],
+            )
+            self.add(part)
+            start += s
+
+    @torch.no_grad()
+    def add(self, residual: Residual) -> None:
+        """``sum += residual`` (already scaled): one ``addmm_`` (or ``add_``)."""
+        if residual.is_zero:
+            return
+        dev, dt = self._anchor.device, self.dtype
+        d, n = self.shape
+        if self.total is None:
+            self.total = torch.zeros(d, n, device=dev, dtype=dt)
+        if residual.dense is not None:
+            self.total.add_(residual.dense.to(dev, dt))
+            self.parts = None  # a dense part: the state is the sum itself from now on
+            return
+        U = residual.U.to(dev, dt).contiguous()
+        V = residual.V.to(dev, dt).contiguous()
+        self.total.addmm_(U, V)
+        if self.parts is not None:
+            if (sum(self.splits) + U.shape[1]) * (d + n) < d * n:
+                self.parts.append((U, V))
+            else:
+                self.parts = None  # dense is smaller now: the state is the sum
+
+    def to_dense(self) -> torch.Tensor:
+        """The ``(d, n)`` sum in fp64."""
+        if self.total is None:
+            return torch.zeros(self.shape, dtype=torch.float64, device=self._anchor.device)
+        return self.total.double()

@@ -21,7 +21,7 @@ What each method sends, per client and round (fp32 throughout, as the engine sen
 * ``fedex-dense``: FedEx-LoRA as the released code sends it: down A, B and the dense
   ``(d, n)`` residual; up A_i, B_i.
 * ``fedex``: FedEx-LoRA as this package sends it: down A, B and the residual factored
-  at numerical rank ``<= (k-1) r``; up A_i, B_i.
+  at rank ``<= (k-1) r`` (dense where that is smaller); up A_i, B_i.
 * ``full-ft``: full fine-tuning of the same adapted layers: their dense ``(d, n)``
   weights both ways. It is a lower bound for full fine-tuning of the whole model, which
   would also send every layer that LoRA leaves frozen.

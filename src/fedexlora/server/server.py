@@ -140,8 +140,8 @@ class Server:
     def catch_up(self, since: int) -> dict[str, Residual] | None:
         """Per module, the residual that moves a base from version ``since`` to now.
 
-        The residuals of the missed rounds are concatenated and re-factored to numerical
-        rank, or summed dense where that is smaller. ``None`` when the history no longer
+        The residuals of the missed rounds are concatenated (not re-factored), or summed
+        dense where that is smaller. ``None`` when the history no longer
         reaches back to ``since`` (the client must be reset from ``W0``).
         """
         if since >= self.version:
@@ -154,7 +154,7 @@ class Server:
                 self.history[v][name] for v in range(since, self.version) if name in self.history[v]
             ]
             if parts:
-                out[name] = parts[0] if len(parts) == 1 else Residual.concat(parts)
+                out[name] = parts[0] if len(parts) == 1 else Residual.concat(parts, reduce=False)
         return out
 
     @property
@@ -507,7 +507,10 @@ class Server:
                 if k in capped:  # side_rank: the capped delta itself, not a growing sum
                     self.base_delta[k] = capped[k]
                 else:
-                    self.base_delta[k] = r if prev is None else Residual.concat([prev, r])
+                    # concatenated, not re-factored: linear in its size, dense when smaller
+                    self.base_delta[k] = (
+                        r if prev is None else Residual.concat([prev, r], reduce=False)
+                    )
             self.version += 1
             self._prune()
         return RoundOutcome(

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from fedexlora.core.factors import Residual, _centred_factors
+from fedexlora.core.factors import centred_residual
 from fedexlora.core.methods.spec import MethodSpec
 
 
 def aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6):
     """``Ā``, ``B̄`` and the residual ``Σ p_i B_i A_i − B̄ Ā``, factored at rank <= (k-1) r."""
     del generator, atol
-    U, V = _centred_factors(A, B, p)  # (d, k r), (k r, n)
-    residual = Residual.from_factors(U, V, dense_dtype=out_dtype)
+    residual = centred_residual(A, B, p, out_dtype=out_dtype)  # no QR, no SVD
     A_new = torch.einsum("k,krn->rn", p, A)  # (r, n)
     B_new = torch.einsum("k,kdr->dr", p, B)  # (d, r)
     return A_new, B_new, residual

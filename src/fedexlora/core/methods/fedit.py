@@ -15,7 +15,7 @@ def aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6):
     d = B.shape[1]
     A_new = torch.einsum("k,krn->rn", p, A)  # (r, n)
     B_new = torch.einsum("k,kdr->dr", p, B)  # (d, r)
-    return A_new, B_new, Residual.zero(d, n, dtype=A.dtype)
+    return A_new, B_new, Residual.zero(d, n, dtype=A.dtype, device=A.device)
 
 
 SPEC = MethodSpec(

@@ -25,7 +25,7 @@ def shared_A_aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol
             f"differ by up to {spread:.3g}; was A trained?"
         )
     B_new = torch.einsum("k,kdr->dr", p, B)  # (d, r)
-    return A[0].clone(), B_new, Residual.zero(d, n, dtype=A.dtype)
+    return A[0].clone(), B_new, Residual.zero(d, n, dtype=A.dtype, device=A.device)
 
 
 SPEC = MethodSpec(

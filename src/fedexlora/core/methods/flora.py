@@ -17,11 +17,13 @@ def aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6):
     d = B.shape[1]
     P = (B * p[:, None, None]).permute(1, 0, 2).reshape(d, k * r)  # (d, k r)
     Q = A.reshape(k * r, n)  # (k r, n)
-    residual = Residual.from_factors(P, Q, dense_dtype=out_dtype)
+    residual = Residual.exact(P.to(out_dtype), Q.to(out_dtype), dense_dtype=out_dtype)
+    # drawn on the CPU (the generator's device), so a seed gives one A on every device
     A_new = torch.empty(r, n, dtype=A.dtype)
     bound = 1.0 / math.sqrt(n)  # kaiming_uniform_(a=sqrt(5)), peft's default for A
     A_new.uniform_(-bound, bound, generator=generator)
-    B_new = torch.zeros(d, r, dtype=A.dtype)
+    A_new = A_new.to(A.device)
+    B_new = torch.zeros(d, r, dtype=A.dtype, device=A.device)
     return A_new, B_new, residual
 
 
