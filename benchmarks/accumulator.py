@@ -8,12 +8,13 @@ has rank (k-1) r = 144). Each round the same process times, on fresh client fact
   (``Residual.concat([base_delta, residual], reduce=False)``, as ``Server.aggregate``
   keeps it for new clients: concatenated, dense once that is smaller);
 * ``fold``: ``fedexlora.bridge.adapters.fold_residuals`` into a one-layer peft model: one
-  ``addmm_`` into the layer's dense accumulator and the rebuild ``W = W0 + accumulated``;
+  ``W.addmm_(U, V)``, the residual recorded for the model's saved state while the record
+  is smaller than the weight;
 * ``floor``: one ``W.addmm_(U, V)`` of random rank-144 factors (that round's fold at its
   least).
 
 It prints, per round, each part in ms and ``step / floor`` with ``step = aggregate +
-record + fold``. The accumulator is dense from round 1, so no round changes its form.
+record + fold``. No round changes the form of anything the fold touches.
 
 Usage::
 

@@ -13,9 +13,9 @@ the residual into the base weight W (fp32 throughout, uniform weights, scale 2):
 * ``ours``: ``fedexlora.aggregate(method="fedex")`` (the residual's exact factors
   ``U = [p_i (B_i - B̄)]``, ``V = [A_i - A_j]`` over the clients but the heaviest, ``j``:
   rank (k-1) r, no QR or SVD) and ``fedexlora.bridge.adapters.fold_residuals`` on a
-  one-layer peft model: one ``addmm_`` into the layer's dense fp32 accumulator and the
-  rebuild ``W = W0 + accumulated`` (one ``add``). Where ``(k-1) r (d + n) >= d n`` the
-  residual is smaller dense, so ``aggregate`` returns it dense (one matmul).
+  one-layer peft model: one ``W.addmm_(U, V)``, and the residual recorded (factored)
+  for the model's saved state. Where ``(k-1) r (d + n) >= d n`` the residual is smaller
+  dense, so ``aggregate`` returns it dense (one matmul) and the fold is one ``add_``.
 * ``floor``: one ``W.addmm_(U, V)`` of random rank-(k-1) r factors: the least any exact
   fold of a rank-(k-1) r update into W can cost.
 
@@ -43,6 +43,7 @@ Usage::
     python benchmarks/aggregation.py            # full grid, 5-10 min on 2 cores
     python benchmarks/aggregation.py --quick    # 3 cells, about a minute
     python benchmarks/aggregation.py --json out.json --threads 1
+    python benchmarks/aggregation.py --quick --no-peak  # timings without the mmap threshold
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ import sys
 import time
 
 _MMAP = "131072"
-if os.environ.get("MALLOC_MMAP_THRESHOLD_") != _MMAP and __name__ == "__main__":
+_NO_PEAK = "--no-peak" in sys.argv  # time with glibc's own allocator: no peak memory
+if not _NO_PEAK and os.environ.get("MALLOC_MMAP_THRESHOLD_") != _MMAP and __name__ == "__main__":
     os.environ["MALLOC_MMAP_THRESHOLD_"] = _MMAP
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
@@ -110,7 +112,7 @@ def measured(fn):
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         return dt, torch.cuda.max_memory_allocated() - before, out
-    can = _reset_peak()
+    can = _reset_peak() and not _NO_PEAK
     before = _status_kb("VmRSS")
     t0 = time.perf_counter()
     out = fn()
@@ -147,16 +149,8 @@ def stacked(As, Bs, W):
 
 
 def make_ours(model):
-    from fedexlora.bridge.adapters import _acc, lora_layers
-    from fedexlora.core.aggregation import Residual
-
-    acc = _acc(lora_layers(model)[LAYER], create=True)
-
-    acc.set(Residual.zero(*acc.shape))  # the first call is round 1, on a zero base
-
     def ours(As, Bs, W=None):
-        # one round's server step: the repeats are later rounds, whose accumulator is
-        # already dense (one addmm_ into it, then W = W0 + accumulated)
+        # one round's server step (every round costs the same: one addmm_ into W)
         res = aggregate(As, Bs, method="fedex")
         fold_residuals(model, {LAYER: res.residual})
         return res
@@ -310,6 +304,13 @@ def main(argv=None) -> None:
     ap.add_argument("--max-reps", type=int, default=15)
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--device", default="cpu", help="cpu or cuda [cpu]")
+    ap.add_argument(
+        "--no-peak",
+        action="store_true",
+        help="no peak-memory figures: time with glibc's own allocator (the mmap threshold "
+        "that the memory figures need makes every large temporary a fresh mapping, and "
+        "BLAS's packing buffers with it: the floor's addmm_ took 2.3x longer here)",
+    )
     args = ap.parse_args(argv)
     global DEVICE
     DEVICE = torch.device(args.device)

@@ -1,4 +1,4 @@
-"""The residual's exact factoring without QR or SVD, the dense accumulator, any device.
+"""The residual's exact factoring without QR or SVD, the fold in place, any device.
 
 Every check is against an ideal computed here in fp64 from the clients' factors
 (``sum_i p_i B_i A_i``), never against what the library reports of itself.
@@ -9,7 +9,6 @@ import torch
 
 from fedexlora import Residual, aggregate
 from fedexlora.core.factors import centred_residual
-from fedexlora.core.side import Accumulator
 
 
 def _clients(k, d, r, n, seed=0, spread=0.1):
@@ -120,33 +119,48 @@ def test_concat_without_reduction_is_exact_and_dense_when_smaller():
     assert torch.allclose(mixed.to_dense(), 4 * total + parts[0].to_dense(), atol=1e-4)
 
 
-def test_the_fp32_accumulator_sums_dense_from_the_first_fold_and_replays_its_parts():
-    """One ``addmm_`` per residual into a dense sum (no form to change later), exact over
-    many rounds; its state (the parts, while smaller than dense) replays to the same bits."""
-    d, n, q = 48, 40, 6
-    acc = Accumulator(d, n)
+def test_an_fp32_layer_folds_in_place_and_rebuilds_bit_for_bit_from_its_state(tiny_bert_dir):
+    """Each fold is one ``addmm_`` into the weight; the state (the residuals while smaller
+    than the weight, then the weight) rebuilds the very bits; the sum is exact."""
+    from fedexlora.bridge.adapters import (
+        effective_weight,
+        fold_residuals,
+        load_side_state,
+        lora_layers,
+        side_state,
+    )
+    from fedexlora.bridge.models import load_model
+
+    def fresh():
+        return load_model(
+            tiny_bert_dir, causal=False, num_labels=3, r=4, alpha=8, dropout=0.0,
+            target_modules=["query", "value"],
+        )[0]  # fmt: skip
+
+    model = fresh()
+    name, layer = next(iter(lora_layers(model).items()))
+    w0 = effective_weight(layer, lora=False)
+    d, n = w0.shape
+    scale = float(layer.scaling["default"])
     g = torch.Generator().manual_seed(0)
     ideal = torch.zeros(d, n, dtype=torch.float64)
-    for t in range(30):
-        U = torch.randn(d, q, generator=g) * 1e-2
-        V = torch.randn(q, n, generator=g)
-        acc.add(Residual((d, n), U=U, V=V))
-        ideal += U.double() @ V.double()
-        assert acc.total is not None  # dense from the first on
-        if t == 1:  # two parts held: 12 (48 + 40) < 48 * 40
-            state, splits = acc.residual, acc.splits
-            assert state.is_factored and splits == [q, q]
-            again = Accumulator(d, n)
-            again.set(state, splits=splits)
-            assert torch.equal(again.total, acc.total)  # the very bits
-    assert not acc.residual.is_factored  # 30 parts outgrew dense: the state is the sum
-    big = torch.randn(d, n, generator=g, dtype=torch.float64)
-    acc.add(Residual((d, n), dense=big.float()))
-    ideal += big.float().double()
-    assert _rel(acc.to_dense(), ideal) <= 1e-6
-    again = Accumulator(d, n)
-    again.set(acc.residual)
-    assert torch.equal(again.total, acc.total)
+    states = []
+    for _ in range(12):
+        U = torch.randn(d, 3, generator=g) * 1e-2
+        V = torch.randn(3, n, generator=g)
+        fold_residuals(model, {name: Residual((d, n), U=U, V=V)})
+        ideal += scale * (U.double() @ V.double())
+        states.append((side_state(model), layer.get_base_layer().weight.detach().clone()))
+    kinds = [sorted(k.rsplit(".", 1)[1] for k in st if name in k) for st, _ in states]
+    assert kinds[0] == ["U", "V"] and kinds[1] == ["U", "V", "splits"]  # the residuals
+    assert kinds[-1] == ["weight"]  # 36 (d + n) > d n: the weight itself
+    for state, weight in (states[1], states[-1]):
+        again = fresh()
+        load_side_state(again, state)
+        got = lora_layers(again)[name].get_base_layer().weight
+        assert torch.equal(got, weight)  # the very bits
+    got = effective_weight(layer, lora=False) - w0
+    assert float((got - ideal).norm() / ideal.norm()) <= 1e-5
 
 
 def test_aggregate_keeps_the_factors_device():

@@ -60,8 +60,10 @@ def test_client_ranks_and_saved_adapters_match_the_local_engine(tiny_cfg, tmp_pa
             a = load_file(str(tmp_path / "flower" / rel))
             b = load_file(str(tmp_path / "local" / rel))
             assert set(a) == set(b), rel
-            for k in a:
-                assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7), (rel, k)
+            for k in a:  # fp32 noise: a client of another rank folds its catch-up in
+                # other groupings than the local engine's client does (2.5e-7 of 0.027 seen)
+                tol = 1e-5 * float(b[k].abs().max())
+                assert torch.allclose(a[k], b[k], rtol=1e-5, atol=tol), (rel, k)
 
 
 def test_nf4_base_with_side_branch_matches_the_local_engine(tiny_cfg, tmp_path, task_identity):

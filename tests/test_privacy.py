@@ -17,6 +17,27 @@ def independent_epsilon(noise_multiplier, sample_rate, steps, delta, orders=None
     return acc.get_epsilon(delta)
 
 
+def test_vectorised_rdp_is_opacus_rdp_at_every_order():
+    """Our one-pass RDP (all orders at once) against Opacus's loop, the accountant it
+    replaces, and against dp-accounting's, over rates and noise from tiny to certain."""
+    import numpy as np
+    from dp_accounting import dp_event, rdp
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    from fedexlora.training.privacy import ORDERS, rdp_one_step
+
+    for q in (1e-3, 0.01, 0.2, 0.5, 0.99, 1.0):
+        for sigma in (0.5, 1.0, 2.5, 8.0):
+            ours = rdp_one_step(q, sigma)
+            ref = np.asarray(compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(ORDERS)))
+            assert np.allclose(ours, ref, rtol=1e-9, atol=1e-12), (q, sigma)
+            acc = rdp.RdpAccountant(orders=list(ORDERS))
+            event = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma))
+            acc.compose(event)
+            assert np.allclose(ours, acc._rdp, rtol=1e-6, atol=1e-12), (q, sigma)
+    assert (rdp_one_step(0.0, 1.0) == 0).all() and np.isinf(rdp_one_step(0.3, 0.0)).all()
+
+
 @pytest.mark.parametrize("epsilon", [1.0, 8.0])
 def test_noise_multiplier_spends_the_budget_by_an_independent_accountant(tiny_cfg, epsilon):
     from fedexlora.training.privacy import epsilon_spent, plan

@@ -1,12 +1,13 @@
 """The peft bridge: the only module that knows peft's internals.
 
 It reads LoRA factors from a :class:`peft.PeftModel`, writes global factors back, and folds
-``scale * residual`` into the frozen base. Every adapted layer accumulates what was folded
-into it in a :class:`~fedexlora.core.side.SideBranch`. For a bf16/fp16 or
-bitsandbytes-quantized weight the forward pass applies that branch (fp32, factored or
-dense, whichever is smaller), so no precision is lost; an fp32 weight keeps the sum dense
-(one ``addmm_`` per residual) and is rebuilt as ``W0 + sum`` (one ``add``), so the model
-is a function of the residuals it received, in the order it received them.
+``scale * residual`` into the frozen base. For a bf16/fp16 or bitsandbytes-quantized
+weight what was folded accumulates in a :class:`~fedexlora.core.side.SideBranch` (fp32,
+factored or dense, whichever is smaller) that the forward pass applies, so no precision is
+lost. An fp32 (or fp64) weight takes each residual in place, with one ``addmm_``, and an
+:class:`~fedexlora.core.side.Accumulator` records them (factored, while smaller than the
+weight) so that the weight can be rebuilt from ``W0`` bit for bit: the model is a function
+of the residuals it received, in the order it received them.
 Orientation (``fan_in_fan_out``) and scale are always taken from the peft layer itself,
 never recomputed: ``nn.Linear`` stores its weight ``(out, in)``, GPT-2's ``Conv1D``
 stores ``(in, out)``.
@@ -228,7 +229,7 @@ def _side(layer: LoraLayer, create: bool = False) -> SideBranch | None:
 
 
 def _acc(layer: LoraLayer, create: bool = False) -> Accumulator | None:
-    """An fp32 layer's accumulator: what was folded, and the weight before (``base0``)."""
+    """An fp32 layer's record: what was folded into it, and its weight before (``base0``)."""
     acc = getattr(layer, _ACC, None)
     if acc is None and create:
         weight = layer.get_base_layer().weight
@@ -248,20 +249,40 @@ def _branch(layer: LoraLayer, create: bool = False) -> SideBranch | Accumulator 
 
 
 @torch.no_grad()
-def _materialize(layer: LoraLayer) -> None:
-    """``W = base0 + accumulated``, written straight into the weight (one ``add``).
+def _fold_weight(layer: LoraLayer, R: Residual) -> None:
+    """``W += R`` in place: one ``addmm_`` (one ``add_`` for a dense ``R``).
 
-    A function of ``base0`` and what was accumulated only: every model that received the
-    same residuals (or was restored from :func:`side_state`) computes the same bits here.
+    ``R`` is already scaled, in the weight's dtype (:meth:`Accumulator.record`). The same
+    residuals folded in the same order give the same bits, which is what a rebuild from
+    :func:`side_state` relies on.
     """
-    acc = _acc(layer)
     w = layer.get_base_layer().weight.data
     fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))
-    if acc.total is None:
-        w.copy_(acc.base0)
+    if R.dense is not None:
+        w.add_(R.dense.T if fan_in_fan_out else R.dense)
+    elif fan_in_fan_out:  # weight (n, d): (U V)^T = V^T U^T
+        w.addmm_(R.V.T, R.U.T)
     else:
-        total = acc.total.to(w)
-        torch.add(acc.base0, total.T if fan_in_fan_out else total, out=w)
+        w.addmm_(R.U, R.V)
+
+
+@torch.no_grad()
+def _rebuild(layer: LoraLayer, parts: list[Residual], weight: torch.Tensor | None) -> None:
+    """An fp32 layer back at ``W0`` plus ``parts`` folded in order, or at ``weight``."""
+    acc = _acc(layer, create=bool(parts) or weight is not None)
+    if acc is None:
+        return
+    w = layer.get_base_layer().weight.data
+    w.copy_(acc.base0)
+    acc.clear()
+    if weight is not None:
+        if tuple(weight.shape) != tuple(w.shape):
+            raise ValueError(f"weight state is {tuple(weight.shape)}, expected {tuple(w.shape)}")
+        w.copy_(weight)
+        acc.parts = None  # the weight is the state
+        return
+    for part in parts:
+        _fold_weight(layer, acc.record(part))
 
 
 def _apply_side(layer: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
@@ -308,18 +329,24 @@ def effective_weight(layer: LoraLayer, adapter: str = "default", *, lora: bool =
 def side_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What every layer accumulated, as flat tensors (``side.<module>.U|V|dense``).
 
-    For a bf16/fp16 or quantized layer that is its side branch; for an fp32 layer, what
-    was folded into its weight since it was loaded (the weight is ``W0`` plus that).
-    Never a weight: factored while that is smaller, at most one fp32 ``(d, n)`` each.
+    For a bf16/fp16 or quantized layer that is its side branch. For an fp32 layer, the
+    residuals folded into its weight since it was loaded, factored, with their ranks
+    (``side.<module>.splits``) so that they are folded again one by one; once they would
+    outgrow one dense ``(d, n)``, the weight itself (``side.<module>.weight``, as large).
+    At most one ``(d, n)`` per layer either way.
     """
     out = {}
     for name, layer in lora_layers(model).items():
         branch = _branch(layer)
-        if branch is not None and branch.rank:
-            out.update(residuals_to_flat("side", {name: branch.residual}))
-            splits = getattr(branch, "splits", [])
-            if len(splits) > 1:  # an fp32 layer's parts, replayed in order on load
-                out[f"side.{name}.splits"] = torch.tensor(splits, dtype=torch.int64)
+        if branch is None or not branch.rank:
+            continue
+        if isinstance(branch, Accumulator) and branch.outgrown:
+            out[f"side.{name}.weight"] = layer.get_base_layer().weight.detach().clone()
+            continue
+        out.update(residuals_to_flat("side", {name: branch.residual}))
+        splits = getattr(branch, "splits", [])
+        if len(splits) > 1:  # an fp32 layer's residuals, folded again in order on load
+            out[f"side.{name}.splits"] = torch.tensor(splits, dtype=torch.int64)
     return out
 
 
@@ -327,32 +354,39 @@ def side_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def load_side_state(model: torch.nn.Module, flat: Mapping[str, torch.Tensor]) -> None:
     """Sets what each layer accumulated from :func:`side_state`'s tensors (others emptied).
 
-    An fp32 layer's weight is rebuilt as ``W0 + accumulated`` from the weight it had
-    before anything was folded: load this into a freshly loaded model (or one whose
-    state came from :func:`side_state` only).
+    An fp32 layer's weight is rebuilt from the weight it had before anything was folded
+    (``W0``), the residuals folded again in their order, so load this into a freshly
+    loaded model or into one that folded only through this module.
 
     Raises:
         ValueError: If a tensor names an unknown module or has the wrong shape.
     """
     layers = lora_layers(model)
-    tail = ".splits"  # an fp32 layer's parts (see side_state), not a tensor of the sum
-    splits = {k[5 : -len(tail)]: v for k, v in flat.items() if k.endswith(tail)}
-    residuals = residuals_from_flat("side", {k: v for k, v in flat.items() if not k.endswith(tail)})
-    unknown = sorted(set(residuals) - set(layers))
+    extra = {}  # the fp32 layers' ".splits" and ".weight" (see side_state)
+    for k, v in flat.items():
+        for tail in (".splits", ".weight"):
+            if k.endswith(tail):
+                extra.setdefault(tail, {})[k[len("side.") : -len(tail)]] = v
+    splits, weights = extra.get(".splits", {}), extra.get(".weight", {})
+    residuals = residuals_from_flat(
+        "side", {k: v for k, v in flat.items() if not k.endswith((".splits", ".weight"))}
+    )
+    unknown = sorted((set(residuals) | set(weights)) - set(layers))
     if unknown:
         raise ValueError(f"side-branch state for unknown modules {unknown[:3]}")
     for name, layer in layers.items():
-        branch = _branch(layer, create=name in residuals)
-        if branch is None:
-            continue
-        residual = residuals[name] if name in residuals else Residual.zero(*branch.shape)
-        if isinstance(branch, Accumulator):
-            cut = splits.get(name)
-            branch.set(residual, splits=None if cut is None else cut.tolist())
-        else:
-            branch.set(residual)
         if _holds_in_weight(layer):
-            _materialize(layer)
+            cut = splits.get(name)
+            parts = []
+            if name in residuals:
+                parts = Accumulator.split(residuals[name], None if cut is None else cut.tolist())
+            _rebuild(layer, parts, weights.get(name))
+            continue
+        if name in weights:
+            raise ValueError(f"module {name!r}: a weight state, but its base is not fp32")
+        branch = _side(layer, create=name in residuals)
+        if branch is not None:
+            branch.set(residuals[name] if name in residuals else Residual.zero(*branch.shape))
 
 
 def side_nbytes(model: torch.nn.Module) -> int:
@@ -390,12 +424,11 @@ def fold_residuals(
 ) -> None:
     """Applies ``scale * residual`` to each layer's frozen base, in place.
 
-    The scale and the orientation come from the peft layer. The scaled residual is added
-    to what the layer accumulated (:class:`SideBranch`: re-factored in fp64 for a branch
-    the forward pass applies, summed dense with one ``addmm_`` for an fp32 layer). Where
-    the base weight is bf16/fp16 or quantized (bitsandbytes) it is never rounded into the
-    weight: the forward pass applies the branch. Where it is fp32 (or fp64) the weight is
-    rebuilt as ``W0 + accumulated`` with one ``add``, so two models that received the
+    The scale and the orientation come from the peft layer. Where the base weight is
+    bf16/fp16 or quantized (bitsandbytes) it is never rounded into: the scaled residual
+    is added to the layer's :class:`SideBranch` (re-factored in fp64), which the forward
+    pass applies. Where it is fp32 (or fp64) the residual goes into the weight with one
+    ``addmm_`` and is recorded (:class:`Accumulator`), so two models that received the
     same residuals hold the same bits, whether they were rebuilt from :func:`side_state`
     or folded round by round. ``side_rank`` caps each branch's rank
     (the server's ``side_rank`` mode sends residuals that keep it there; the cap only
@@ -428,8 +461,9 @@ def fold_layer(
     if R.is_zero:
         return
     scale = float(layer.scaling[adapter])
-    branch = _branch(layer, create=True)
+    if _holds_in_weight(layer):
+        _fold_weight(layer, _acc(layer, create=True).record(R.scaled(scale)))
+        return
+    branch = _side(layer, create=True)
     branch.max_rank = side_rank
     branch.add(R.scaled(scale))
-    if _holds_in_weight(layer):
-        _materialize(layer)

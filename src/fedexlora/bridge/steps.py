@@ -81,9 +81,10 @@ def client_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What a client must keep between rounds to rebuild its model, as flat tensors.
 
     What payloads have folded into each adapted layer (``side.<module>.*``: factored
-    while that is smaller, at most one fp32 ``(d, n)`` per layer) and its adapter
-    (``adapter.*``). Never a base weight: a freshly loaded (pretrained) model plus this
-    state is the client's model, bit for bit (:func:`load_client_state`). Store it where
+    while that is smaller than the layer's weight, else that fp32 weight itself; at most
+    one ``(d, n)`` per layer) and its adapter (``adapter.*``). A freshly loaded
+    (pretrained) model plus this state is the client's model, bit for bit
+    (:func:`load_client_state`). Store it where
     your client lives between rounds (a Flower ``Context``, a file).
     """
     out = dict(side_state(model))

@@ -321,8 +321,11 @@ def _stack(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], dtype=None):
                 f"client {i}: B has shape {tuple(B.shape)}, expected {tuple(B0.shape)}"
             )
     dtype = dtype or _compute_dtype(A0)
-    A = torch.stack([a.detach().to(dtype) for a in As])  # (k, r, n)
-    B = torch.stack([b.detach().to(dtype) for b in Bs])  # (k, d, r)
+    A = torch.empty((len(As), *A0.shape), dtype=dtype, device=A0.device)  # (k, r, n)
+    B = torch.empty((len(Bs), *B0.shape), dtype=dtype, device=B0.device)  # (k, d, r)
+    for i, (a, b) in enumerate(zip(As, Bs)):  # one pass each: copy_ casts
+        A[i].copy_(a.detach())
+        B[i].copy_(b.detach())
     return A, B
 
 
@@ -408,14 +411,17 @@ def centred_residual(
     j = int(torch.argmax(p).item()) if A.device.type != "meta" else 0
     B_bar = torch.einsum("k,kdr->dr", p, B)  # (d, r)
     others = torch.tensor([i for i in range(k) if i != j], dtype=torch.long, device=A.device)
-    U = (B[others] - B_bar) * p[others, None, None]  # (k-1, d, r)
-    V = A[others] - A[j]  # (k-1, r, n)
+    # computed in place, in the layout of the result: U (d, k-1, r) is (d, (k-1) r) as is
+    U = B.permute(1, 0, 2)[:, others]  # (d, k-1, r), a copy
+    U.sub_(B_bar[:, None, :]).mul_(p[others][None, :, None])
+    V = A[others]  # (k-1, r, n), a copy
+    V.sub_(A[j])
     if A.device.type != "meta":  # values exist: drop the blocks that contribute nothing
-        live = (U.flatten(1).abs().amax(1) > 0) & (V.flatten(1).abs().amax(1) > 0)
+        live = U.any(2).any(0) & V.flatten(1).any(1)
         if not bool(live.all()):
-            U, V = U[live], V[live]
-    m = U.shape[0]
-    U = U.permute(1, 0, 2).reshape(d, m * r).to(out)  # (d, m r)
+            U, V = U[:, live], V[live]
+    m = V.shape[0]
+    U = U.reshape(d, m * r).to(out)  # (d, m r)
     V = V.reshape(m * r, n).to(out)  # (m r, n)
     return Residual.exact(U, V, dense_dtype=out)
 

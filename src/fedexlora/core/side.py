@@ -141,26 +141,23 @@ class SideBranch(torch.nn.Module):
 
 
 class Accumulator(torch.nn.Module):
-    """The sum of what was folded into an fp32 (or fp64) layer, for ``W = W0 + sum``.
+    """The record of what was folded into an fp32 (or fp64) weight, in place.
 
-    The sum is held dense from the first residual on (``total``, one ``addmm_`` per
-    residual), so every round costs one fold whatever came before, and the form never
-    changes. Beside it the residuals themselves are kept, factored, while together they
-    are smaller than one dense ``(d, n)``: that is what :attr:`residual` returns for a
-    client's saved state, and :meth:`set` replays them one by one (``splits``) into the
-    very bits of ``total``. Once they outgrow dense they are dropped and the state is
-    ``total`` itself.
+    Each residual goes into the weight with one ``addmm_`` (the least an exact fold can
+    cost; :mod:`fedexlora.bridge.adapters` does it), and is recorded here, factored and in
+    the weight's dtype, while together the records are smaller than one dense
+    ``(d, n)``. Replaying them in order on ``W0`` (``splits`` gives each one's rank)
+    repeats the very operations, so the weight comes back bit for bit. Once they outgrow
+    dense the record is dropped (``parts is None``) and the weight itself is the state.
 
-    The tensors are non-persistent buffers (the parts follow the module's device too).
+    The tensors follow the module's device.
     """
 
     def __init__(self, d: int, n: int, *, device=None, dtype=torch.float32):
         super().__init__()
         self.shape = (d, n)
         self.dtype = dtype
-        self.max_rank = None  # not used: the sum is exact (kept for the fold's interface)
         self.parts: list[tuple[torch.Tensor, torch.Tensor]] | None = []
-        self.register_buffer("total", None, persistent=False)
         self.register_buffer(
             "_anchor", torch.zeros(0, device=device, dtype=dtype), persistent=False
         )
@@ -172,88 +169,82 @@ class Accumulator(torch.nn.Module):
         return out
 
     @property
+    def outgrown(self) -> bool:
+        """Whether the record was dropped: the weight itself is the state."""
+        return self.parts is None
+
+    @property
     def splits(self) -> list[int]:
-        """The rank of each residual held factored, in the order they were added."""
+        """The rank of each residual recorded, in the order they were folded."""
         return [int(U.shape[1]) for U, _ in self.parts or []]
 
     @property
     def residual(self) -> Residual:
-        """The sum as a :class:`Residual`: the factors concatenated while held, else dense."""
-        d, n = self.shape
-        if self.parts:
-            U = torch.cat([U for U, _ in self.parts], 1)
-            V = torch.cat([V for _, V in self.parts], 0)
-            return Residual(self.shape, U=U, V=V)
-        if self.total is not None:
-            return Residual(self.shape, dense=self.total)
-        return Residual.zero(d, n, dtype=self.dtype, device=self._anchor.device)
+        """The recorded residuals' sum, their factors concatenated (zero when none).
+
+        Raises:
+            ValueError: Once the record was dropped (:attr:`outgrown`).
+        """
+        if self.parts is None:
+            raise ValueError("the record outgrew dense: the weight itself is the state")
+        if not self.parts:
+            d, n = self.shape
+            return Residual.zero(d, n, dtype=self.dtype, device=self._anchor.device)
+        U = torch.cat([U for U, _ in self.parts], 1)
+        V = torch.cat([V for _, V in self.parts], 0)
+        return Residual(self.shape, U=U, V=V)
 
     @property
     def rank(self) -> int:
-        """Columns of the factors held, ``min(d, n)`` once dense, 0 when empty."""
-        if self.parts:
-            return sum(self.splits)
-        return min(self.shape) if self.total is not None else 0
+        """Columns recorded, ``min(d, n)`` once outgrown, 0 when nothing was folded."""
+        if self.parts is None:
+            return min(self.shape)
+        return sum(self.splits)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the state (:attr:`residual`)."""
-        return self.residual.nbytes
+    def clear(self) -> None:
+        """Forgets everything (the weight is back at ``W0``)."""
+        self.parts = []
 
     @torch.no_grad()
-    def set(self, residual: Residual, splits: list[int] | None = None) -> None:
-        """Replaces the sum with ``residual``, added as the parts ``splits`` say.
+    def record(self, residual: Residual) -> Residual:
+        """Records ``residual`` (already scaled); returns it as it must be folded.
 
-        ``splits`` are the ranks of the residuals a factored state was built from
-        (:attr:`splits`); replaying them in order gives the bits the sum had. Without
-        them the factors are one part.
+        That is in this record's dtype and device, contiguous: the replay folds the very
+        same tensors.
         """
-        if tuple(residual.shape) != self.shape:
-            raise ValueError(f"accumulator is {self.shape}, got a residual of {residual.shape}")
-        self.parts, self.total = [], None
-        if residual.is_zero:
-            return
-        if residual.dense is not None:
-            self.add(residual)
-            return
-        q = int(residual.U.shape[1])
-        splits = list(splits) if splits else [q]
-        if sum(splits) != q or any(s <= 0 for s in splits):
-            raise ValueError(f"accumulator splits {splits} do not add up to the rank {q}")
-        start = 0
-        for s in splits:
-            part = Residual(
-                self.shape,
-                U=residual.U[:, start : start + s],
-                V=residual.V[start : start + s],
-            )
-            self.add(part)
-            start += s
-
-    @torch.no_grad()
-    def add(self, residual: Residual) -> None:
-        """``sum += residual`` (already scaled): one ``addmm_`` (or ``add_``)."""
-        if residual.is_zero:
-            return
         dev, dt = self._anchor.device, self.dtype
         d, n = self.shape
-        if self.total is None:
-            self.total = torch.zeros(d, n, device=dev, dtype=dt)
         if residual.dense is not None:
-            self.total.add_(residual.dense.to(dev, dt))
-            self.parts = None  # a dense part: the state is the sum itself from now on
-            return
+            self.parts = None  # a dense residual: the weight is the state from now on
+            return Residual(self.shape, dense=residual.dense.to(dev, dt).contiguous())
         U = residual.U.to(dev, dt).contiguous()
         V = residual.V.to(dev, dt).contiguous()
-        self.total.addmm_(U, V)
         if self.parts is not None:
             if (sum(self.splits) + U.shape[1]) * (d + n) < d * n:
                 self.parts.append((U, V))
             else:
-                self.parts = None  # dense is smaller now: the state is the sum
+                self.parts = None  # dense is smaller now: the weight is the state
+        return Residual(self.shape, U=U, V=V)
 
-    def to_dense(self) -> torch.Tensor:
-        """The ``(d, n)`` sum in fp64."""
-        if self.total is None:
-            return torch.zeros(self.shape, dtype=torch.float64, device=self._anchor.device)
-        return self.total.double()
+    @staticmethod
+    def split(residual: Residual, splits: list[int] | None) -> list[Residual]:
+        """A recorded state back into its parts (``splits``: their ranks; ``None``: one).
+
+        Raises:
+            ValueError: If the splits do not add up to the residual's rank.
+        """
+        if residual.is_zero:
+            return []
+        if residual.dense is not None:
+            return [residual]
+        q = int(residual.U.shape[1])
+        splits = list(splits) if splits else [q]
+        if sum(splits) != q or any(s <= 0 for s in splits):
+            raise ValueError(f"recorded splits {splits} do not add up to the rank {q}")
+        out, start = [], 0
+        for s in splits:
+            U = residual.U[:, start : start + s].contiguous()
+            V = residual.V[start : start + s].contiguous()
+            out.append(Residual(residual.shape, U=U, V=V))
+            start += s
+        return out

@@ -26,8 +26,8 @@ __all__ = [
 def base_deltas(model) -> dict[str, torch.Tensor]:
     """What folding changed in the model: each layer's accumulated residual.
 
-    ``side.<module>.U|V|dense``, factored or dense (:func:`fedexlora.bridge.adapters.side_state`):
-    a freshly loaded model plus these is the model, bit for bit.
+    ``side.<module>.*`` (:func:`fedexlora.bridge.adapters.side_state`): a freshly loaded
+    model plus these is the model, bit for bit.
     """
     return side_state(model)
 
