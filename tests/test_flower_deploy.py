@@ -283,12 +283,12 @@ class Federation:
             _stop([self.superlink])
 
 
-def _deploy_cfg(tiny_bert_dir):
+def _deploy_cfg(tiny_bert_dir, tiny_csv):
     from fedexlora.config import RunConfig
 
     return RunConfig(
         model=tiny_bert_dir,
-        task="bbc-news",
+        task=tiny_csv,  # a small CSV: every ClientApp process loads the task afresh
         methods=["fedex"],
         num_clients=2,
         max_train=40,
@@ -310,7 +310,7 @@ def _rows(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def deployed(tiny_bert_dir, tmp_path_factory):
+def deployed(tiny_bert_dir, tiny_csv, tmp_path_factory):
     """One deployment, three rounds, two crashes: the SuperLink, then a SuperNode.
 
     A SuperLink with its state in a database and two SuperNodes. ``flwr run`` starts the
@@ -333,7 +333,7 @@ def deployed(tiny_bert_dir, tmp_path_factory):
     from warm import WarmServer
 
     root = tmp_path_factory.mktemp("deployment")
-    cfg = _deploy_cfg(tiny_bert_dir)
+    cfg = _deploy_cfg(tiny_bert_dir, tiny_csv)
     run_dir = root / "run"
     fed = Federation(root / "federation", database=root / "superlink.db")
     # The flwr-clientapp (one per message) and flwr-serverapp processes Flower starts are

@@ -73,7 +73,7 @@ def killed_and_resumed(tmp_path_factory, tiny_bert_dir, tiny_csv):
     cfg.write_text(
         f'model = "{tiny_bert_dir}"\ntask = "{tiny_csv}"\n'
         f"methods = {json.dumps(METHODS)}\nrounds = {ROUNDS}\n"
-        'engine = "flower"\nlocal_steps = 40\nbatch_size = 8\nnum_clients = 2\n'
+        'engine = "flower"\nlocal_steps = 20\nbatch_size = 8\nnum_clients = 2\n'
         'min_partition_size = 5\nmax_length = 16\nlora_r = 4\ntarget_modules = ["query", "value"]\n'
         'keep_checkpoints = 1\nreport_to = ["tensorboard"]\n'
     )

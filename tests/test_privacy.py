@@ -26,15 +26,15 @@ def test_vectorised_rdp_is_opacus_rdp_at_every_order():
 
     from fedexlora.training.privacy import ORDERS, rdp_one_step
 
-    for q in (1e-3, 0.01, 0.2, 0.5, 0.99, 1.0):
-        for sigma in (0.5, 1.0, 2.5, 8.0):
-            ours = rdp_one_step(q, sigma)
-            ref = np.asarray(compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(ORDERS)))
-            assert np.allclose(ours, ref, rtol=1e-9, atol=1e-12), (q, sigma)
-            acc = rdp.RdpAccountant(orders=list(ORDERS))
-            event = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma))
-            acc.compose(event)
-            assert np.allclose(ours, acc._rdp, rtol=1e-6, atol=1e-12), (q, sigma)
+    cases = [(1e-3, 2.5), (0.01, 0.5), (0.2, 1.0), (0.5, 8.0), (0.99, 0.5), (1.0, 2.5)]
+    for q, sigma in cases:  # each of Opacus's calls takes about 0.4 s here
+        ours = rdp_one_step(q, sigma)
+        ref = np.asarray(compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(ORDERS)))
+        assert np.allclose(ours, ref, rtol=1e-9, atol=1e-12), (q, sigma)
+    for q, sigma in cases[1:3]:
+        acc = rdp.RdpAccountant(orders=list(ORDERS))
+        acc.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)))
+        assert np.allclose(rdp_one_step(q, sigma), acc._rdp, rtol=1e-6, atol=1e-12), (q, sigma)
     assert (rdp_one_step(0.0, 1.0) == 0).all() and np.isinf(rdp_one_step(0.3, 0.0)).all()
 
 
