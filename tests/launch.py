@@ -77,6 +77,13 @@ def _main(argv: list[str], env: dict[str, str], log: str, cwd: str | None) -> No
     os._exit(code)
 
 
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 class Run:
     """A started ``fedexlora`` command: ``pid``, ``poll()``, ``wait()``, ``kill()``."""
 
@@ -110,6 +117,7 @@ def start(*args: str, env: dict[str, str] | None = None, log=None, cwd=None) -> 
     if log is None:
         fd, log = tempfile.mkstemp(prefix="fedexlora-", suffix=".log")
         os.close(fd)
+        atexit.register(_remove, log)  # a temporary log goes when the test process ends
     proc = _context().Process(
         target=_main,
         args=(list(args), dict(os.environ if env is None else env), str(log),
