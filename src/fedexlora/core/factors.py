@@ -173,8 +173,7 @@ class Residual:
         if q * (d + n) >= d * n:
             # Even unreduced factors would not beat dense: one matmul, no QR/SVD. The rank
             # is then only known as its bound min(q, d, n).
-            dt = dense_dtype or U.dtype
-            return Residual((d, n), dense=U.to(dt) @ V.to(dt), stored_rank=min(q, d, n))
+            return Residual.exact(U, V, dense_dtype=dense_dtype)
         Qu, Ru = torch.linalg.qr(U)  # (d, q'), (q', q)
         Qv, Rv = torch.linalg.qr(V.T)  # (n, q''), (q'', q)
         core = Ru @ Rv.T  # (q', q'')
@@ -381,7 +380,12 @@ def _centred_factors(A: torch.Tensor, B: torch.Tensor, p: torch.Tensor):
 
 
 def centred_residual(
-    A: torch.Tensor, B: torch.Tensor, p: torch.Tensor, *, out_dtype: torch.dtype | None = None
+    A: torch.Tensor,
+    B: torch.Tensor,
+    p: torch.Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    B_bar: torch.Tensor | None = None,
 ) -> Residual:
     """``Σ p_i B_i A_i − B̄ Ā``, factored exactly at rank <= (k-1) r without QR or SVD.
 
@@ -399,6 +403,7 @@ def centred_residual(
         B: ``(k, d, r)`` stacked client B factors.
         p: ``(k,)`` weights that sum to one, on the factors' device.
         out_dtype: The dtype of the returned residual; defaults to ``A``'s.
+        B_bar: ``Σ p_i B_i`` when the caller has it already (it is computed otherwise).
 
     Returns:
         The residual, factored (not SVD-ordered: :meth:`Residual.truncate` orders it when
@@ -409,7 +414,8 @@ def centred_residual(
     out = out_dtype or A.dtype
     p = p.to(device=A.device, dtype=A.dtype)
     j = int(torch.argmax(p).item()) if A.device.type != "meta" else 0
-    B_bar = torch.einsum("k,kdr->dr", p, B)  # (d, r)
+    if B_bar is None:
+        B_bar = torch.einsum("k,kdr->dr", p, B)  # (d, r)
     others = torch.tensor([i for i in range(k) if i != j], dtype=torch.long, device=A.device)
     # computed in place, in the layout of the result: U (d, k-1, r) is (d, (k-1) r) as is
     U = B.permute(1, 0, 2)[:, others]  # (d, k-1, r), a copy

@@ -11,9 +11,9 @@ from fedexlora.core.methods.spec import MethodSpec
 def aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6):
     """``Ā``, ``B̄`` and the residual ``Σ p_i B_i A_i − B̄ Ā``, factored at rank <= (k-1) r."""
     del generator, atol
-    residual = centred_residual(A, B, p, out_dtype=out_dtype)  # no QR, no SVD
     A_new = torch.einsum("k,krn->rn", p, A)  # (r, n)
     B_new = torch.einsum("k,kdr->dr", p, B)  # (d, r)
+    residual = centred_residual(A, B, p, out_dtype=out_dtype, B_bar=B_new)  # no QR, no SVD
     return A_new, B_new, residual
 
 
