@@ -25,6 +25,7 @@ ROW_FIELDS = {
     "test_examples",
     "train_loss",
     "seconds",
+    "server_seconds",
     "bytes_up",
     "bytes_down",
     "bytes_down_max",
@@ -65,7 +66,7 @@ def max_rel_diff(cfg, dir_a, dir_b, method) -> float:
 
 
 def _strip(row):
-    return {k: v for k, v in row.items() if k != "seconds"}
+    return {k: v for k, v in row.items() if not k.endswith("seconds")}
 
 
 # -- run config ------------------------------------------------------------------------
@@ -155,7 +156,8 @@ def test_centralized_is_refused(tiny_cfg, tmp_path):
 
 # -- the strategy over an in-process grid (no Ray, no sockets) -------------------------
 class InProcessGrid(Grid):
-    """A Flower Grid that runs the ClientApp here, one Context per node.
+    """A Flower Grid that runs the ClientApp here, one Context per node; every message
+    and reply goes through Flower's protobuf serialization, as between processes.
 
     ``lose`` holds (round, partition) pairs whose node crashes after training, before its
     reply is sent: the client's state moved on but the server never hears of it.
@@ -201,11 +203,16 @@ class InProcessGrid(Grid):
         raise NotImplementedError
 
     def send_and_receive(self, messages, *, timeout=None):
+        from flwr.common.serde import message_from_proto, message_to_proto
+
+        def wire(m):  # each way through Flower's protobuf, as between processes
+            return message_from_proto(message_to_proto(m))
+
         replies = []
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = uuid4().hex
             ctx = self.contexts[msg.metadata.dst_node_id]
-            reply = self.app(msg, ctx)
+            reply = wire(self.app(wire(msg), ctx))
             if msg.metadata.message_type == "train":
                 key = (int(msg.content["config"]["server-round"]), ctx.node_config["partition-id"])
                 self.trained.append(key)

@@ -28,7 +28,7 @@ def _flower(cfg, run_dir, *, grid=None, **settings):
 
 
 def _strip(rows):
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]
 
 
 def _close(rows_a, rows_b):

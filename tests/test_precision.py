@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ONE_ACTOR
 from fedexlora.bridge.adapters import effective_weight, lora_layers
 from fedexlora.bridge.models import load_model
 from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
@@ -65,27 +64,34 @@ def test_local_engine_model_equals_hand_computed_ideal(tiny_cfg, tmp_path, prec)
     assert _rel(_exported(res.path, cfg), ideal, w0) <= 1e-5
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("prec", PRECISIONS[3:4], ids=["nf4"])
-def test_flower_engine_model_equals_hand_computed_ideal(tiny_cfg, tmp_path, prec, monkeypatch):
+def test_flower_engine_model_equals_hand_computed_ideal(
+    tiny_cfg, tmp_path, prec, monkeypatch, task_identity
+):
     """The Flower engine trains the same clients: its model equals the same ideal.
 
     nf4 only: its side branch is the code path bf16 and fp16 bases take too (checked
-    in-process against the ideal above); fp32 under Flower is
-    ``test_flower_simulation.py::test_simulation_engine_matches_local_engine``, identical to the
-    in-process engine at the same threads, which this file checks against the ideal.
+    in-process against the ideal above); fp32 under Flower's simulation runtime is
+    ``test_flower_simulation.py::test_simulation_engine_matches_local_engine``, identical
+    to the in-process engine at the same threads, which this file checks against the ideal.
 
-    Clients rebuild their model from the Flower Context every round (no process cache),
-    as a deployment's fresh ClientApp process does: what they remember must be enough.
+    The real ClientApp and strategy over the in-process grid of ``test_flower.py`` (every
+    message through Flower's protobuf). Clients rebuild their model from the Flower
+    Context every round (no model cache), as a deployment's fresh ClientApp process does:
+    what they remember must be enough.
     """
-    from fedexlora.flower.simulation import run_flower_experiment
+    from fedexlora.flower import client_app
+    from test_flower_parity import _flower
 
-    monkeypatch.setenv("FEDEXLORA_CLIENT_MODEL_CACHE", "0")
+    monkeypatch.setattr(client_app, "_MAX_MODELS", 0)
+    monkeypatch.setattr(client_app, "_MODELS", type(client_app._MODELS)())
     cfg = _cfg(tiny_cfg, **prec, rounds=2)  # round 2: every client rebuilt from its Context
     run_experiment(cfg, tmp_path / "local", progress=False)  # the clients' adapters
     ideal, w0 = ideal_from_client_adapters(tmp_path / "local", cfg)
     fcfg = cfg.replace(engine="flower", save_client_adapters=False)
-    rows = run_flower_experiment(fcfg, tmp_path / "flower", backend_config=ONE_ACTOR)
+    rows, grid = _flower(fcfg, tmp_path / "flower")
+    assert grid.trained == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
+    assert not client_app._MODELS  # nothing kept between messages
     assert all(r["accepted"] == [0, 1, 2] for r in rows)
     assert all(r["effective_deviation"]["max"] <= 1e-5 for r in rows)
     task = load_task_for(fcfg)

@@ -38,7 +38,7 @@ def _cmd(*args):
 
 
 def _rows_without_timing(path):
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in read_metrics(path)]
+    return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in read_metrics(path)]
 
 
 def _final_tensors(run_dir):

@@ -14,6 +14,7 @@ FIELDS = {
     "metrics",
     "train_loss",
     "seconds",
+    "server_seconds",
     "bytes_up",
     "bytes_down",
     "deviation",
@@ -22,7 +23,7 @@ FIELDS = {
 
 
 def _strip(rows):
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]
 
 
 def test_run_writes_run_directory_and_fedex_is_exact(tiny_cfg, tmp_path):

@@ -26,6 +26,7 @@ __all__ = [
     "residuals_from_flat",
     "residuals_to_flat",
     "split_leading",
+    "svd_of_product",
 ]
 
 
@@ -432,6 +433,23 @@ def centred_residual(
     return Residual.exact(U, V, dense_dtype=out)
 
 
+def svd_of_product(A: torch.Tensor, B: torch.Tensor):
+    """The thin SVD of ``B @ A`` in fp64, without forming the ``(d, n)`` product.
+
+    QR of both factors, then an SVD of the ``(r, r)`` core: ``O((d + n) r^2)``.
+
+    Returns:
+        ``(U, S, V)`` with ``U`` ``(d, q)``, ``S`` ``(q,)`` descending, ``V`` ``(q, n)``
+        (orthonormal columns of ``U`` and rows of ``V``), ``q = min(r, d, n)``, and
+        ``U @ diag(S) @ V == B @ A``.
+    """
+    A64, B64 = A.detach().double(), B.detach().double()
+    Qb, Rb = torch.linalg.qr(B64)  # (d, q), (q, r)
+    Qa, Ra = torch.linalg.qr(A64.T)  # (n, q'), (q', r)
+    X, S, Yh = torch.linalg.svd(Rb @ Ra.T, full_matrices=False)
+    return Qb @ X, S, Yh @ Qa.T
+
+
 def split_leading(
     A: torch.Tensor, B: torch.Tensor, rank: int
 ) -> tuple[torch.Tensor, torch.Tensor, Residual]:
@@ -447,12 +465,7 @@ def split_leading(
     if rank < 1:
         raise ValueError(f"`rank` must be >= 1, got {rank}")
     out = _compute_dtype(A)
-    A64, B64 = A.detach().double(), B.detach().double()
-    Qb, Rb = torch.linalg.qr(B64)  # (d, r), (r, r)
-    Qa, Ra = torch.linalg.qr(A64.T)  # (n, r), (r, r)
-    X, S, Yh = torch.linalg.svd(Rb @ Ra.T)
-    U = Qb @ X  # (d, r)
-    V = Yh @ Qa.T  # (r, n)
+    U, S, V = svd_of_product(A, B)
     k = min(rank, S.numel())
     root = S[:k].sqrt()
     B_lead = torch.zeros(B.shape[0], rank, dtype=torch.float64, device=B.device)

@@ -233,7 +233,8 @@ def _layer_bytes(
             out[m] = {"down": _nbytes(res.B), "up": _nbytes(cores[0]), "residual": 0}
         elif spec.frozen_A:  # A was sent once, in round 1: only B travels
             res = aggregate([As[0]] * clients, Bs, method=m, generator=g)
-            out[m] = {"down": _nbytes(res.B), "up": _nbytes(Bs[0]), "residual": 0}
+            down = _nbytes(res.B) + (_nbytes(res.A) if spec.refactors_A else 0)  # FedSVD: new A
+            out[m] = {"down": down, "up": _nbytes(Bs[0]), "residual": 0}
         else:
             res = aggregate(As, Bs, method=m, generator=g)
             ab = _nbytes(res.A) + _nbytes(res.B)

@@ -126,6 +126,7 @@ def run_server(
                 bytes_down_max=rec.bytes_down_max,
                 server_bytes=srv.nbytes(),
                 test_examples=len(prep.task.test),
+                server_seconds=srv.last_round_seconds,
             )
             if cfg.dp:  # what the clients reported of their own accounting
                 from fedexlora.training.privacy import privacy_row

@@ -272,6 +272,7 @@ def round_row(
     bytes_down_max: int = 0,
     server_bytes: dict[str, int] | None = None,
     test_examples: int = 0,
+    server_seconds: float = 0.0,
 ) -> dict:
     """One ``metrics.jsonl`` row (one method, one round).
 
@@ -279,7 +280,8 @@ def round_row(
     (:func:`fedexlora.bridge.steps.apply_outcome`); without it the server's own figure is used.
     ``bytes_down_max`` is the largest payload one client received; ``server_bytes`` is
     :meth:`fedexlora.server.Server.nbytes` after the round; ``test_examples`` is how many
-    examples ``metrics`` were measured on.
+    examples ``metrics`` were measured on; ``server_seconds`` is the server's own work
+    in the round (payloads, validation, aggregation: ``Server.last_round_seconds``).
     """
     losses = [u.train_loss for u in uploads if u.client_id in outcome.accepted]
     row = {
@@ -289,6 +291,7 @@ def round_row(
         "test_examples": test_examples,
         "train_loss": sum(losses) / len(losses) if losses else float("nan"),
         "seconds": seconds,
+        "server_seconds": server_seconds,
         "bytes_up": bytes_up,
         "bytes_down": bytes_down,
         "bytes_down_max": bytes_down_max,

@@ -143,6 +143,7 @@ def run_method(
             bytes_down_max=down_max,
             server_bytes=server.nbytes(),
             test_examples=len(prep.task.test),
+            server_seconds=server.last_round_seconds,
         )
         if ledger is not None:
             row["privacy"] = ledger.row(refused)

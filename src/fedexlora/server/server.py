@@ -9,7 +9,9 @@ fold the returned residuals into whatever model they hold (see :mod:`fedexlora.b
 
 from __future__ import annotations
 
+import functools
 import math
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -42,6 +44,26 @@ __all__ = [
     "example_count",
     "validate_upload",
 ]
+
+
+def _timed(fn):
+    """Adds the method's seconds to ``self._busy``.
+
+    ``aggregate`` closes the round's sum into ``last_round_seconds`` (payloads,
+    validation, aggregation: the server's own work in the round).
+    """
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self._busy += time.perf_counter() - t0
+            if fn.__name__ == "aggregate":
+                self.last_round_seconds, self._busy = self._busy, 0.0
+
+    return wrapper
 
 
 class Server:
@@ -109,6 +131,8 @@ class Server:
             raise ValueError(f"heterogeneous client ranks need method {hetero}, got {method!r}")
         self.remainder: dict[int, dict[str, Residual]] = {}  # hetero: T_i each client holds
         self.sent: dict[int, AdapterState] = {}  # hetero: the view each client trains from
+        self._busy = 0.0  # seconds in payload_for and aggregate since the last round
+        self.last_round_seconds = 0.0  # the server's own seconds in the latest round
 
     def _has(self, flag: str) -> bool:
         """Whether the method's spec sets ``flag`` (an unknown method, none: it fails later).
@@ -162,6 +186,7 @@ class Server:
         """The oldest base version the residual history can still bring up to date."""
         return min(self.history, default=self.version)
 
+    @_timed
     def payload_for(self, client_id: int) -> Payload:
         """Builds the payload for ``client_id`` and records its new base version.
 
@@ -186,7 +211,7 @@ class Server:
             residuals = from_w0
             self.remainder.pop(client_id, None)  # heterogeneous ranks: nothing folded
         state = self.state
-        if self._has("frozen_A") and not reset:
+        if self._has("frozen_A") and not self._has("refactors_A") and not reset:
             state = self.upload_template()  # A is frozen and already held
         if client_id in self.client_layers:
             state, residuals = self._hetero_view(client_id, residuals)
@@ -236,6 +261,8 @@ class Server:
         gen = torch.Generator().manual_seed(self.seed * 65_537 + self.round * 101 + c)
         layers_c = self.client_layers[c]
         view, t_new = client_view(self.state, self.layers, layers_c, generator=gen)
+        if self._has("hetero_drops_tail"):  # FlexLoRA: the truncation and nothing else
+            t_new = {}
         t_old = self.remainder.get(c, {})
         out = {}
         for name, info in self.layers.items():
@@ -446,6 +473,7 @@ class Server:
         return out
 
     # -- aggregation -----------------------------------------------------------------
+    @_timed
     def aggregate(
         self, uploads: Sequence[ClientUpload], *, generator: torch.Generator | None = None
     ) -> RoundOutcome:
@@ -490,7 +518,8 @@ class Server:
         elif self.side_rank is not None:
             residuals, capped, feedback_norm = self._cap_side(residuals)
         new_state = agg.state
-        if self._has("frozen_A"):  # keep the frozen global A (latent, Fed-SB: I)
+        if self._has("frozen_A") and not self._has("refactors_A"):
+            # keep the frozen global A (latent, Fed-SB: I)
             new_state = AdapterState(
                 factors={
                     k: (self.state.factors[k][0], B) for k, (_, B) in new_state.factors.items()
@@ -539,8 +568,9 @@ class Server:
         Us, Vs, remainders = [], [], []
         for cid, p in outcome.weights.items():
             A, B = by_id[cid].state.factors[name]
-            if A is None:
-                A = self.state.factors[name][0]
+            if A is None:  # the frozen A the clients trained against (FedSVD's moves on)
+                held = self.state if outcome.previous is None else outcome.previous
+                A = held.factors[name][0]
             scale = self.client_layers.get(cid, self.layers)[name].scale  # the client's own
             Us.append(B.double() * (p * scale))  # (d, r_i)
             Vs.append(A.double())  # (r_i, n)

@@ -7,7 +7,16 @@ asks the registry (:func:`get_method`); none tests a method's name.
 
 from __future__ import annotations
 
-from fedexlora.core.methods import centralized, fedex, fedit, fedsb, ffa, flora
+from fedexlora.core.methods import (
+    centralized,
+    fedex,
+    fedit,
+    fedsb,
+    fedsvd,
+    ffa,
+    flexlora,
+    flora,
+)
 from fedexlora.core.methods.spec import Aggregate, MethodSpec
 
 __all__ = ["REGISTRY", "Aggregate", "MethodSpec", "get_method", "method_names"]
@@ -20,6 +29,8 @@ REGISTRY: dict[str, MethodSpec] = {
         ffa,
         flora,
         fedsb,
+        flexlora,
+        fedsvd,
         centralized,
     )
 }

@@ -8,6 +8,21 @@ from fedexlora.core.factors import Residual
 from fedexlora.core.methods.spec import MethodSpec
 
 
+def check_shared_A(A: torch.Tensor, atol: float, method: str) -> None:
+    """Raises ``ValueError`` unless every client's A (stacked, ``(k, r, n)``) is the same.
+
+    Clients that keep A frozen send none; the server fills in the global A, so a
+    difference means a client trained it.
+    """
+    spread = (A - A[0]).abs().amax().item()
+    scale = A[0].abs().amax().item()
+    if spread > atol + 1e-5 * scale:
+        raise ValueError(
+            f"{method} requires every client to share the frozen A, but the clients' A "
+            f"differ by up to {spread:.3g}; was A trained?"
+        )
+
+
 def shared_A_aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6):
     """The shared A and ``B̄``: exact, since the update ``B A`` is linear in B.
 
@@ -17,13 +32,7 @@ def shared_A_aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol
     del out_dtype, generator
     k, r, n = A.shape
     d = B.shape[1]
-    spread = (A - A[0]).abs().amax().item()
-    scale = A[0].abs().amax().item()
-    if spread > atol + 1e-5 * scale:
-        raise ValueError(
-            "ffa requires every client to share the frozen A, but the clients' A "
-            f"differ by up to {spread:.3g}; was A trained?"
-        )
+    check_shared_A(A, atol, "ffa")
     B_new = torch.einsum("k,kdr->dr", p, B)  # (d, r)
     return A[0].clone(), B_new, Residual.zero(d, n, dtype=A.dtype, device=A.device)
 

@@ -40,9 +40,14 @@ class MethodSpec:
         federated: ``False`` for the pooled, one-party reference (``centralized``).
         server_method: The method whose server math runs it, when not its own.
         frozen_A: A is shared, frozen and never uploaded (clients train B, or a core).
+        refactors_A: With ``frozen_A``: the server re-factors the update every round and
+            sends the new shared A with B (FedSVD); otherwise A is sent once.
         latent: Clients train an ``r x r`` core between frozen A and B (Fed-SB); the
             server sees it in latent coordinates (``A = I``, ``B = R``).
         hetero_ranks: Clients may train adapters of different ranks (``client_ranks``).
+        hetero_drops_tail: A client of a lower rank gets the truncation of the global
+            adapter and nothing else (FlexLoRA); otherwise what the truncation leaves out
+            is folded into that client's base, so it holds the global model exactly.
         residual_rank: The residual may be truncated to a rank with error feedback.
         fresh_adapter: The global adapter restarts every round (a seeded fresh A, B = 0).
         flower: Runs under the Flower engine.
@@ -67,8 +72,10 @@ class MethodSpec:
     federated: bool = True
     server_method: str | None = None
     frozen_A: bool = False
+    refactors_A: bool = False
     latent: bool = False
     hetero_ranks: bool = False
+    hetero_drops_tail: bool = False
     residual_rank: bool = False
     fresh_adapter: bool = False
     flower: bool = True
@@ -83,6 +90,10 @@ class MethodSpec:
             raise ValueError(f"method {self.name!r}: a federated method needs `aggregate`")
         if self.latent and not self.frozen_A:
             raise ValueError(f"method {self.name!r}: a latent method keeps A frozen")
+        if self.refactors_A and not self.frozen_A:
+            raise ValueError(f"method {self.name!r}: `refactors_A` needs `frozen_A`")
+        if self.hetero_drops_tail and not self.hetero_ranks:
+            raise ValueError(f"method {self.name!r}: `hetero_drops_tail` needs `hetero_ranks`")
 
     @property
     def server(self) -> str:

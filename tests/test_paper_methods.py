@@ -1,0 +1,201 @@
+"""The 2024-25 methods, each against an independent computation from its paper's equations
+(dense fp64, never the method's own code), then end to end on both engines, where the
+model's effective weights are checked against an ideal rebuilt from the saved client
+adapters."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedexlora.bridge.adapters import effective_weight, get_state, layer_info, lora_layers
+from fedexlora.bridge.steps import apply_payload
+from fedexlora.core.aggregation import aggregate
+from fedexlora.core.messages import ClientUpload
+from fedexlora.run.pipeline import run_experiment
+from fedexlora.server import Server
+
+
+def _factors(k=4, r=3, d=10, n=12, seed=0, shared_A=False):
+    g = torch.Generator().manual_seed(seed)
+    A0 = torch.randn(r, n, generator=g, dtype=torch.float64)
+    As = [A0.clone() if shared_A else torch.randn(r, n, generator=g, dtype=torch.float64)
+          for _ in range(k)]  # fmt: skip
+    Bs = [torch.randn(d, r, generator=g, dtype=torch.float64) for _ in range(k)]
+    w = torch.rand(k, generator=g, dtype=torch.float64) + 0.1
+    return As, Bs, w / w.sum()
+
+
+def _projector(rows):  # sign- and basis-free: the row space of an (r, n) matrix
+    return rows.T @ torch.linalg.pinv(rows.T)
+
+
+# -- FedSVD ---------------------------------------------------------------------------
+def test_fedsvd_is_the_svd_of_the_averaged_B_times_the_shared_A():
+    As, Bs, p = _factors(shared_A=True)
+    res = aggregate(As, Bs, p, method="fedsvd")
+    B_bar = sum(pi * B for pi, B in zip(p, Bs))
+    ideal = B_bar @ As[0]  # = sum_i p_i B_i A (A shared): the round is exact
+    U, S, Vh = torch.linalg.svd(ideal)
+    r = As[0].shape[0]
+    assert torch.allclose(res.B @ res.A, ideal, atol=1e-10)
+    assert torch.allclose(res.A @ res.A.T, torch.eye(r, dtype=torch.float64), atol=1e-10)
+    assert torch.allclose(_projector(res.A), Vh[:r].T @ Vh[:r], atol=1e-10)
+    # every singular value sits in B: its columns are U_r Σ_r (up to sign)
+    assert torch.allclose(res.B.norm(dim=0), S[:r], atol=1e-10)
+    assert res.residual.is_zero
+
+
+def test_fedsvd_refuses_clients_whose_A_differ():
+    As, Bs, p = _factors()
+    with pytest.raises(ValueError, match="fedsvd requires every client to share the frozen A"):
+        aggregate(As, Bs, p, method="fedsvd")
+
+
+def test_fedsvd_server_sends_the_new_A_every_round_and_ffa_does_not(tiny_bert_dir):
+    from test_scale import _model
+
+    model = _model(tiny_bert_dir)
+    for method, sends_A in (("fedsvd", True), ("ffa", False)):
+        server = Server(get_state(model), layer_info(model), num_clients=2, method=method)
+        first = [server.payload_for(c) for c in (0, 1)]
+        assert all(all(A is not None for A, _ in p.state.factors.values()) for p in first)
+        g = torch.Generator().manual_seed(1)
+        ups = [
+            ClientUpload(
+                c,
+                type(server.state)(
+                    factors={
+                        k: (None, torch.randn(B.shape, generator=g))
+                        for k, (_, B) in server.state.factors.items()
+                    },  # fmt: skip
+                    extra=server.state.extra,
+                ),
+                10 + c,
+            )
+            for c in (0, 1)
+        ]
+        before = {k: A.clone() for k, (A, _) in server.state.factors.items()}
+        outcome = server.aggregate(ups)
+        assert outcome.accepted == [0, 1]
+        moved = any(not torch.equal(server.state.factors[k][0], A) for k, A in before.items())
+        assert moved is sends_A
+        nxt = server.payload_for(0)
+        assert all((A is not None) is sends_A for A, _ in nxt.state.factors.values())
+        # a client that applies it holds the server's global factors (A included)
+        apply_payload(model, first[0])
+        apply_payload(model, nxt)
+        got = get_state(model)
+        for k, (A, B) in server.state.factors.items():
+            assert torch.equal(got.factors[k][0], A) and torch.equal(got.factors[k][1], B)
+
+
+# -- FlexLoRA -------------------------------------------------------------------------
+def test_flexlora_is_the_eckart_young_truncation_of_the_weighted_update():
+    As, Bs, p = _factors(k=4, r=3)
+    res = aggregate(As, Bs, p, method="flexlora")
+    full = sum(pi * B @ A for pi, A, B in zip(p, As, Bs))  # rank up to k r = 12
+    U, S, Vh = torch.linalg.svd(full)
+    r = 3
+    best = U[:, :r] @ torch.diag(S[:r]) @ Vh[:r]
+    assert torch.allclose(res.B @ res.A, best, atol=1e-10)
+    # its loss is exactly the energy beyond rank r (Eckart-Young), and it is not zero
+    lost = torch.linalg.norm(full - res.B @ res.A)
+    assert torch.isclose(lost, S[r:].pow(2).sum().sqrt(), rtol=1e-10) and lost > 0.1
+    assert torch.allclose(res.A @ res.A.T, torch.eye(r, dtype=torch.float64), atol=1e-10)
+    assert torch.allclose(res.B.norm(dim=0), S[:r], atol=1e-10)  # Σ in B, as released
+    assert res.residual.is_zero
+
+
+def test_flexlora_lower_rank_client_gets_the_truncation_and_nothing_folded(tiny_bert_dir):
+    """A rank-2 client of a rank-4 global adapter: its payload is the best rank-2 part of
+    the global update in its own scale, with no residual (FedEx would fold the tail)."""
+    from fedexlora.bridge.models import load_model
+
+    model = load_model(
+        tiny_bert_dir, causal=False, num_labels=3, r=4, alpha=8, dropout=0.0,
+        target_modules=["query", "value"],
+    )[0]  # fmt: skip
+    import dataclasses
+
+    model.add_adapter("rank2", dataclasses.replace(model.peft_config["default"], r=2))
+    g = torch.Generator().manual_seed(0)
+    for layer in lora_layers(model).values():
+        layer.lora_B["default"].weight.data = torch.randn(layer.lora_B["default"].weight.shape,
+                                                          generator=g)  # fmt: skip
+    glob = layer_info(model, "default")
+    low = layer_info(model, "rank2")
+    for method, folds in (("flexlora", False), ("fedex", True)):
+        server = Server(get_state(model, adapter="default"), glob, num_clients=2, method=method,
+                        client_layers={1: low})  # fmt: skip
+        pay = server.payload_for(1)
+        assert bool(pay.residuals) is folds
+        if folds:
+            continue
+        for name, (A, B) in pay.state.factors.items():
+            gA, gB = server.state.factors[name]
+            full = glob[name].scale * gB.double() @ gA.double()
+            U, S, Vh = torch.linalg.svd(full)
+            best = U[:, :2] @ torch.diag(S[:2]) @ Vh[:2]
+            got = low[name].scale * B.double() @ A.double()
+            assert torch.allclose(got, best, atol=1e-6 * float(S[0])), name
+
+
+# -- end to end, both engines ---------------------------------------------------------
+def _client_rounds(run_dir, cfg):
+    """Per round: the weights and (A, B) per layer of every saved client adapter."""
+    out = []
+    for rnd in range(1, cfg.rounds + 1):
+        clients = sorted((run_dir / "clients" / f"round-{rnd}").iterdir())
+        metas = [json.loads((c / "meta.json").read_text()) for c in clients]
+        tensors = [load_file(str(c / "adapter_model.safetensors")) for c in clients]
+        out.append(([m["weight"] for m in metas], tensors))
+    return out
+
+
+def _hand_model(run_dir, cfg, w0, truncate):
+    """The global model's adapted weights rebuilt from W0 and the client adapters alone:
+    ``W0 + s Σ p_i B_i A_i`` of the last round (neither method folds into the base),
+    truncated to rank r by a dense SVD for FlexLoRA."""
+    scale = cfg.lora_alpha / cfg.lora_r
+    weights, tensors = _client_rounds(run_dir, cfg)[-1]
+    out = {}
+    for n in w0:
+        upd = sum(
+            p * t[f"{n}.lora_B.weight"].double() @ t[f"{n}.lora_A.weight"].double()
+            for p, t in zip(weights, tensors)
+        )
+        if truncate:
+            U, S, Vh = torch.linalg.svd(upd)
+            upd = U[:, : cfg.lora_r] @ torch.diag(S[: cfg.lora_r]) @ Vh[: cfg.lora_r]
+        out[n] = w0[n] + scale * upd
+    return out
+
+
+@pytest.mark.parametrize("method", ["fedsvd", "flexlora"])
+def test_paper_method_end_to_end_on_both_engines(tiny_cfg, tmp_path, task_identity, method):
+    from test_flower import _final_model
+    from test_flower_parity import _close, _flower
+    from test_precision import _rel, _w0
+
+    cfg = tiny_cfg.replace(methods=[method], rounds=2, lr=2e-2, save_client_adapters=True)
+    local = run_experiment(cfg, tmp_path / "local", progress=False)
+    model, _ = _final_model(cfg, tmp_path / "local", method)
+    layers = lora_layers(model)
+    w0 = {n: _w0(layer) for n, layer in layers.items()}
+    got = {n: effective_weight(layer).double() for n, layer in layers.items()}
+    want = _hand_model(tmp_path / "local", cfg, w0, truncate=method == "flexlora")
+    assert _rel(got, want, w0) <= 1e-5
+    dev = [r["effective_deviation"]["max"] for r in local]
+    if method == "fedsvd":  # exact: the model is the ideal average of the client models
+        assert max(dev) <= 1e-5
+    else:  # lossy: the truncation's loss, measured on the model and reported
+        assert min(dev) > 1e-3
+    for r in local:
+        assert r["bytes_up"] > 0 and r["bytes_down"] > 0 and r["server_seconds"] > 0
+    flower, _ = _flower(cfg, tmp_path / "flower")
+    _close(flower, local)
+    other, _ = _final_model(cfg, tmp_path / "flower", method)
+    for n, layer in lora_layers(other).items():
+        assert torch.allclose(effective_weight(layer).double(), got[n], rtol=0, atol=1e-6), n
