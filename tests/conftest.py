@@ -13,30 +13,53 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-# Under pytest-xdist, scripts/test.sh runs with --dist loadfile: a file's tests share a
-# worker, so a module-scoped fixture (a whole Flower deployment, a killed and resumed run)
-# runs once, not once per worker. The files that start Flower runs go first, so that the
-# two workers do not end with one of them alone on a long file.
+# Under pytest-xdist, scripts/test.sh runs with --dist loadgroup, and every test belongs to
+# a group: its file's, so that a module-scoped fixture (a whole Flower deployment, a killed
+# and resumed run) runs once; or, for the tests that start many processes of their own
+# (Flower's SuperLink, SuperNodes and Ray, killed and resumed runs), the one group
+# MULTI_PROCESS. That group runs first, on one worker, one test at a time, while the other
+# worker runs the in-process tests: two of them at once fought over the 2 cores, and
+# Flower's and Ray's polling threads burn CPU in proportion to how long they wait.
+MULTI_PROCESS = "multi-process"
+MULTI_PROCESS_FILES = {"test_flower_deploy.py", "test_flower_simulation.py"}
+MULTI_PROCESS_TESTS = {
+    "test_scale.py::test_200_virtual_clients_under_flower_match_the_in_process_engine",
+    "test_resume.py::test_sigkill_in_round_3_then_resume_is_identical",
+    "test_resume.py::test_random_sigkills_then_resume_each_time_is_identical",
+    "test_examples.py::test_flower_app_example_is_exact",
+}
+# The in-process files, slowest first (the other worker starts with them).
 SLOW_FIRST = [
     "test_flower_deploy.py",
     "test_flower_simulation.py",
     "test_scale.py",
-    "test_flower.py",
     "test_resume.py",
+    "test_examples.py",
+    "test_flower.py",
     "test_precision.py",
     "test_privacy.py",
     "test_compare.py",
-    "test_examples.py",
     "test_paper_tasks.py",
     "test_flower_parity.py",
     "test_recipes.py",
+    "test_paper_methods.py",
 ]
 
 
+def _multi_process(item) -> bool:
+    name = item.path.name
+    return name in MULTI_PROCESS_FILES or f"{name}::{item.name}" in MULTI_PROCESS_TESTS
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Slow files first (stable: each file's tests keep their order)."""
+    """The multi-process group first, then the other files slowest first; each test is
+    marked with its group (stable: each file's tests keep their order)."""
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    for item in items:
+        group = MULTI_PROCESS if _multi_process(item) else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda it: (not _multi_process(it), rank.get(it.path.name, len(rank))))
 
 
 ONE_ACTOR = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 1}}

@@ -141,25 +141,30 @@ def test_the_circle_test_sees_a_circle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.parametrize(
-    "statement",
-    [
-        "import fedexlora; fedexlora.aggregate",
-        "from fedexlora import aggregate, Server, AdapterState",
-        "from fedexlora.server import Server",
-        "from fedexlora.core.methods import REGISTRY",
-        "import fedexlora.core.hetero, fedexlora.core.side, fedexlora.core.messages",
-    ],
-)
-def test_pure_layers_load_no_model_libraries(statement):
-    code = (
-        f"{statement}\nimport sys\n"
-        "print(sorted(m for m in ('peft', 'transformers', 'flwr') if m in sys.modules))"
+PURE_STATEMENTS = [
+    "import fedexlora; fedexlora.aggregate",
+    "from fedexlora import aggregate, Server, AdapterState",
+    "from fedexlora.server import Server",
+    "from fedexlora.core.methods import REGISTRY",
+    "import fedexlora.core.hetero, fedexlora.core.side, fedexlora.core.messages",
+]
+
+
+def test_pure_layers_load_no_model_libraries():
+    """Each statement in turn in one fresh interpreter: what is loaded after each one.
+
+    Imports only add modules, so a library absent after all of them was loaded by none.
+    """
+    code = "import sys\n" + "".join(
+        f"{s}\nprint(sorted(m for m in ('peft', 'transformers', 'flwr') if m in sys.modules))\n"
+        for s in PURE_STATEMENTS
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    assert out == "[]", f"{statement!r} loaded {out}"
+    ).stdout.splitlines()
+    assert len(out) == len(PURE_STATEMENTS)
+    for statement, loaded in zip(PURE_STATEMENTS, out):
+        assert loaded == "[]", f"{statement!r} loaded {loaded}"
 
 
 def test_old_module_paths_warn_and_work():
