@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[1] / "src" / "fedexlora"
 
 # layer -> the layers it may import (besides itself and the leaves config and quiet)
