@@ -13,13 +13,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-# Under pytest-xdist, scripts/test.sh runs with --dist loadgroup, and every test belongs to
-# a group: its file's, so that a module-scoped fixture (a whole Flower deployment, a killed
-# and resumed run) runs once; or, for the tests that start many processes of their own
-# (Flower's SuperLink, SuperNodes and Ray, killed and resumed runs), the one group
-# MULTI_PROCESS. That group runs first, on one worker, one test at a time, while the other
-# worker runs the in-process tests: two of them at once fought over the 2 cores, and
-# Flower's and Ray's polling threads burn CPU in proportion to how long they wait.
+# Under pytest-xdist (scripts/test.sh: -n auto --dist loadfile) the tests are scheduled in
+# groups (pytest_xdist_make_scheduler, below): a file's tests stay on one worker, so that a
+# module-scoped fixture (a whole Flower deployment, a killed and resumed run) runs once;
+# and the tests that start many processes of their own (Flower's SuperLink, SuperNodes and
+# Ray, killed and resumed runs) form the one group MULTI_PROCESS. That group runs first,
+# on one worker, one test at a time, while the other worker runs the in-process tests: two
+# of them at once fought over the 2 cores, and Flower's and Ray's polling threads burn
+# CPU in proportion to how long they wait. (xdist's own --dist loadgroup marks cannot do
+# this under pytest 9.2: xdist 3.8 renames items through a field pytest no longer reads.)
 MULTI_PROCESS = "multi-process"
 MULTI_PROCESS_FILES = {"test_flower_deploy.py", "test_flower_simulation.py"}
 MULTI_PROCESS_TESTS = {
@@ -46,20 +48,35 @@ SLOW_FIRST = [
 ]
 
 
-def _multi_process(item) -> bool:
-    name = item.path.name
-    return name in MULTI_PROCESS_FILES or f"{name}::{item.name}" in MULTI_PROCESS_TESTS
+def group_of(nodeid: str) -> str:
+    """The scheduling group of a test: MULTI_PROCESS, or its file."""
+    path, _, name = nodeid.partition("::")
+    file = path.rsplit("/", 1)[-1]
+    if file in MULTI_PROCESS_FILES or f"{file}::{name.split('[', 1)[0]}" in MULTI_PROCESS_TESTS:
+        return MULTI_PROCESS
+    return path
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """The multi-process group first, then the other files slowest first; each test is
-    marked with its group (stable: each file's tests keep their order)."""
+    """The multi-process group first, then the other files slowest first (stable: each
+    file's tests keep their order); xdist schedules groups in this order."""
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    for item in items:
-        group = MULTI_PROCESS if _multi_process(item) else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda it: (not _multi_process(it), rank.get(it.path.name, len(rank))))
+    items.sort(
+        key=lambda it: (group_of(it.nodeid) != MULTI_PROCESS, rank.get(it.path.name, len(rank)))
+    )
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` by :func:`group_of` instead of by file alone."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return GroupScheduling(config, log)
 
 
 ONE_ACTOR = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 1}}

@@ -142,6 +142,43 @@ def test_flexlora_lower_rank_client_gets_the_truncation_and_nothing_folded(tiny_
             assert torch.allclose(got, best, atol=1e-6 * float(S[0])), name
 
 
+# -- LoRA-FAIR ------------------------------------------------------------------------
+def _fair_dense(dB, B_bar, A_bar, ideal, lam=0.01):
+    """The paper's objective on dense (d, n) matrices: 1 - cos + λ ||ΔB||²."""
+    X = (B_bar + dB) @ A_bar
+    cos = torch.nn.functional.cosine_similarity(ideal.flatten(), X.flatten(), dim=0)
+    return 1 - cos + lam * dB.pow(2).sum()
+
+
+def _fair_check(A_bar, B_new, As, Bs, p, rtol):
+    """B_new - B̄ is a stationary point of the dense objective (its gradient at most
+    ``rtol`` of the gradient at ΔB = 0, FedIT's B), and aligns better than FedIT."""
+    ideal = sum(pi * B @ A for pi, A, B in zip(p, As, Bs))
+    B_bar = sum(pi * B for pi, B in zip(p, Bs))
+    assert torch.allclose(A_bar, sum(pi * A for pi, A in zip(p, As)), atol=1e-6)
+
+    def value_and_grad(dB):
+        dB = dB.clone().requires_grad_(True)
+        loss = _fair_dense(dB, B_bar, A_bar, ideal)
+        return float(loss), torch.autograd.grad(loss, dB)[0]
+
+    f0, g0 = value_and_grad(torch.zeros_like(B_bar))
+    f1, g1 = value_and_grad(B_new - B_bar)
+    assert f1 < f0 - 1e-4  # the correction helps
+    assert float(g1.norm()) <= rtol * float(g0.norm())  # and it is the optimum's
+    return float((B_new - B_bar).norm())
+
+
+def test_lorafair_corrects_B_to_the_optimum_of_its_objective():
+    As, Bs, p = _factors(k=4, r=3)
+    res = aggregate(As, Bs, p, method="lorafair")
+    assert _fair_check(res.A, res.B, As, Bs, p, rtol=1e-6) > 1e-3  # a real correction, not zero
+    assert res.residual.is_zero
+    # and it is not FedEx: what the refined factors miss of the ideal is lost
+    ideal = sum(pi * B @ A for pi, A, B in zip(p, As, Bs))
+    assert torch.linalg.norm(ideal - res.B @ res.A) > 1e-2 * torch.linalg.norm(ideal)
+
+
 # -- end to end, both engines ---------------------------------------------------------
 def _client_rounds(run_dir, cfg):
     """Per round: the weights and (A, B) per layer of every saved client adapter."""
@@ -173,7 +210,7 @@ def _hand_model(run_dir, cfg, w0, truncate):
     return out
 
 
-@pytest.mark.parametrize("method", ["fedsvd", "flexlora"])
+@pytest.mark.parametrize("method", ["fedsvd", "flexlora", "lorafair"])
 def test_paper_method_end_to_end_on_both_engines(tiny_cfg, tmp_path, task_identity, method):
     from test_flower import _final_model
     from test_flower_parity import _close, _flower
@@ -185,7 +222,19 @@ def test_paper_method_end_to_end_on_both_engines(tiny_cfg, tmp_path, task_identi
     layers = lora_layers(model)
     w0 = {n: _w0(layer) for n, layer in layers.items()}
     got = {n: effective_weight(layer).double() for n, layer in layers.items()}
-    want = _hand_model(tmp_path / "local", cfg, w0, truncate=method == "flexlora")
+    if method == "lorafair":  # the model is W0 + s (B̄ + ΔB) Ā, ΔB the optimum
+        weights, tensors = _client_rounds(tmp_path / "local", cfg)[-1]
+        p = torch.tensor(weights, dtype=torch.float64)
+        state = _final_model(cfg, tmp_path / "local", method)[1].state
+        want = {}
+        for n, w in w0.items():
+            As = [t[f"{n}.lora_A.weight"].double() for t in tensors]
+            Bs = [t[f"{n}.lora_B.weight"].double() for t in tensors]
+            A_g, B_g = (x.double() for x in state.factors[n])
+            _fair_check(A_g, B_g, As, Bs, p, rtol=1e-2)  # B_g is rounded to fp32
+            want[n] = w + cfg.lora_alpha / cfg.lora_r * B_g @ A_g
+    else:
+        want = _hand_model(tmp_path / "local", cfg, w0, truncate=method == "flexlora")
     assert _rel(got, want, w0) <= 1e-5
     dev = [r["effective_deviation"]["max"] for r in local]
     if method == "fedsvd":  # exact: the model is the ideal average of the client models

@@ -16,6 +16,7 @@ from fedexlora.core.methods import (
     ffa,
     flexlora,
     flora,
+    lorafair,
 )
 from fedexlora.core.methods.spec import Aggregate, MethodSpec
 
@@ -31,6 +32,7 @@ REGISTRY: dict[str, MethodSpec] = {
         fedsb,
         flexlora,
         fedsvd,
+        lorafair,
         centralized,
     )
 }
