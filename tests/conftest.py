@@ -13,70 +13,33 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-# Under pytest-xdist (scripts/test.sh: -n auto --dist loadfile) the tests are scheduled in
-# groups (pytest_xdist_make_scheduler, below): a file's tests stay on one worker, so that a
-# module-scoped fixture (a whole Flower deployment, a killed and resumed run) runs once;
-# and the tests that start many processes of their own (Flower's SuperLink, SuperNodes and
-# Ray, killed and resumed runs) form the one group MULTI_PROCESS. That group runs first,
-# on one worker, one test at a time, while the other worker runs the in-process tests: two
-# of them at once fought over the 2 cores, and Flower's and Ray's polling threads burn
-# CPU in proportion to how long they wait. (xdist's own --dist loadgroup marks cannot do
-# this under pytest 9.2: xdist 3.8 renames items through a field pytest no longer reads.)
-MULTI_PROCESS = "multi-process"
-MULTI_PROCESS_FILES = {"test_flower_deploy.py", "test_flower_simulation.py"}
-MULTI_PROCESS_TESTS = {
-    "test_scale.py::test_200_virtual_clients_under_flower_match_the_in_process_engine",
-    "test_resume.py::test_sigkill_in_round_3_then_resume_is_identical",
-    "test_resume.py::test_random_sigkills_then_resume_each_time_is_identical",
-    "test_examples.py::test_flower_app_example_is_exact",
-}
-# The in-process files, slowest first (the other worker starts with them).
+# Under pytest-xdist, scripts/test.sh runs with --dist loadfile: a file's tests share a
+# worker, so a module-scoped fixture (a whole Flower deployment, a killed and resumed run)
+# runs once, not once per worker. The files that start Flower runs go first, so that the
+# two workers do not end with one of them alone on a long file. (Measured: running the
+# multi-process tests one at a time on one worker, the other running the rest, was
+# slower: 1182 s against 1041 s, 2026-12-05.)
 SLOW_FIRST = [
     "test_flower_deploy.py",
     "test_flower_simulation.py",
-    "test_scale.py",
     "test_resume.py",
-    "test_examples.py",
     "test_flower.py",
     "test_precision.py",
     "test_privacy.py",
     "test_compare.py",
+    "test_paper_methods.py",
     "test_paper_tasks.py",
     "test_flower_parity.py",
     "test_recipes.py",
-    "test_paper_methods.py",
+    "test_scale.py",
+    "test_examples.py",
 ]
 
 
-def group_of(nodeid: str) -> str:
-    """The scheduling group of a test: MULTI_PROCESS, or its file."""
-    path, _, name = nodeid.partition("::")
-    file = path.rsplit("/", 1)[-1]
-    if file in MULTI_PROCESS_FILES or f"{file}::{name.split('[', 1)[0]}" in MULTI_PROCESS_TESTS:
-        return MULTI_PROCESS
-    return path
-
-
 def pytest_collection_modifyitems(config, items):
-    """The multi-process group first, then the other files slowest first (stable: each
-    file's tests keep their order); xdist schedules groups in this order."""
+    """Slow files first (stable: each file's tests keep their order)."""
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(
-        key=lambda it: (group_of(it.nodeid) != MULTI_PROCESS, rank.get(it.path.name, len(rank)))
-    )
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` by :func:`group_of` instead of by file alone."""
-    if config.getvalue("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class GroupScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return group_of(nodeid)
-
-    return GroupScheduling(config, log)
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 ONE_ACTOR = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 1}}

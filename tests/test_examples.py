@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -82,28 +81,29 @@ def test_hf_trainer_example_is_exact(tiny_bert_dir, tiny_csv, tmp_path):
 
 
 @pytest.mark.integration
-def test_flower_app_example_is_exact(tiny_bert_dir, tiny_csv, monkeypatch):
-    """The user's own ClientApp under fedex-lora's strategy, in Flower's simulation."""
-    from flwr.simulation import run_simulation
+def test_flower_app_example_is_exact(tiny_bert_dir, tiny_csv, monkeypatch, task_identity):
+    """The user's own ServerApp and ClientApp, fedex-lora's strategy between them.
+
+    Over the in-process grid of ``test_flower.py``: one Flower Context per node and every
+    message through Flower's protobuf, as between processes. Flower's simulation runtime
+    (Ray, a SuperLink) runs fedex-lora's own apps in ``test_flower_simulation.py`` and
+    ``test_scale.py``; the apps are what this example adds.
+    """
+    from flwr.app import Context, RecordDict
+
+    from test_flower import InProcessGrid
 
     app_dir = ROOT / "examples" / "flower_app"
     monkeypatch.syspath_prepend(str(app_dir))
-    # Ray's ClientApp workers import the app and read its settings from the environment
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join([str(app_dir), os.environ.get("PYTHONPATH", "")])
-    )
     settings = {"model": tiny_bert_dir, "task": tiny_csv, "num-rounds": 3, "local-steps": 4}
     monkeypatch.setenv("FLOWER_APP_CONFIG", json.dumps(settings))
     from fedexlora_flower_app import client_app, server_app, task
 
     w0 = _weights(task.new_model(task.settings({})))
-    run_simulation(
-        server_app=server_app.app,
-        client_app=client_app.app,
-        num_supernodes=3,
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0},  # one actor
-                        "init_args": {"include_dashboard": False, "num_cpus": 1}},
-    )  # fmt: skip
+    grid = InProcessGrid(client_app.app, 3)
+    ctx = Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    server_app.app(grid, ctx)
+    assert sorted(grid.trained) == [(r, c) for r in (1, 2, 3) for c in (0, 1, 2)]
     run = server_app.LAST_RUN
     assert [sorted(o.accepted) for o, _ in run["rounds"]] == [[0, 1, 2]] * 3
     got, want = _weights(run["model"]), hand_ideal(w0, run["rounds"], scale=8 / 4)

@@ -179,6 +179,51 @@ def test_lorafair_corrects_B_to_the_optimum_of_its_objective():
     assert torch.linalg.norm(ideal - res.B @ res.A) > 1e-2 * torch.linalg.norm(ideal)
 
 
+# -- RoLoRA ---------------------------------------------------------------------------
+def test_rolora_averages_the_trained_factor_and_the_round_is_exact():
+    As, Bs, p = _factors(shared_A=True)  # an odd round: B trained against the shared A
+    res = aggregate(As, Bs, p, method="rolora")
+    assert torch.allclose(res.B, sum(pi * B for pi, B in zip(p, Bs)), atol=1e-12)
+    assert torch.allclose(res.A, As[0], atol=1e-12)
+    ideal = sum(pi * B @ A for pi, A, B in zip(p, As, Bs))
+    assert torch.allclose(res.B @ res.A, ideal, atol=1e-10) and res.residual.is_zero
+    As2, _, _ = _factors(seed=1)  # an even round: A trained against the shared B
+    Bs2 = [Bs[0].clone() for _ in As2]
+    res = aggregate(As2, Bs2, p, method="rolora")
+    assert torch.allclose(res.A, sum(pi * A for pi, A in zip(p, As2)), atol=1e-12)
+    ideal = sum(pi * B @ A for pi, A, B in zip(p, As2, Bs2))
+    assert torch.allclose(res.B @ res.A, ideal, atol=1e-10)
+    with pytest.raises(ValueError, match="rolora requires one factor shared"):
+        aggregate(*_factors(seed=2)[:2], p, method="rolora")
+
+
+def test_rolora_server_takes_B_in_odd_rounds_and_A_in_even_ones(tiny_bert_dir):
+    from test_scale import _model
+
+    model = _model(tiny_bert_dir)
+    server = Server(get_state(model), layer_info(model), num_clients=2, method="rolora")
+    g = torch.Generator().manual_seed(0)
+
+    def upload(c, A, B):
+        factors = {
+            k: (torch.randn(a.shape, generator=g) if A else None,
+                torch.randn(b.shape, generator=g) if B else None)
+            for k, (a, b) in server.state.factors.items()
+        }  # fmt: skip
+        return ClientUpload(c, type(server.state)(factors=factors, extra=server.state.extra), 10)
+
+    for rnd, (train_A, train_B) in ((1, (False, True)), (2, (True, False))):
+        for c in (0, 1):
+            server.payload_for(c)
+        before = {k: (A.clone(), B.clone()) for k, (A, B) in server.state.factors.items()}
+        wrong = upload(0, train_B, train_A)  # the factor this round does not train
+        outcome = server.aggregate([wrong, upload(1, train_A, train_B)])
+        assert outcome.accepted == [1] and "keys" in outcome.rejected[0], rnd
+        for k, (A, B) in server.state.factors.items():
+            assert torch.equal(A, before[k][0]) is (not train_A), (rnd, k)
+            assert torch.equal(B, before[k][1]) is (not train_B), (rnd, k)
+
+
 # -- end to end, both engines ---------------------------------------------------------
 def _client_rounds(run_dir, cfg):
     """Per round: the weights and (A, B) per layer of every saved client adapter."""
@@ -210,7 +255,7 @@ def _hand_model(run_dir, cfg, w0, truncate):
     return out
 
 
-@pytest.mark.parametrize("method", ["fedsvd", "flexlora", "lorafair"])
+@pytest.mark.parametrize("method", ["fedsvd", "flexlora", "lorafair", "rolora"])
 def test_paper_method_end_to_end_on_both_engines(tiny_cfg, tmp_path, task_identity, method):
     from test_flower import _final_model
     from test_flower_parity import _close, _flower
@@ -237,7 +282,7 @@ def test_paper_method_end_to_end_on_both_engines(tiny_cfg, tmp_path, task_identi
         want = _hand_model(tmp_path / "local", cfg, w0, truncate=method == "flexlora")
     assert _rel(got, want, w0) <= 1e-5
     dev = [r["effective_deviation"]["max"] for r in local]
-    if method == "fedsvd":  # exact: the model is the ideal average of the client models
+    if method in ("fedsvd", "rolora"):  # exact: the model is the clients' average
         assert max(dev) <= 1e-5
     else:  # lossy: the truncation's loss, measured on the model and reported
         assert min(dev) > 1e-3
@@ -248,3 +293,8 @@ def test_paper_method_end_to_end_on_both_engines(tiny_cfg, tmp_path, task_identi
     other, _ = _final_model(cfg, tmp_path / "flower", method)
     for n, layer in lora_layers(other).items():
         assert torch.allclose(effective_weight(layer).double(), got[n], rtol=0, atol=1e-6), n
+
+
+def test_rolora_refuses_dp_sgd_with_a_clear_error(tiny_cfg):
+    with pytest.raises(ValueError, match="method 'rolora' \\(its trained factor changes by round"):
+        tiny_cfg.replace(methods=["rolora"], dp_epsilon=8.0).validate()

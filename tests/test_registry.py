@@ -60,7 +60,7 @@ def _factors(spec: MethodSpec, k=3, d=7, r=2, n=5, seed=0):
     if spec.latent:  # latent coordinates: A = I shared, B = the r x r core
         return [torch.eye(r)] * k, [torch.randn(r, r, generator=g) for _ in range(k)]
     As = [torch.randn(r, n, generator=g) for _ in range(k)]
-    if spec.frozen_A:  # one shared, frozen A
+    if spec.frozen_A or spec.alternating:  # one shared, frozen A (RoLoRA: a B round)
         As = [As[0]] * k
     return As, [torch.randn(d, r, generator=g) for _ in range(k)]
 

@@ -7,7 +7,6 @@ The ideal global model is tracked by hand in fp64, from the uploads alone:
 import pytest
 import torch
 
-from conftest import ONE_ACTOR
 from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_info
 from fedexlora.bridge.adapters import effective_weight, lora_layers
 from fedexlora.bridge.models import load_model
@@ -248,9 +247,12 @@ def test_200_clients_in_process_each_sampled_client_is_exact_after_its_payload(
 
 
 def test_200_virtual_clients_under_flower_match_the_in_process_engine(
-    tiny_bert_dir, tmp_path, monkeypatch
+    tiny_bert_dir, tmp_path, monkeypatch, task_identity
 ):
-    from fedexlora.flower.simulation import run_flower_experiment
+    """200 Flower nodes, 2 sampled per round: fedex-lora's ServerApp loop, strategy and
+    ClientApp over the in-process grid of ``test_flower.py`` (one Context per node, every
+    message through Flower's protobuf). Flower's simulation runtime itself (Ray, a
+    SuperLink, a SIGKILL) is ``test_flower_simulation.py``'s."""
     from fedexlora.run.engine import new_model, new_server, prepare
     from fedexlora.run.pipeline import load_task_for
     from fedexlora.run.simulation import run_method
@@ -260,13 +262,17 @@ def test_200_virtual_clients_under_flower_match_the_in_process_engine(
     model, tok = new_model(cfg, task, "fedex")
     server = new_server(cfg, "fedex", model)
     last_keep = {}  # client -> what its latest payload said
-    _watch_payloads(monkeypatch, server, lambda c, p, m: last_keep.__setitem__(c, p.keep))
-    local, _, _ = run_method(
-        cfg, "fedex", prepare(cfg, tok, task), progress=False, model=model, server=server
-    )
-    monkeypatch.undo()  # the Flower run below trains its clients unwatched
-    flower = run_flower_experiment(
-        cfg.replace(engine="flower"), tmp_path / "flower", backend_config=ONE_ACTOR
+    with pytest.MonkeyPatch.context() as watch:  # the Flower run trains its clients unwatched
+        _watch_payloads(watch, server, lambda c, p, m: last_keep.__setitem__(c, p.keep))
+        local, _, _ = run_method(
+            cfg, "fedex", prepare(cfg, tok, task), progress=False, model=model, server=server
+        )
+    from test_flower_parity import _flower
+
+    flower, _ = _flower(  # client state on disk, where run_flower_experiment puts it
+        cfg.replace(engine="flower"),
+        tmp_path / "flower",
+        client_state_dir=str(tmp_path / "flower" / "client-state"),
     )
     assert [r["round"] for r in flower] == [1, 2, 3, 4]
     for a, b in zip(flower, local):

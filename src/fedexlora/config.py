@@ -368,6 +368,11 @@ class RunConfig:
             cannot = []
             for m in self._methods_where(lambda s: not s.federated):
                 cannot.append(f"method {m!r} (it has no clients to hold budgets)")
+            for m in self._methods_where(lambda s: s.alternating):
+                cannot.append(
+                    f"method {m!r} (its trained factor changes by round, and the DP-SGD "
+                    "checks are made for one set of trained parameters)"
+                )
             if self.gradient_checkpointing:
                 cannot.append("--gradient-checkpointing (per-sample gradients need the hooks)")
             if self.side_branch:

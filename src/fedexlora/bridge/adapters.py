@@ -80,12 +80,12 @@ def _factor_shapes(layer: LoraLayer, adapter: str) -> tuple[tuple, tuple]:
     return tuple(layer.lora_A[adapter].weight.shape), tuple(layer.lora_B[adapter].weight.shape)
 
 
-def _read_factors(layer: LoraLayer, adapter: str, include_A: bool):
+def _read_factors(layer: LoraLayer, adapter: str, include_A: bool, include_B: bool = True):
     if is_latent(layer, adapter):
         R = layer.lora_B[adapter].core.weight
         return (torch.eye(R.shape[0]) if include_A else None), _host(R)
     A = _host(layer.lora_A[adapter].weight) if include_A else None
-    return A, _host(layer.lora_B[adapter].weight)
+    return A, (_host(layer.lora_B[adapter].weight) if include_B else None)
 
 
 def lift(layer: LoraLayer, M: torch.Tensor, adapter: str = "default") -> torch.Tensor:
@@ -116,14 +116,19 @@ def _extra_params(model: torch.nn.Module, adapter: str) -> dict[str, torch.nn.Pa
     return out
 
 
-def set_trainable(model: torch.nn.Module, *, train_A: bool, adapter: str | None = None) -> None:
-    """Freezes or unfreezes every ``lora_A`` (FFA-LoRA freezes it); B stays trainable."""
+def set_trainable(
+    model: torch.nn.Module, *, train_A: bool, train_B: bool = True, adapter: str | None = None
+) -> None:
+    """Freezes or unfreezes every ``lora_A`` and ``lora_B``.
+
+    FFA-LoRA freezes A; RoLoRA alternates A and B by round.
+    """
     adapter = _adapter_name(model, adapter)
     for layer in lora_layers(model, adapter).values():
         if is_latent(layer, adapter):
             continue  # Fed-SB: A and the basis stay frozen, the core trains
         layer.lora_A[adapter].weight.requires_grad_(train_A)
-        layer.lora_B[adapter].weight.requires_grad_(True)
+        layer.lora_B[adapter].weight.requires_grad_(train_B)
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -133,7 +138,11 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 
 
 def get_state(
-    model: torch.nn.Module, *, include_A: bool = True, adapter: str | None = None
+    model: torch.nn.Module,
+    *,
+    include_A: bool = True,
+    adapter: str | None = None,
+    include_B: bool = True,
 ) -> AdapterState:
     """Copies the LoRA factors and trainable extras of ``model`` into an AdapterState.
 
@@ -143,11 +152,13 @@ def get_state(
         model: A peft model.
         include_A: Whether to include each layer's A (FFA-LoRA clients omit it).
         adapter: The adapter name; defaults to the active one.
+        include_B: Whether to include each layer's B (RoLoRA clients omit it in the
+            rounds that train A).
     """
     adapter = _adapter_name(model, adapter)
     factors = {}
     for name, layer in lora_layers(model, adapter).items():
-        factors[name] = _read_factors(layer, adapter, include_A)
+        factors[name] = _read_factors(layer, adapter, include_A, include_B)
     extra = {name: _host(p) for name, p in _extra_params(model, adapter).items()}
     return AdapterState(factors=factors, extra=extra)
 
@@ -168,7 +179,7 @@ def check_compatible(model: torch.nn.Module, state: AdapterState, adapter: str |
         wa, wb = _factor_shapes(layers[name], adapter)
         if A is not None and tuple(A.shape) != wa:
             raise ValueError(f"module {name!r}: A has shape {tuple(A.shape)}, model expects {wa}")
-        if tuple(B.shape) != wb:
+        if B is not None and tuple(B.shape) != wb:
             raise ValueError(f"module {name!r}: B has shape {tuple(B.shape)}, model expects {wb}")
     params = _extra_params(model, adapter)
     if set(params) != set(state.extra):
@@ -187,7 +198,7 @@ def check_compatible(model: torch.nn.Module, state: AdapterState, adapter: str |
 
 @torch.no_grad()
 def set_state(model: torch.nn.Module, state: AdapterState, adapter: str | None = None) -> None:
-    """Writes global factors and extras into ``model`` (A is kept where ``state`` has none).
+    """Writes global factors and extras into ``model`` (a factor ``state`` lacks is kept).
 
     Raises:
         ValueError: If the state's modules or shapes differ from the model's.
@@ -204,8 +215,9 @@ def set_state(model: torch.nn.Module, state: AdapterState, adapter: str | None =
         if A is not None:
             wa = layer.lora_A[adapter].weight
             wa.copy_(A.to(wa.dtype))
-        wb = layer.lora_B[adapter].weight
-        wb.copy_(B.to(wb.dtype))
+        if B is not None:
+            wb = layer.lora_B[adapter].weight
+            wb.copy_(B.to(wb.dtype))
     params = _extra_params(model, adapter)
     for name, t in state.extra.items():
         params[name].copy_(t.to(params[name].dtype))

@@ -111,6 +111,7 @@ def make_upload(
     client_id: int = 0,
     train_loss: float = math.nan,
     include_A: bool = True,
+    include_B: bool = True,
 ) -> ClientUpload:
     """What a client sends back after training: its factors, extras and example count.
 
@@ -120,8 +121,9 @@ def make_upload(
         client_id: The client's id, as the server sampled it.
         train_loss: Optional, for the server's records.
         include_A: ``False`` for FFA-LoRA (A is frozen).
+        include_B: ``False`` for RoLoRA's rounds that train A (B is frozen).
     """
-    state = get_state(model, include_A=include_A)
+    state = get_state(model, include_A=include_A, include_B=include_B)
     return ClientUpload(client_id, state, num_examples, float(train_loss))
 
 

@@ -32,11 +32,14 @@ class AdapterState:
 
     Attributes:
         factors: Module name -> ``(A, B)`` with ``A`` ``(r, n)`` and ``B`` ``(d, r)``.
-            ``A`` may be ``None`` where a method does not upload it (FFA-LoRA).
+            ``A`` may be ``None`` where a method does not upload it (FFA-LoRA), ``B``
+            where a round does not train it (RoLoRA's A rounds); never both.
         extra: Parameter name -> tensor, for trainable non-LoRA parameters.
     """
 
-    factors: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
+    factors: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = field(
+        default_factory=dict
+    )
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to_flat(self) -> dict[str, torch.Tensor]:
@@ -45,7 +48,8 @@ class AdapterState:
         for name, (A, B) in self.factors.items():
             if A is not None:
                 flat[f"lora.{name}.A"] = A
-            flat[f"lora.{name}.B"] = B
+            if B is not None:
+                flat[f"lora.{name}.B"] = B
         for name, t in self.extra.items():
             flat[f"extra.{name}"] = t
         return flat
@@ -65,10 +69,8 @@ class AdapterState:
                 extra[key[6:]] = t
             else:
                 raise ValueError(f"unexpected key {key!r} in an adapter state")
-        stray = sorted(set(As) - set(Bs))
-        if stray:
-            raise ValueError(f"adapter state has A without B for modules {stray}")
-        return cls(factors={m: (As.get(m), Bs[m]) for m in Bs}, extra=extra)
+        modules = list(Bs) + [m for m in As if m not in Bs]
+        return cls(factors={m: (As.get(m), Bs.get(m)) for m in modules}, extra=extra)
 
     @property
     def nbytes(self) -> int:
@@ -118,8 +120,8 @@ def aggregate_states(
         states: One state per client, all over the same modules and shapes.
         weights: Client weights (normalised inside) or ``None`` for uniform.
         method: One of ``fedex``, ``fedit``, ``ffa``, ``flora``.
-        global_state: The current global state. Required for ``ffa`` when clients do
-            not upload A: the frozen global A is used.
+        global_state: The current global state. Required where clients do not upload
+            a factor (FFA-LoRA's A, RoLoRA's frozen one): the global factor is used.
         generator: Seeded generator for ``flora``'s fresh A.
 
     Returns:
@@ -137,15 +139,16 @@ def aggregate_states(
     dev: dict[str, float] = {}
     eff: dict[str, float] = {}
     for name in ref.factors:
-        Bs = [s.factors[name][1] for s in states]
-        As = []
+        As, Bs = [], []
         for i, s in enumerate(states):
-            A = s.factors[name][0]
-            if A is None:
-                if global_state is None or global_state.factors[name][0] is None:
-                    raise ValueError(f"client {i} sent no A for {name!r} and no global A is known")
-                A = global_state.factors[name][0]
-            As.append(A)
+            A, B = s.factors[name]
+            for which, got, j in (("A", A, 0), ("B", B, 1)):
+                if got is None and (global_state is None or global_state.factors[name][j] is None):
+                    raise ValueError(
+                        f"client {i} sent no {which} for {name!r} and no global {which} is known"
+                    )
+            As.append(global_state.factors[name][0] if A is None else A)
+            Bs.append(global_state.factors[name][1] if B is None else B)
         res = aggregate(As, Bs, p, method, generator=generator)
         factors[name] = (res.A, res.B)
         residuals[name] = res.residual

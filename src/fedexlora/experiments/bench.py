@@ -231,6 +231,10 @@ def _layer_bytes(
         if spec.latent:  # only the core travels, each way
             res = aggregate([torch.eye(q)] * clients, cores, method=m, generator=g)
             out[m] = {"down": _nbytes(res.B), "up": _nbytes(cores[0]), "residual": 0}
+        elif spec.alternating:  # RoLoRA: B goes up in odd rounds, A in even (their mean)
+            res = aggregate([As[0]] * clients, Bs, method=m, generator=g)
+            up = (_nbytes(As[0]) + _nbytes(Bs[0])) // 2
+            out[m] = {"down": _nbytes(res.A) + _nbytes(res.B), "up": up, "residual": 0}
         elif spec.frozen_A:  # A was sent once, in round 1: only B travels
             res = aggregate([As[0]] * clients, Bs, method=m, generator=g)
             down = _nbytes(res.B) + (_nbytes(res.A) if spec.refactors_A else 0)  # FedSVD: new A

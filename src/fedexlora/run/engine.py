@@ -356,6 +356,12 @@ def local_update(
         progress: Whether to show a progress bar.
         dp: This client's DP-SGD budget (:class:`fedexlora.training.privacy.Budget`), or None.
     """
+    spec = get_method(method)
+    train_A, train_B = spec.trained(rnd)  # latent (Fed-SB): A is I in its coordinates
+    if spec.alternating:  # RoLoRA: B in odd rounds, A in even ones
+        from fedexlora.bridge.adapters import set_trainable
+
+        set_trainable(model, train_A=train_A, train_B=train_B)
     res = train_local(
         model,
         data,
@@ -373,9 +379,13 @@ def local_update(
         autocast=autocast_dtype(cfg),
         dp=dp,
     )
-    frozen_A = get_method(method).frozen_A  # latent (Fed-SB): A is I in its coordinates
     return make_upload(
-        model, res.num_examples, client_id=client, train_loss=res.loss, include_A=not frozen_A
+        model,
+        res.num_examples,
+        client_id=client,
+        train_loss=res.loss,
+        include_A=train_A,
+        include_B=train_B,
     )
 
 

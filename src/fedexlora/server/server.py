@@ -152,14 +152,26 @@ class Server:
         g = torch.Generator().manual_seed(self.seed * 100_003 + rnd)
         return sorted(torch.randperm(self.num_clients, generator=g)[:m].tolist())
 
-    def upload_template(self) -> AdapterState:
-        """What a valid upload contains (FFA-LoRA clients send no A)."""
-        if self._has("frozen_A"):
-            return AdapterState(
-                factors={k: (None, B) for k, (_, B) in self.state.factors.items()},
-                extra=self.state.extra,
-            )
-        return self.state
+    def _trained(self, rnd: int) -> tuple[bool, bool]:
+        """Whether clients train (and upload) A and B in round ``rnd``."""
+        spec = REGISTRY.get(self.method)
+        return (True, True) if spec is None else spec.trained(rnd)
+
+    def upload_template(self, rnd: int | None = None) -> AdapterState:
+        """What a valid upload in round ``rnd`` contains (default: the coming round).
+
+        FFA-LoRA clients send no A; RoLoRA's send only the factor the round trains.
+        """
+        train_A, train_B = self._trained(self.round + 1 if rnd is None else rnd)
+        if train_A and train_B:
+            return self.state
+        return AdapterState(
+            factors={
+                k: (A if train_A else None, B if train_B else None)
+                for k, (A, B) in self.state.factors.items()
+            },
+            extra=self.state.extra,
+        )
 
     def catch_up(self, since: int) -> dict[str, Residual] | None:
         """Per module, the residual that moves a base from version ``since`` to now.
@@ -212,7 +224,7 @@ class Server:
             self.remainder.pop(client_id, None)  # heterogeneous ranks: nothing folded
         state = self.state
         if self._has("frozen_A") and not self._has("refactors_A") and not reset:
-            state = self.upload_template()  # A is frozen and already held
+            state = self.upload_template(self.round + 1)  # A is frozen and already held
         if client_id in self.client_layers:
             state, residuals = self._hetero_view(client_id, residuals)
         keep = self.history_reach() >= self.expected_absence()
@@ -483,7 +495,7 @@ class Server:
         the returned residuals are empty.
         """
         self.round += 1
-        template = self.upload_template()
+        template = self.upload_template(self.round)
         accepted, rejected = [], {}
         for up in uploads:
             expect = self.sent.get(up.client_id, template)
@@ -518,12 +530,17 @@ class Server:
         elif self.side_rank is not None:
             residuals, capped, feedback_norm = self._cap_side(residuals)
         new_state = agg.state
-        if self._has("frozen_A") and not self._has("refactors_A"):
-            # keep the frozen global A (latent, Fed-SB: I)
+        train_A, train_B = self._trained(self.round)
+        if not (train_A and train_B) and not self._has("refactors_A"):
+            # keep the frozen global factor bit for bit (latent, Fed-SB: A = I; RoLoRA)
             new_state = AdapterState(
                 factors={
-                    k: (self.state.factors[k][0], B) for k, (_, B) in new_state.factors.items()
-                },
+                    k: (
+                        A if train_A else self.state.factors[k][0],
+                        B if train_B else self.state.factors[k][1],
+                    )
+                    for k, (A, B) in new_state.factors.items()
+                },  # fmt: skip
                 extra=new_state.extra,
             )
         previous, self.state = self.state, new_state
@@ -568,9 +585,11 @@ class Server:
         Us, Vs, remainders = [], [], []
         for cid, p in outcome.weights.items():
             A, B = by_id[cid].state.factors[name]
+            held = self.state if outcome.previous is None else outcome.previous
             if A is None:  # the frozen A the clients trained against (FedSVD's moves on)
-                held = self.state if outcome.previous is None else outcome.previous
                 A = held.factors[name][0]
+            if B is None:  # RoLoRA's rounds that train A: the frozen, shared B
+                B = held.factors[name][1]
             scale = self.client_layers.get(cid, self.layers)[name].scale  # the client's own
             Us.append(B.double() * (p * scale))  # (d, r_i)
             Vs.append(A.double())  # (r_i, n)

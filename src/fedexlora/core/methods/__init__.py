@@ -17,6 +17,7 @@ from fedexlora.core.methods import (
     flexlora,
     flora,
     lorafair,
+    rolora,
 )
 from fedexlora.core.methods.spec import Aggregate, MethodSpec
 
@@ -33,6 +34,7 @@ REGISTRY: dict[str, MethodSpec] = {
         flexlora,
         fedsvd,
         lorafair,
+        rolora,
         centralized,
     )
 }

@@ -42,6 +42,8 @@ class MethodSpec:
         frozen_A: A is shared, frozen and never uploaded (clients train B, or a core).
         refactors_A: With ``frozen_A``: the server re-factors the update every round and
             sends the new shared A with B (FedSVD); otherwise A is sent once.
+        alternating: Odd rounds train B (A frozen), even rounds A (B frozen); clients
+            upload only the factor they trained (RoLoRA).
         latent: Clients train an ``r x r`` core between frozen A and B (Fed-SB); the
             server sees it in latent coordinates (``A = I``, ``B = R``).
         hetero_ranks: Clients may train adapters of different ranks (``client_ranks``).
@@ -73,6 +75,7 @@ class MethodSpec:
     server_method: str | None = None
     frozen_A: bool = False
     refactors_A: bool = False
+    alternating: bool = False
     latent: bool = False
     hetero_ranks: bool = False
     hetero_drops_tail: bool = False
@@ -90,10 +93,18 @@ class MethodSpec:
             raise ValueError(f"method {self.name!r}: a federated method needs `aggregate`")
         if self.latent and not self.frozen_A:
             raise ValueError(f"method {self.name!r}: a latent method keeps A frozen")
+        if self.alternating and (self.frozen_A or self.hetero_ranks):
+            raise ValueError(f"method {self.name!r}: `alternating` freezes A or B by round")
         if self.refactors_A and not self.frozen_A:
             raise ValueError(f"method {self.name!r}: `refactors_A` needs `frozen_A`")
         if self.hetero_drops_tail and not self.hetero_ranks:
             raise ValueError(f"method {self.name!r}: `hetero_drops_tail` needs `hetero_ranks`")
+
+    def trained(self, rnd: int) -> tuple[bool, bool]:
+        """Whether clients train (and upload) A and B in round ``rnd``."""
+        if self.alternating:
+            return rnd % 2 == 0, rnd % 2 == 1
+        return not self.frozen_A, True
 
     @property
     def server(self) -> str:
