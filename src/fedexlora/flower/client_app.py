@@ -216,7 +216,9 @@ def _held(context: Context, method: str, run_token: str) -> int | None:
     return int(meta["version"])
 
 
-def _client_model(cfg, task, method, context, pid: int, since: int, spare, disk, run_token):
+def _client_model(
+    cfg, task, method, context, pid: int, since: int, spare, disk, run_token, fingerprint
+):
     """The client's model holding base version ``since`` (``-1``: the pretrained W0).
 
     From the process cache, the Context, or the client's state directory, in that order.
@@ -229,7 +231,7 @@ def _client_model(cfg, task, method, context, pid: int, since: int, spare, disk,
     adapter = client_adapter_name(cfg, method, pid)
     if since < 0:  # a new (or re-synced) client starts from the pretrained weights:
         # any model of the run will do, since the reset payload drops what it folded
-        model = spare if spare is not None else _spare_model(context.run_id, method)
+        model = spare if spare is not None else _spare_model(context.run_id, method, fingerprint)
         if model is None:
             model = new_model(cfg, task, method)[0]
         _activate(model, adapter)
@@ -289,7 +291,7 @@ def _remember(context, model, method: str, version: int, pid: int, disk, run_tok
         _MODELS.popitem(last=False)
 
 
-def _forget(context, model, method: str, pid: int, disk) -> None:
+def _forget(context, model, method: str, pid: int, disk, fingerprint: str) -> None:
     """Drops this client's state (Context and disk); its model stays cached as a spare."""
     for key in (_BASE, _META):
         if key in context.state:
@@ -297,19 +299,20 @@ def _forget(context, model, method: str, pid: int, disk) -> None:
     for v in _on_disk(disk):
         (disk / f"v{v}.safetensors").unlink(missing_ok=True)
     _MODELS.pop((context.run_id, pid), None)
-    _MODELS[(context.run_id, "spare", method, pid)] = (None, model)
+    # a spare serves only this configuration (another may adapt other modules)
+    _MODELS[(context.run_id, "spare", method, fingerprint, pid)] = (None, model)
     while len(_MODELS) > max(_MAX_MODELS, 0):
         _MODELS.popitem(last=False)
 
 
-def _spare_model(run_id, method: str):
-    """A spare model of this run and method (see :func:`_forget`), or ``None``.
+def _spare_model(run_id, method: str, fingerprint: str):
+    """A spare model of this run, method and configuration (:func:`_forget`), or ``None``.
 
     It is taken out of the cache. A client that starts from W0 can use it: its reset
     payload drops what the model folded, and sets every trained parameter.
     """
     for key in list(_MODELS):
-        if key[:3] == (run_id, "spare", method):
+        if key[:4] == (run_id, "spare", method, fingerprint):
             return _MODELS.pop(key)[1]
     return None
 
@@ -342,7 +345,9 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     run_token = str(conf.get("run-token", ""))
     disk = _disk(context, settings, run_token, method, pid)
     task, prep, spare = _task_and_data(cfg, fingerprint, method)
-    model = _client_model(cfg, task, method, context, pid, since, spare, disk, run_token)
+    model = _client_model(
+        cfg, task, method, context, pid, since, spare, disk, run_token, fingerprint
+    )
     payload = Payload.from_flat(
         from_array_record(msg.content["arrays"]), round=rnd, version=version, reset=since < 0
     )
@@ -374,7 +379,7 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     if bool(conf.get("keep-state", True)):
         _remember(context, model, method, version, pid, disk, run_token)
     else:  # the server will reset this client next time: keep nothing of it
-        _forget(context, model, method, pid, disk)
+        _forget(context, model, method, pid, disk, fingerprint)
     metrics = {} if budget is None else _dp_metrics(budget, cfg.dp_delta)
     content = RecordDict(
         {"config": ConfigRecord({"partition-id": pid, "server-round": rnd, "method": method})}
