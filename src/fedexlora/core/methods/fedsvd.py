@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from fedexlora.core.factors import Residual, svd_of_product
+from fedexlora.core.factors import Residual
 from fedexlora.core.methods.ffa import check_shared_A
+from fedexlora.core.methods.flexlora import truncated_update
 from fedexlora.core.methods.spec import MethodSpec
 
 
@@ -28,12 +29,10 @@ def aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6):
     d = B.shape[1]
     check_shared_A(A, atol, "fedsvd")
     B_bar = torch.einsum("k,kdr->dr", p, B)  # (d, r)
-    U, S, V = svd_of_product(A[0], B_bar)  # (d, q), (q,), (q, n); q = r unless d or n < r
-    q = S.numel()
-    A_new = torch.zeros(r, n, dtype=A.dtype, device=A.device)
-    B_new = torch.zeros(d, r, dtype=A.dtype, device=A.device)
-    A_new[:q] = V
-    B_new[:, :q] = U * S  # every singular value in B, as the released code does
+    one = torch.ones(1, dtype=p.dtype, device=p.device)
+    # B̄ A has rank <= r: its rank-r SVD factors (Σ in B, as the released code does) are
+    # the product itself, FlexLoRA's truncation of a single "client"
+    A_new, B_new = truncated_update(A[:1], B_bar[None], one, r)
     return A_new, B_new, Residual.zero(d, n, dtype=A.dtype, device=A.device)
 
 

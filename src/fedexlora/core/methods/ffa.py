@@ -8,15 +8,19 @@ from fedexlora.core.factors import Residual
 from fedexlora.core.methods.spec import MethodSpec
 
 
+def is_shared(X: torch.Tensor, atol: float) -> bool:
+    """Whether every client's copy of a stacked factor ``X`` (``(k, ...)``) is the same."""
+    return (X - X[0]).abs().amax().item() <= atol + 1e-5 * X[0].abs().amax().item()
+
+
 def check_shared_A(A: torch.Tensor, atol: float, method: str) -> None:
     """Raises ``ValueError`` unless every client's A (stacked, ``(k, r, n)``) is the same.
 
     Clients that keep A frozen send none; the server fills in the global A, so a
     difference means a client trained it.
     """
-    spread = (A - A[0]).abs().amax().item()
-    scale = A[0].abs().amax().item()
-    if spread > atol + 1e-5 * scale:
+    if not is_shared(A, atol):
+        spread = (A - A[0]).abs().amax().item()
         raise ValueError(
             f"{method} requires every client to share the frozen A, but the clients' A "
             f"differ by up to {spread:.3g}; was A trained?"

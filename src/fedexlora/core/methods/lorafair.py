@@ -26,17 +26,6 @@ LAMBDA = 0.01  # the regulariser's weight λ (the paper's default)
 MAX_ITER = 500  # L-BFGS steps at most (each O(r))
 
 
-def objective(dB, B_bar, A_bar, H, C, w, lam=LAMBDA):
-    """``1 - cos(ΔW, (B̄ + ΔB) Ā) + λ ||ΔB||²`` from the factored pieces.
-
-    ``H = ΔW Āᵀ`` ``(d, r)``, ``C = Ā Āᵀ`` ``(r, r)``, ``w = ||ΔW||_F``.
-    """
-    M = B_bar + dB
-    inner = (M * H).sum()  # <ΔW, M Ā>
-    norm2 = ((M @ C) * M).sum()  # ||M Ā||²
-    return 1 - inner / (w * norm2.clamp_min(1e-300).sqrt()) + lam * dB.pow(2).sum()
-
-
 def refine_B(A, B, p, *, lam: float = LAMBDA, max_iter: int = MAX_ITER):
     """``(Ā, B̄, ΔB)`` for stacked fp64 factors ``A (k, r, n)``, ``B (k, d, r)``.
 

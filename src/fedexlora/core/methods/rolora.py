@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from fedexlora.core.factors import Residual
+from fedexlora.core.methods.ffa import is_shared
 from fedexlora.core.methods.spec import MethodSpec
 
 
@@ -26,10 +27,7 @@ def aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6):
     k, r, n = A.shape
     d = B.shape[1]
 
-    def spread(X):
-        return (X - X[0]).abs().amax().item() - (atol + 1e-5 * X[0].abs().amax().item())
-
-    if spread(A) > 0 and spread(B) > 0:
+    if not is_shared(A, atol) and not is_shared(B, atol):
         raise ValueError(
             "rolora requires one factor shared by every client (B frozen in even rounds, "
             "A in odd ones), but the clients' A and B both differ; were both trained?"
