@@ -118,6 +118,7 @@ def test_state_dict_holds_every_part_and_copies():
         "remainder_clients",
         "last_sizes",
         "sent_clients",
+        "client_rank",
         "tensors",
     ]
     heads = {k.split(".")[0] for k in state["tensors"]}

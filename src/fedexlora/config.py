@@ -364,10 +364,22 @@ class RunConfig:
                     "`fedsb_init` gradient needs the sum of every client's gradient before "
                     "round 1, which the Flower engine does not collect; fix: --fedsb-init random"
                 )
+        for m in self._methods_where(lambda s: s.lora_init is not None):
+            need(
+                self.quantization is None,
+                f"method {m!r} starts its adapter from the SVD of each pretrained weight, "
+                "which a quantized base does not hold; fix: drop --quantization (a bf16 "
+                "base works: --dtype bf16)",
+            )
         if self.dp:
             cannot = []
             for m in self._methods_where(lambda s: not s.federated):
                 cannot.append(f"method {m!r} (it has no clients to hold budgets)")
+            for m in self._methods_where(lambda s: s.prunes_rank):
+                cannot.append(
+                    f"method {m!r} (its rank-pruning regularizer is not part of the "
+                    "per-sample gradients DP-SGD clips)"
+                )
             for m in self._methods_where(lambda s: s.alternating):
                 cannot.append(
                     f"method {m!r} (its trained factor changes by round, and the DP-SGD "

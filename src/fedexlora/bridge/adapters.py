@@ -143,6 +143,7 @@ def get_state(
     include_A: bool = True,
     adapter: str | None = None,
     include_B: bool = True,
+    include_extra: bool = True,
 ) -> AdapterState:
     """Copies the LoRA factors and trainable extras of ``model`` into an AdapterState.
 
@@ -154,17 +155,23 @@ def get_state(
         adapter: The adapter name; defaults to the active one.
         include_B: Whether to include each layer's B (RoLoRA clients omit it in the
             rounds that train A).
+        include_extra: Whether to include the trainable extras (a task head; FedSA-LoRA
+            clients keep theirs).
     """
     adapter = _adapter_name(model, adapter)
     factors = {}
     for name, layer in lora_layers(model, adapter).items():
         factors[name] = _read_factors(layer, adapter, include_A, include_B)
     extra = {name: _host(p) for name, p in _extra_params(model, adapter).items()}
-    return AdapterState(factors=factors, extra=extra)
+    return AdapterState(factors=factors, extra=extra if include_extra else {})
 
 
 def check_compatible(model: torch.nn.Module, state: AdapterState, adapter: str | None = None):
-    """Raises ``ValueError`` unless ``state`` covers exactly the model's modules and shapes."""
+    """Raises ``ValueError`` unless ``state`` covers exactly the model's modules and shapes.
+
+    Its extras must be the model's, or none at all (a state that leaves the model's
+    extras as they are: FedSA-LoRA's clients keep their task head).
+    """
     adapter = _adapter_name(model, adapter)
     layers = lora_layers(model, adapter)
     missing = sorted(set(layers) - set(state.factors))
@@ -182,7 +189,7 @@ def check_compatible(model: torch.nn.Module, state: AdapterState, adapter: str |
         if B is not None and tuple(B.shape) != wb:
             raise ValueError(f"module {name!r}: B has shape {tuple(B.shape)}, model expects {wb}")
     params = _extra_params(model, adapter)
-    if set(params) != set(state.extra):
+    if state.extra and set(params) != set(state.extra):
         raise ValueError(
             "adapter state does not match the model's trainable extras: missing "
             f"{sorted(set(params) - set(state.extra))}, unknown "
@@ -479,3 +486,36 @@ def fold_layer(
     branch = _side(layer, create=True)
     branch.max_rank = side_rank
     branch.add(R.scaled(scale))
+
+
+def tail_norm(model: torch.nn.Module, start: int, stop: int) -> torch.Tensor:
+    """``Σ_layers ||B[:, start:stop]||_F ||A[start:stop]||_F`` of the active adapter.
+
+    Differentiable: HetLoRA's rank-pruning regularizer, and the score it prunes by.
+    """
+    adapter = _adapter_name(model, None)
+    total = None
+    for layer in lora_layers(model, adapter).values():
+        A, B = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+        term = torch.linalg.norm(B[:, start:stop]) * torch.linalg.norm(A[start:stop])
+        total = term if total is None else total + term
+    return total if total is not None else torch.zeros(())
+
+
+def used_rank(model: torch.nn.Module) -> int:
+    """The rank the active adapter uses: one past its last A row not all zero."""
+    adapter = _adapter_name(model, None)
+    used = 0
+    for layer in lora_layers(model, adapter).values():
+        live = (layer.lora_A[adapter].weight != 0).any(dim=1).nonzero().flatten()
+        used = max(used, int(live.max()) + 1 if live.numel() else 0)
+    return used
+
+
+@torch.no_grad()
+def cut_rank(model: torch.nn.Module, rank: int) -> None:
+    """Sets every A row and B column of the active adapter from ``rank`` on to zero."""
+    adapter = _adapter_name(model, None)
+    for layer in lora_layers(model, adapter).values():
+        layer.lora_A[adapter].weight[rank:] = 0
+        layer.lora_B[adapter].weight[:, rank:] = 0

@@ -132,6 +132,7 @@ def load_model(
     freeze_A: bool = False,
     quantization: str | None = None,
     double_quant: bool = False,
+    init: str | None = None,
 ) -> tuple[PeftModel, object]:
     """Loads a pretrained model and wraps it with LoRA.
 
@@ -154,6 +155,8 @@ def load_model(
             (see :func:`quantization_config`); ``dtype`` is then the compute dtype and
             the dtype of the layers left unquantized.
         double_quant: Quantize the 4-bit block scales too (QLoRA's double quantization).
+        init: peft's ``init_lora_weights`` (``"pissa"``: the adapter holds the principal
+            part of each pretrained weight, the base the rest); ``None``: peft's default.
 
     Returns:
         ``(peft_model, tokenizer)``.
@@ -200,6 +203,7 @@ def load_model(
         modules_to_save=save,
         # GPT-2's Conv1D stores (in, out); bitsandbytes replaces it with a Linear (out, in)
         fan_in_fan_out=config.model_type == "gpt2" and quantization is None,
+        init_lora_weights=True if init is None else init,
     )
     torch.manual_seed(seed)
     try:

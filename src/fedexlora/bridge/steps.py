@@ -112,6 +112,7 @@ def make_upload(
     train_loss: float = math.nan,
     include_A: bool = True,
     include_B: bool = True,
+    include_extra: bool = True,
 ) -> ClientUpload:
     """What a client sends back after training: its factors, extras and example count.
 
@@ -121,9 +122,11 @@ def make_upload(
         client_id: The client's id, as the server sampled it.
         train_loss: Optional, for the server's records.
         include_A: ``False`` for FFA-LoRA (A is frozen).
-        include_B: ``False`` for RoLoRA's rounds that train A (B is frozen).
+        include_B: ``False`` for RoLoRA's rounds that train A (B is frozen), and for
+            FedSA-LoRA (each client keeps its B).
+        include_extra: ``False`` for FedSA-LoRA (each client keeps its task head).
     """
-    state = get_state(model, include_A=include_A, include_B=include_B)
+    state = get_state(model, include_A=include_A, include_B=include_B, include_extra=include_extra)
     return ClientUpload(client_id, state, num_examples, float(train_loss))
 
 

@@ -51,6 +51,7 @@ def aggregate(
     *,
     generator: torch.Generator | None = None,
     atol: float = 1e-6,
+    start: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> AggregationResult:
     """Aggregates the LoRA factors of one layer from ``k`` clients.
 
@@ -67,6 +68,8 @@ def aggregate(
             FFA-LoRA's aggregation, exact because the update is linear in ``R``).
         generator: Seeded generator for ``flora``'s fresh A.
         atol: Tolerance with which ``ffa`` checks that all clients share A.
+        start: The global ``(A, B)`` the clients started the round from; needed by a
+            method that returns to them every round (``frlora``).
 
     Returns:
         The new global ``A``, ``B`` and the residual to fold (before the LoRA scale).
@@ -85,8 +88,16 @@ def aggregate(
     A, B = _stack(As, Bs, dtype=torch.float64)  # (k, r, n), (k, d, r)
     k = A.shape[0]
     p = normalize_weights(weights, k).to(device=A.device, dtype=A.dtype)  # (k,)
+    kw = {}
+    if spec.restarts:
+        if start is None:
+            raise ValueError(
+                f"method {method!r} needs `start`: the global (A, B) the clients started "
+                "the round from (it returns to them every round)"
+            )
+        kw["start"] = tuple(t.to(device=A.device, dtype=A.dtype) for t in start)
     A_new, B_new, residual = spec.aggregate(
-        A, B, p, out_dtype=out_dtype, generator=generator, atol=atol
+        A, B, p, out_dtype=out_dtype, generator=generator, atol=atol, **kw
     )
     return AggregationResult(
         A=A_new.to(out_dtype),

@@ -34,6 +34,7 @@ def client_view(
     client_layers: Mapping,
     *,
     generator: torch.Generator | None = None,
+    slices: bool = False,
 ) -> tuple[AdapterState, dict[str, Residual]]:
     """The global state as a client of other ranks/scales sees it.
 
@@ -44,6 +45,8 @@ def client_view(
         generator: Seeded generator for A rows the global update does not determine
             (where ``B̄ Ā`` has fewer than ``r_i`` non-zero singular values); their B
             columns are zero, so the product is unchanged and they can still learn.
+        slices: Give the client the first ``r_i`` rows of A and columns of B (HetLoRA)
+            instead of the leading SVD components.
 
     Returns:
         ``(client_state, remainders)``: factors of the client's rank with
@@ -60,7 +63,11 @@ def client_view(
             raise ValueError(
                 f"module {name!r}: client rank {c.rank} exceeds the global rank {g.rank}"
             )
-        A_lead, B_lead, tail = split_leading(A, B, c.rank)
+        if slices:
+            A_lead, B_lead = A[: c.rank], B[:, : c.rank]
+            tail = Residual.exact(B[:, c.rank :], A[c.rank :])
+        else:
+            A_lead, B_lead, tail = split_leading(A, B, c.rank)
         root = math.sqrt(g.scale / c.scale)
         A_c, B_c = A_lead * root, B_lead * root
         dead = (A_c.abs().amax(dim=1) == 0).nonzero().flatten()

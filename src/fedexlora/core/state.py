@@ -149,7 +149,10 @@ def aggregate_states(
                     )
             As.append(global_state.factors[name][0] if A is None else A)
             Bs.append(global_state.factors[name][1] if B is None else B)
-        res = aggregate(As, Bs, p, method, generator=generator)
+        start = None if global_state is None else global_state.factors[name]
+        if start is not None and (start[0] is None or start[1] is None):
+            start = None
+        res = aggregate(As, Bs, p, method, generator=generator, start=start)
         factors[name] = (res.A, res.B)
         residuals[name] = res.residual
         dev[name] = deviation(As, Bs, p)

@@ -57,8 +57,12 @@ def _aggregate(rows: dict) -> dict:
             a["final"].append(vals[-1])
             a["best"].append(best_value(metric, vals))
             a["bytes"].append(sum(x["bytes_up"] + x["bytes_down"] for x in mrs))
-            a["deviation"].append(statistics.fmean(x["deviation"]["mean"] for x in mrs))
-            a["effective"].append(max(x["effective_deviation"]["max"] for x in mrs))
+            devs = [x["deviation"]["mean"] for x in mrs]
+            effs = [x["effective_deviation"]["max"] for x in mrs]
+            # a personalized method (FedSA-LoRA) has no global model: no deviation (nan)
+            nan = float("nan")
+            a["deviation"].append(nan if None in devs else statistics.fmean(devs))
+            a["effective"].append(nan if None in effs else max(effs))
     return {k: dict(v) for k, v in agg.items()}
 
 
@@ -196,10 +200,12 @@ def comparison_table(rows: dict, cfgs: dict, elapsed: float, reused: int = 0) ->
         present = [m for m in methods if f"{key}|{m}" in agg]
         for m in present:
             a = agg[f"{key}|{m}"]
+            dev, eff = statistics.fmean(a["deviation"]), max(a["effective"])
+            personal = math.isnan(dev)  # no global model (FedSA-LoRA)
             lines.append(
-                f"| {m} | {_ms(a['final'])} | {_ms(a['best'])} | "
-                f"{_mb(statistics.fmean(a['bytes']))} | "
-                f"{statistics.fmean(a['deviation']):.3g} | {max(a['effective']):.2g} |"
+                f"| {m}{' (personalized)' if personal else ''} | {_ms(a['final'])} | "
+                f"{_ms(a['best'])} | {_mb(statistics.fmean(a['bytes']))} | "
+                + ("n/a | n/a |" if personal else f"{dev:.3g} | {eff:.2g} |")
             )
         lines.append("")
         for ours in (m for m, _ in _BASELINES if m in present):

@@ -393,6 +393,41 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     return Message(content, reply_to=msg)
 
 
+def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:
+    """This client's own model (the global A of ``msg``, its own B) on its own test split.
+
+    For a personalized method (FedSA-LoRA); the client's state is left as it was.
+
+    Raises:
+        ValueError: If the configuration or partition does not match the server's, or the
+            client does not hold the base version the server expects.
+    """
+    from fedexlora.core.state import AdapterState
+    from fedexlora.run.engine import evaluate_personal
+
+    cfg, fingerprint, settings = _resolve(defaults, context)
+    conf = msg.content["config"]
+    if str(conf.get("fingerprint", "")) not in ("", fingerprint):
+        raise ValueError("this ClientApp resolved another configuration than the server")
+    pid = _partition(context, cfg.num_clients)
+    if int(conf["partition-id"]) != pid:
+        raise ValueError(f"evaluation for partition {conf['partition-id']}, this node holds {pid}")
+    method, since = str(conf["method"]), int(conf["base-version"])
+    run_token = str(conf.get("run-token", ""))
+    disk = _disk(context, settings, run_token, method, pid)
+    task, prep, spare = _task_and_data(cfg, fingerprint, method)
+    model = _client_model(
+        cfg, task, method, context, pid, since, spare, disk, run_token, fingerprint
+    )
+    state = AdapterState.from_flat(from_array_record(msg.content["arrays"]))
+    metrics, n = evaluate_personal(cfg, model, prep, pid, state)
+    meta = context.state.get(_META)
+    if _MAX_MODELS > 0 and isinstance(meta, ConfigRecord):  # back in the cache: only A
+        _MODELS[(context.run_id, pid)] = (meta["token"], model)  # moved, and payloads set A
+    reply = {"partition-id": pid, "metrics": json.dumps(metrics), "test-examples": n}
+    return Message(RecordDict({"config": ConfigRecord(reply)}), reply_to=msg)
+
+
 def make_client_app(defaults: Mapping[str, Any] | None = None) -> ClientApp:
     """A ClientApp; ``defaults`` fill in run-config keys the context does not set.
 
@@ -437,6 +472,13 @@ def make_client_app(defaults: Mapping[str, Any] | None = None) -> ClientApp:
         restore_user_home()
         quiet_libraries()
         return train_step(msg, context, base)
+
+    @client.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        """This node's own model on its own test split (personalized methods)."""
+        restore_user_home()
+        quiet_libraries()
+        return evaluate_step(msg, context, base)
 
     return client
 

@@ -51,8 +51,15 @@ def run_server(
             ``resume``), or the run to resume has another configuration.
     """
     from fedexlora.bridge.adapters import set_state
+    from fedexlora.core.methods import get_method
     from fedexlora.flower.strategy import FedExLoRA, NodeDirectory
-    from fedexlora.run.engine import apply_round, client_adapter, round_row, save_client_adapter
+    from fedexlora.run.engine import (
+        apply_round,
+        client_adapter,
+        personal_metrics,
+        round_row,
+        save_client_adapter,
+    )
     from fedexlora.run.lifecycle import Run
 
     cfg = cfg.replace(engine="flower").validate()  # one validation for every entry point
@@ -108,6 +115,11 @@ def run_server(
             rec = st.current
             rnd = rec.round
             metrics, measured = apply_round(cfg, m, rnd, mdl, srv, rec.outcome, prep, rec.uploads)
+            per_client = None
+            if get_method(m).personal_B:  # no global model: each client evaluates its own
+                trained = {c for r in cur.rows for c in r["accepted"]} | set(rec.outcome.accepted)
+                per_client = st.evaluate_personal(grid, sorted(trained), settings.round_timeout)
+                metrics = personal_metrics(per_client)
             if cfg.save_client_adapters:
                 _save_uploads(mdl, srv, rec, m)
             row = round_row(
@@ -127,6 +139,7 @@ def run_server(
                 server_bytes=srv.nbytes(),
                 test_examples=len(prep.task.test),
                 server_seconds=srv.last_round_seconds,
+                personalized=per_client,
             )
             if cfg.dp:  # what the clients reported of their own accounting
                 from fedexlora.training.privacy import privacy_row

@@ -401,6 +401,60 @@ class FedExLoRA(FedAvg):
         )
         return messages
 
+    # -- personalized evaluation -------------------------------------------------
+    def evaluate_personal(
+        self, grid: Grid, clients: Iterable[int], timeout: float | None = None
+    ) -> dict[int, tuple[dict[str, float], int]]:
+        """Each client's own model on its own test split (a personalized method).
+
+        Sends the global A and extras to every client in ``clients`` that a connected
+        node holds; the client evaluates them with its own B and replies with its
+        metrics and test-split size. A client that does not answer is left out.
+        """
+        state = self.server.upload_template(self.server.round)  # Ā and extras, no B
+        by_partition = self.nodes.refresh(grid)
+        messages = []
+        for c in clients:
+            node = by_partition.get(c)
+            since = self.server.client_version.get(c)
+            if node is None or since is None:
+                continue
+            conf = ConfigRecord(
+                {
+                    "server-round": self.server.round,
+                    "method": self.method,
+                    "partition-id": c,
+                    "base-version": since,
+                    "fingerprint": self.fingerprint,
+                    "run-token": self.nodes.run_token,
+                }
+            )
+            content = RecordDict(
+                {self.arrayrecord_key: to_array_record(state.to_flat()), "config": conf}
+            )
+            messages.append(
+                Message(
+                    content,
+                    message_type=MessageType.EVALUATE,
+                    dst_node_id=node,
+                    group_id=f"{self.server.round}-personal",
+                )
+            )
+        out = {}
+        for reply in grid.send_and_receive(messages, timeout=timeout):
+            c = self.nodes.partition_of.get(reply.metadata.src_node_id)
+            conf = None if reply.has_error() else reply.content.get("config")
+            if c is None or conf is None or "metrics" not in conf:
+                why = reply.error.reason if reply.has_error() else "no metrics"
+                warnings.warn(
+                    f"{self.method}: no personal evaluation from client {c}: {why}", stacklevel=2
+                )
+                continue
+            # JSON keeps the metrics' order (the headline metric first)
+            metrics = {k: float(v) for k, v in json.loads(str(conf["metrics"])).items()}
+            out[c] = (metrics, int(conf["test-examples"]))
+        return out
+
     # -- aggregate ---------------------------------------------------------------
     def _upload(self, msg: Message) -> ClientUpload:
         node = msg.metadata.src_node_id

@@ -28,12 +28,20 @@ _FORMAT = 1
 BASE_DELTAS = "base_deltas.safetensors"  # a checkpoint's accumulated residuals
 _BASE = BASE_DELTAS
 _TENSORS = "tensors.safetensors"
+# In-process runs of a method whose clients keep something of their own (FedSA-LoRA's
+# B): the simulated clients' state, "<client>.<module>" -> tensor
+CLIENTS = "clients.safetensors"
 # What meta.json holds of Server.state_dict() (its tensors are in _TENSORS), and what
 # stands for a key in checkpoints written before it existed (without last_sizes,
 # payloads say keep until the next round; without sent_clients, heterogeneous views are
 # rebuilt when each client is next sampled).
 _SERVER_KEYS = tuple(k for k in STATE_KEYS if k != "tensors")
-_SERVER_DEFAULTS = {"remainder_clients": [], "last_sizes": {}, "sent_clients": []}
+_SERVER_DEFAULTS = {
+    "remainder_clients": [],
+    "last_sizes": {},
+    "sent_clients": [],
+    "client_rank": {},
+}
 
 
 class CheckpointError(ValueError):
@@ -82,6 +90,7 @@ def save_checkpoint(
     meta: dict,
     keep: int = 2,
     base: dict[str, torch.Tensor] | None = None,
+    clients: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Writes ``directory/round-XXXX`` atomically and keeps the last ``keep`` of them.
 
@@ -95,7 +104,8 @@ def save_checkpoint(
     full model, the residual history, the lossy-mode feedback) go to
     ``tensors.safetensors``, the rest to ``meta.json``. ``meta`` (JSON, beside the
     server's keys) carries whatever the engine needs to resume: metrics so far, the
-    partition assignment, the config fingerprint.
+    partition assignment, the config fingerprint. ``clients`` (``clients.safetensors``)
+    is what the in-process engine's simulated clients keep of their own, if anything.
 
     Raises:
         ValueError: If ``meta`` uses a key of the checkpoint's own.
@@ -115,6 +125,8 @@ def save_checkpoint(
     save_file(tensors, str(tmp / _TENSORS))
     if base is not None:
         save_file({k: v.detach().contiguous() for k, v in base.items()}, str(tmp / _BASE))
+    if clients:
+        save_file({k: v.detach().contiguous() for k, v in clients.items()}, str(tmp / CLIENTS))
     info = {
         "format": _FORMAT,
         **server_state,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fedexlora.bridge.adapters import get_state, layer_info
+from fedexlora.bridge.adapters import get_state, layer_info, set_state
 from fedexlora.bridge.steps import apply_outcome, make_upload
 from fedexlora.config import RunConfig
 from fedexlora.core.methods import get_method
@@ -33,7 +33,9 @@ __all__ = [
     "local_update",
     "new_model",
     "new_server",
+    "personal_metrics",
     "prepare",
+    "evaluate_personal",
     "resolve_device",
     "round_row",
     "save_client_adapter",
@@ -56,6 +58,7 @@ class Prepared:
     test: Encoded
     tokenizer: object
     partition_table: str
+    test_parts: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -104,6 +107,7 @@ def new_model(cfg: RunConfig, task, method: str):
         dtype=torch_dtype(cfg.dtype),
         quantization=cfg.quantization,
         double_quant=cfg.double_quant,
+        init=spec.lora_init,  # FRLoRA: the principal components of the pretrained weight
     )
     check_max_length(cfg, model)
     if latent:
@@ -221,7 +225,7 @@ def check_max_length(cfg: RunConfig, model) -> None:
 
 def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
     """Partitions a loaded task and tokenizes both splits."""
-    from fedexlora.tasks.partition import describe_partitions, partition
+    from fedexlora.tasks.partition import describe_partitions, partition, partition_like
 
     scheme, note = effective_partition(cfg, task)
     parts = partition(
@@ -241,7 +245,15 @@ def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
     test = encode(
         task.test, tokenizer, kind=task.kind, max_length=cfg.max_length, template=task.template
     )
-    return Prepared(task, parts, train, test, tokenizer, table)
+    classes = task.kind == "classification" and "label" in task.train.column_names
+    test_parts = partition_like(  # each client's own test split (personalized methods)
+        task.train["label"] if classes else None,
+        parts,
+        task.test["label"] if classes else None,
+        len(task.test),
+        seed=cfg.seed,
+    )
+    return Prepared(task, parts, train, test, tokenizer, table, test_parts)
 
 
 def _summ(values: dict[str, float]) -> dict:
@@ -273,6 +285,7 @@ def round_row(
     server_bytes: dict[str, int] | None = None,
     test_examples: int = 0,
     server_seconds: float = 0.0,
+    personalized: dict[int, tuple[dict[str, float], int]] | None = None,
 ) -> dict:
     """One ``metrics.jsonl`` row (one method, one round).
 
@@ -282,6 +295,9 @@ def round_row(
     :meth:`fedexlora.server.Server.nbytes` after the round; ``test_examples`` is how many
     examples ``metrics`` were measured on; ``server_seconds`` is the server's own work
     in the round (payloads, validation, aggregation: ``Server.last_round_seconds``).
+    ``personalized`` (a personalized method: no global model) is each evaluated client's
+    ``(metrics, test examples)``: ``metrics`` are then their weighted mean, the clients'
+    own go under ``personalized``, and no deviation is reported (``None``).
     """
     losses = [u.train_loss for u in uploads if u.client_id in outcome.accepted]
     row = {
@@ -316,6 +332,14 @@ def round_row(
         ),
         "approximate": approximate,
     }
+    if personalized is not None:
+        row["personalized"] = {
+            "clients": {str(c): m for c, (m, n) in sorted(personalized.items()) if n},
+            "test_examples": {str(c): n for c, (_, n) in sorted(personalized.items()) if n},
+        }
+        row["test_examples"] = sum(n for _, n in personalized.values())
+        row["deviation"] = {"mean": None, "max": None, "per_layer": {}}
+        row["effective_deviation"] = {"mean": None, "max": None}
     if approximate:
         # lossy --residual-rank: how far the applied model is from the exact one, per layer
         # (Frobenius norm of the residual kept back as error feedback, before the scale)
@@ -362,6 +386,18 @@ def local_update(
         from fedexlora.bridge.adapters import set_trainable
 
         set_trainable(model, train_A=train_A, train_B=train_B)
+    penalty, prune = None, None
+    if spec.prunes_rank:  # HetLoRA: regularize the tail of the rank this client uses
+        from fedexlora.bridge.adapters import tail_norm, used_rank
+        from fedexlora.core.methods.hetlora import LAMBDA, pruning_tail
+
+        rank = used_rank(model)
+        cut = pruning_tail(rank)
+        if 1 <= cut < rank:
+            with torch.no_grad():
+                before = float(tail_norm(model, cut, rank))
+            penalty = lambda: LAMBDA * tail_norm(model, cut, rank)  # noqa: E731
+            prune = (cut, rank, before)
     res = train_local(
         model,
         data,
@@ -378,14 +414,24 @@ def local_update(
         device=next(model.parameters()).device,
         autocast=autocast_dtype(cfg),
         dp=dp,
+        penalty=penalty,
     )
+    if prune is not None:
+        from fedexlora.bridge.adapters import cut_rank, tail_norm
+
+        cut, rank, before = prune
+        with torch.no_grad():
+            if float(tail_norm(model, cut, rank)) < before:  # the tail shrank: cut it off
+                cut_rank(model, cut)
+    up_A, up_B = spec.uploaded(rnd)  # FedSA-LoRA: B is trained but kept
     return make_upload(
         model,
         res.num_examples,
         client_id=client,
         train_loss=res.loss,
-        include_A=train_A,
-        include_B=train_B,
+        include_A=up_A,
+        include_B=up_B,
+        include_extra=not spec.personal_B,
     )
 
 
@@ -403,13 +449,18 @@ def apply_round(
 
     Folds the round's residuals into the base, loads the global factors, measures how far
     the model is from the ideal (:func:`fedexlora.bridge.steps.apply_outcome`), warns about
-    rejected uploads, and evaluates on the test split.
+    rejected uploads, and evaluates on the test split. A personalized method (FedSA-LoRA)
+    has no global model: nothing is measured or evaluated here (``({}, {})``); the
+    engine evaluates each client's own model (:func:`evaluate_personal`).
 
     Returns:
         ``(metrics, deviation)``: the task metrics, and per layer the measured relative
         deviation of the model from the ideal average of the clients' models.
     """
-    measured = apply_outcome(model, server, outcome, uploads)
+    personal = get_method(method).personal_B
+    measured = {} if personal else apply_outcome(model, server, outcome, uploads)
+    if personal:
+        set_state(model, server.state)
     for cid, why in outcome.rejected.items():
         warnings.warn(f"{method} round {rnd}: rejected client {cid}: {why}", stacklevel=2)
     if uploads and not outcome.accepted:
@@ -417,9 +468,16 @@ def apply_round(
             f"{method} round {rnd}: every upload was rejected; the global model is unchanged",
             stacklevel=2,
         )
-    metrics = evaluate(
+    if personal:
+        return {}, measured
+    return _test_metrics(cfg, model, prep, prep.test), measured
+
+
+def _test_metrics(cfg: RunConfig, model, prep: Prepared, data: Encoded) -> dict[str, float]:
+    """The task metrics of ``model`` on ``data`` (some or all of the test split)."""
+    return evaluate(
         model,
-        prep.test,
+        data,
         prep.task,
         batch_size=cfg.eval_batch_size,
         max_new_tokens=cfg.max_new_tokens,
@@ -428,7 +486,42 @@ def apply_round(
         device=next(model.parameters()).device,
         autocast=autocast_dtype(cfg),
     )
-    return metrics, measured
+
+
+@torch.no_grad()
+def evaluate_personal(
+    cfg: RunConfig, model, prep: Prepared, client: int, state, own=None
+) -> tuple[dict[str, float], int]:
+    """One client's own model on its own test split (personalized methods).
+
+    The model takes ``state``'s A (the global one) and the client's own B and extras
+    (``own``; ``None``: the model holds the client's own already).
+
+    Returns:
+        ``(metrics, n)``: the task metrics and the size of the client's test split
+        (``({}, 0)`` when it has none).
+    """
+    rows = prep.test_parts[client] if prep.test_parts else []
+    if not rows:
+        return {}, 0
+    from fedexlora.core.state import AdapterState
+
+    set_state(model, AdapterState(factors={k: (A, None) for k, (A, _) in state.factors.items()}))
+    if own is not None:
+        set_state(model, own)
+    return _test_metrics(cfg, model, prep, prep.test.subset(rows)), len(rows)
+
+
+def personal_metrics(per_client: dict[int, tuple[dict[str, float], int]]) -> dict:
+    """The clients' own metrics, averaged weighted by their test examples."""
+    total = sum(n for _, n in per_client.values())
+    if total == 0:
+        return {}
+    keys = list(dict.fromkeys(k for m, n in per_client.values() if n for k in m))
+    return {  # in the metrics' own order: the headline metric first
+        k: sum(float(m[k]) * n for m, n in per_client.values() if n and k in m) / total
+        for k in keys
+    }
 
 
 def save_client_adapter(

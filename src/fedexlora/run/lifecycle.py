@@ -52,6 +52,9 @@ class MethodRun:
         server: The method's :class:`fedexlora.server.Server`.
         rows: Its metrics rows, restored ones first.
         restored: How many of ``rows`` came from a checkpoint (a resume).
+        personal: What the in-process engine's clients keep of their own between rounds
+            (FedSA-LoRA: client -> its B and head as flat tensors), checkpointed with the
+            server.
     """
 
     method: str
@@ -59,6 +62,7 @@ class MethodRun:
     server: Any
     rows: list[dict] = field(default_factory=list)
     restored: int = 0
+    personal: dict = field(default_factory=dict)
 
     @property
     def new_rows(self) -> list[dict]:
@@ -138,15 +142,16 @@ class Run:
         """
         for method in self.cfg.methods:
             rows = list(self._done_rows.get(method, []))
+            personal: dict = {}
             if method in self._restored:
-                model, server = self._restored.pop(method)
+                model, server, personal = self._restored.pop(method)
             else:
                 model = self._first_model
                 if model is None:
                     model = new_model(self.cfg, self.task, method)[0]
                 server = new_server(self.cfg, method, model)
             self._first_model = None
-            current = MethodRun(method, model, server, rows, restored=len(rows))
+            current = MethodRun(method, model, server, rows, len(rows), personal)
             if server.round < self.cfg.rounds:
                 t0 = time.perf_counter()
                 yield current
@@ -175,6 +180,7 @@ class Run:
             },
             keep=self.cfg.keep_checkpoints,
             base=base_deltas(current.model),
+            clients={f"{c}.{k}": t for c, own in current.personal.items() for k, t in own.items()},
         )
 
     def run_token(self) -> str:

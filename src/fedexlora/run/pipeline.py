@@ -78,5 +78,6 @@ def run_experiment(
             server=current.server,
             after_round=lambda row, _srv, _mdl, _m=current: run.record(_m, row),
             history=current.rows,
+            personal=current.personal,
         )
     return run.finish()

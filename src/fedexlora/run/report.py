@@ -116,6 +116,10 @@ def summary_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         last = rs[-1]
         best = best_value(metric, vals)
         label = method + (" (approximate)" if last.get("approximate") else "")
+        label += " (personalized)" if "personalized" in last else ""
+        devs = [r["deviation"]["mean"] for r in rs if r["deviation"]["mean"] is not None]
+        effs = [r["effective_deviation"]["max"] for r in rs]
+        effs = [e for e in effs if e is not None]
         cells.append(
             [
                 label,
@@ -124,8 +128,8 @@ def summary_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                 f"{last['train_loss']:.4f}",
                 _fmt_bytes(sum(r["bytes_up"] for r in rs)),
                 _fmt_bytes(sum(r["bytes_down"] for r in rs)),
-                f"{sum(r['deviation']['mean'] for r in rs) / len(rs):.3g}",
-                f"{max(r['effective_deviation']['max'] for r in rs):.2g}",
+                f"{sum(devs) / len(devs):.3g}" if devs else "n/a",
+                f"{max(effs):.2g}" if effs else "n/a",
                 f"{sum(r['seconds'] for r in rs):.1f}",
             ]
         )
@@ -170,6 +174,13 @@ def write_summary(
         "FedIT's is what plain factor averaging loses.",
         "- Bytes are counted from the tensors sent; `centralized` sends nothing.",
     ]
+    if any("personalized" in r for r in rows):
+        parts.append(
+            "- *personalized* (FedSA-LoRA): each client keeps its own B and task head, so "
+            "there is no global model and no deviation from one (n/a). Its metrics are each "
+            "client's own model on a test split drawn like its training data, averaged "
+            "weighted by test examples (`personalized` in `metrics.jsonl` has each client's)."
+        )
     n = max((sampled_examples(r) for r in rows), default=0)
     if n and primary_metric(rows) in PROPORTIONS:
         parts.append(

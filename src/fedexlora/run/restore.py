@@ -9,7 +9,13 @@ import torch
 
 from fedexlora.bridge.adapters import folded_weights, load_side_state, set_state, side_state
 from fedexlora.config import RunConfig
-from fedexlora.run.checkpoint import BASE_DELTAS, CheckpointError, checkpoints, load_checkpoint
+from fedexlora.run.checkpoint import (
+    BASE_DELTAS,
+    CLIENTS,
+    CheckpointError,
+    checkpoints,
+    load_checkpoint,
+)
 from fedexlora.run.engine import new_model, new_server
 from fedexlora.run.layout import RunLayout, write_rows
 
@@ -56,7 +62,11 @@ def apply_base_deltas(model, deltas: dict[str, torch.Tensor]) -> None:
 
 
 def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: str | None):
-    """A fresh model and server brought to the state of checkpoint ``ckpt``."""
+    """A fresh model and server brought to the state of checkpoint ``ckpt``.
+
+    ``info["personal"]`` is what the simulated clients kept of their own (client ->
+    module -> tensor; empty for most methods).
+    """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -65,12 +75,17 @@ def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: st
     info = load_checkpoint(ckpt, server, fingerprint=fingerprint)
     try:
         deltas = load_file(str(ckpt / BASE_DELTAS))
+        own = load_file(str(ckpt / CLIENTS)) if CLIENTS in info.get("files", {}) else {}
     except (OSError, SafetensorError) as exc:
         raise CheckpointError(
             f"checkpoint {str(ckpt)!r}: base deltas unreadable: {exc}", corrupt=True
         ) from None
     apply_base_deltas(model, deltas)
     set_state(model, server.state)
+    info["personal"] = personal = {}
+    for key, t in own.items():
+        c, _, flat_key = key.partition(".")
+        personal.setdefault(int(c), {})[flat_key] = t
     return model, tokenizer, server, info
 
 
@@ -118,8 +133,9 @@ def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
     was not checkpointed are dropped: it runs again). Shared by both engines.
 
     Returns:
-        ``(restored, done_rows)``: method -> ``(model, server)``, and method -> its rows,
-        for the methods that have a checkpoint.
+        ``(restored, done_rows)``: method -> ``(model, server, personal)`` (``personal``:
+        what its simulated clients keep of their own), and method -> its rows, for the
+        methods that have a checkpoint.
     """
     layout = RunLayout(out)
     restored: dict[str, tuple] = {}
@@ -129,7 +145,7 @@ def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
         if found is None:
             continue
         model, _, server, info = found
-        restored[method] = (model, server)
+        restored[method] = (model, server, info["personal"])
         done_rows[method] = info["rows"]
         say(f"resuming {method} after round {server.round}")
     write_rows(layout.metrics, [r for m in cfg.methods for r in done_rows.get(m, [])])

@@ -20,19 +20,23 @@ import torch
 import fedexlora.run.engine as _engine
 from fedexlora.bridge.adapters import (
     fold_residuals,
+    get_state,
     layer_info,
     restore_base,
     set_state,
     snapshot_base,
 )
 from fedexlora.config import RunConfig
+from fedexlora.core.state import AdapterState
 from fedexlora.run.engine import (
     Prepared,
     apply_round,
     client_adapter,
+    evaluate_personal,
     local_update,
     new_model,
     new_server,
+    personal_metrics,
     round_row,
     save_client_adapter,
 )
@@ -54,6 +58,7 @@ def run_method(
     server: Server | None = None,
     after_round: Callable[[dict, Server, torch.nn.Module], None] | None = None,
     history: list[dict] | None = None,
+    personal: dict[int, dict[str, torch.Tensor]] | None = None,
 ):
     """Runs one method for ``cfg.rounds`` rounds and returns ``(rows, model, server)``.
 
@@ -72,10 +77,17 @@ def run_method(
         server: A server restored from a checkpoint; training resumes after its round.
         after_round: Called with ``(row, server, model)`` after each round (checkpoints).
         history: This method's rows so far (a resume): DP budgets continue from them.
+        personal: What each client keeps of its own (FedSA-LoRA: client -> its B and task
+            head, as flat tensors, :meth:`~fedexlora.core.state.AdapterState.to_flat`),
+            filled in as clients train; the caller checkpoints it (a resume passes it
+            back). Each client really holds its own, as under Flower.
     """
     from fedexlora.core.methods import get_method
 
-    centralized = not get_method(method).federated
+    spec = get_method(method)
+    centralized = not spec.federated
+    own = {} if personal is None else personal
+    trained = {c for r in history or [] for c in r.get("accepted", [])}
     if model is None:
         model, _ = new_model(cfg, prep.task, method)
     parts = [sorted(i for p in prep.parts for i in p)] if centralized else prep.parts
@@ -109,6 +121,8 @@ def run_method(
             bytes_down += payload.nbytes
             down_max = max(down_max, payload.nbytes)
             set_state(model, server.state)  # the shared base already holds the residuals
+            if spec.personal_B and c in own and not payload.reset:
+                set_state(model, AdapterState.from_flat(own[c]))  # its own B and head
             with _client_view(model, server, c, client_adapter(cfg, method, c)):
                 up = local_update(
                     cfg, method, model, client_data[c], rnd, c, steps=steps, progress=progress,
@@ -116,6 +130,8 @@ def run_method(
                 )  # fmt: skip
             if ledger is not None:
                 ledger.record(c, want)
+            if spec.personal_B:
+                own[c] = get_state(model, include_A=False).to_flat()
             bytes_up += up.nbytes
             uploads.append(up)
             if cfg.save_client_adapters and out_dir is not None:
@@ -126,6 +142,17 @@ def run_method(
                 meta = RunLayout(out_dir).client_adapter_meta(rnd, c)
                 meta.write_text(json.dumps({**json.loads(meta.read_text()), "weight": w}))
         metrics, measured = apply_round(cfg, method, rnd, model, server, outcome, prep, uploads)
+        per_client = None
+        if spec.personal_B:  # no global model: each client's own, on its own test split
+            trained.update(outcome.accepted)
+            per_client = {
+                c: evaluate_personal(
+                    cfg, model, prep, c, server.state, AdapterState.from_flat(own[c])
+                )
+                for c in sorted(trained)
+            }
+            metrics = personal_metrics(per_client)
+            set_state(model, server.state)
         if centralized:
             bytes_up = bytes_down = down_max = 0
         row = round_row(
@@ -144,6 +171,7 @@ def run_method(
             server_bytes=server.nbytes(),
             test_examples=len(prep.task.test),
             server_seconds=server.last_round_seconds,
+            personalized=per_client,
         )
         if ledger is not None:
             row["privacy"] = ledger.row(refused)

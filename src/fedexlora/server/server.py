@@ -66,6 +66,31 @@ def _timed(fn):
     return wrapper
 
 
+def _used_rank(state: AdapterState) -> int:
+    """The rank a client's factors use: one past the last A row or B column not all zero."""
+    used = 0
+    for A, B in state.factors.values():
+        for X, dim in ((A, 1), (B, 0)):
+            if X is not None:
+                live = (X != 0).any(dim=dim).nonzero().flatten()
+                used = max(used, int(live.max()) + 1 if live.numel() else 0)
+    return used
+
+
+def _cut_rank(state: AdapterState, rank: int) -> AdapterState:
+    """``state`` with every A row and B column from ``rank`` on set to zero."""
+    factors = {}
+    for name, (A, B) in state.factors.items():
+        if A is not None:
+            A = A.clone()
+            A[rank:] = 0
+        if B is not None:
+            B = B.clone()
+            B[:, rank:] = 0
+        factors[name] = (A, B)
+    return AdapterState(factors=factors, extra=state.extra)
+
+
 class Server:
     """The federated server: global state, client sampling, payloads, aggregation.
 
@@ -131,6 +156,7 @@ class Server:
             raise ValueError(f"heterogeneous client ranks need method {hetero}, got {method!r}")
         self.remainder: dict[int, dict[str, Residual]] = {}  # hetero: T_i each client holds
         self.sent: dict[int, AdapterState] = {}  # hetero: the view each client trains from
+        self.client_rank: dict[int, int] = {}  # HetLoRA: the rank a client pruned itself to
         self._busy = 0.0  # seconds in payload_for and aggregate since the last round
         self.last_round_seconds = 0.0  # the server's own seconds in the latest round
 
@@ -152,17 +178,18 @@ class Server:
         g = torch.Generator().manual_seed(self.seed * 100_003 + rnd)
         return sorted(torch.randperm(self.num_clients, generator=g)[:m].tolist())
 
-    def _trained(self, rnd: int) -> tuple[bool, bool]:
-        """Whether clients train (and upload) A and B in round ``rnd``."""
+    def _uploaded(self, rnd: int) -> tuple[bool, bool]:
+        """Whether clients upload A and B in round ``rnd`` (the factors the server updates)."""
         spec = REGISTRY.get(self.method)
-        return (True, True) if spec is None else spec.trained(rnd)
+        return (True, True) if spec is None else spec.uploaded(rnd)
 
     def upload_template(self, rnd: int | None = None) -> AdapterState:
         """What a valid upload in round ``rnd`` contains (default: the coming round).
 
-        FFA-LoRA clients send no A; RoLoRA's send only the factor the round trains.
+        FFA-LoRA clients send no A; RoLoRA's send only the factor the round trains;
+        FedSA-LoRA's send no B and no task head (each keeps its own).
         """
-        train_A, train_B = self._trained(self.round + 1 if rnd is None else rnd)
+        train_A, train_B = self._uploaded(self.round + 1 if rnd is None else rnd)
         if train_A and train_B:
             return self.state
         return AdapterState(
@@ -170,7 +197,7 @@ class Server:
                 k: (A if train_A else None, B if train_B else None)
                 for k, (A, B) in self.state.factors.items()
             },
-            extra=self.state.extra,
+            extra={} if self._has("personal_B") else self.state.extra,
         )
 
     def catch_up(self, since: int) -> dict[str, Residual] | None:
@@ -225,8 +252,16 @@ class Server:
         state = self.state
         if self._has("frozen_A") and not self._has("refactors_A") and not reset:
             state = self.upload_template(self.round + 1)  # A is frozen and already held
+        elif self._has("personal_B") and not reset:
+            state = self.upload_template(self.round + 1)  # Ā only: the client keeps its B
+        if reset:
+            self.client_rank.pop(client_id, None)  # a client that starts over: its full rank
         if client_id in self.client_layers:
             state, residuals = self._hetero_view(client_id, residuals)
+        if client_id in self.client_rank:  # HetLoRA: what it pruned stays pruned
+            state = _cut_rank(state, self.client_rank[client_id])
+            if client_id in self.sent:
+                self.sent[client_id] = state
         keep = self.history_reach() >= self.expected_absence()
         if keep:
             self.client_version[client_id] = self.version
@@ -272,7 +307,9 @@ class Server:
 
         gen = torch.Generator().manual_seed(self.seed * 65_537 + self.round * 101 + c)
         layers_c = self.client_layers[c]
-        view, t_new = client_view(self.state, self.layers, layers_c, generator=gen)
+        view, t_new = client_view(
+            self.state, self.layers, layers_c, generator=gen, slices=self._has("hetero_slices")
+        )
         if self._has("hetero_drops_tail"):  # FlexLoRA: the truncation and nothing else
             t_new = {}
         t_old = self.remainder.get(c, {})
@@ -300,6 +337,7 @@ class Server:
         """
         self.client_version.pop(client_id, None)
         self.remainder.pop(client_id, None)  # heterogeneous ranks: nothing folded any more
+        self.client_rank.pop(client_id, None)
 
     def _prune(self) -> None:
         """Drops history no client needs, and history beyond the memory bound.
@@ -378,6 +416,8 @@ class Server:
             - ``remainder_clients``, ``sent_clients``: heterogeneous ranks: the clients
               whose remainder ``T_c``, and whose view, the server holds.
             - ``last_sizes``: ``{module: [bytes, dense bytes]}`` of the latest residual.
+            - ``client_rank``: ``{str(client): rank}``, the rank each client pruned itself
+              to (HetLoRA).
             - ``tensors``: flat ``name -> tensor``: ``state.<key>`` (the global state,
               :meth:`~fedexlora.core.state.AdapterState.to_flat`),
               ``base_delta.<module>.<U|V|dense>`` (see
@@ -402,6 +442,7 @@ class Server:
             "remainder_clients": sorted(self.remainder),
             "last_sizes": {k: list(v) for k, v in self.last_sizes.items()},
             "sent_clients": sorted(self.sent),
+            "client_rank": {str(c): r for c, r in sorted(self.client_rank.items())},
             "tensors": {k: t.detach().contiguous().clone() for k, t in flat.items()},
         }
 
@@ -434,6 +475,7 @@ class Server:
         self.feedback = parsed["feedback"]
         self.remainder = parsed["remainder"]
         self.sent = parsed["sent"]
+        self.client_rank = parsed["client_rank"]
 
     def _check_state(self, s: dict) -> None:
         """Raises :class:`ServerStateMismatch` naming what of ``s`` is not this server's."""
@@ -455,6 +497,7 @@ class Server:
             f"last_sizes.{k}: no such module" for k in s["last_sizes"] if k not in self.layers
         ]
         clients = set(s["client_version"]) | set(s["remainder"]) | set(s["sent"])
+        clients |= set(s["client_rank"])
         problems += [
             f"client {c}: the server has {self.num_clients} clients"
             for c in sorted(clients)
@@ -514,6 +557,12 @@ class Server:
             weights = None
         if generator is None and self._has("fresh_adapter"):
             generator = torch.Generator().manual_seed(self.seed * 7919 + self.round)
+        if self._has("prunes_rank"):  # HetLoRA: a client's zero tail is the rank it pruned to
+            for u in accepted:
+                used = _used_rank(u.state)
+                full = self.client_layers.get(u.client_id, self.layers)
+                if used < min(info.rank for info in full.values()):
+                    self.client_rank[u.client_id] = used
         states = [self._to_global(u) for u in accepted]
         agg = aggregate_states(
             states,
@@ -530,9 +579,10 @@ class Server:
         elif self.side_rank is not None:
             residuals, capped, feedback_norm = self._cap_side(residuals)
         new_state = agg.state
-        train_A, train_B = self._trained(self.round)
+        train_A, train_B = self._uploaded(self.round)
         if not (train_A and train_B) and not self._has("refactors_A"):
-            # keep the frozen global factor bit for bit (latent, Fed-SB: A = I; RoLoRA)
+            # keep the frozen global factor bit for bit (latent, Fed-SB: A = I; RoLoRA;
+            # FedSA-LoRA's B, which the clients keep)
             new_state = AdapterState(
                 factors={
                     k: (
@@ -541,7 +591,7 @@ class Server:
                     )
                     for k, (A, B) in new_state.factors.items()
                 },  # fmt: skip
-                extra=new_state.extra,
+                extra=self.state.extra if self._has("personal_B") else new_state.extra,
             )
         previous, self.state = self.state, new_state
         nonzero = {k: r for k, r in residuals.items() if not r.is_zero}

@@ -32,6 +32,7 @@ STATE_KEYS = (  # what Server.state_dict() holds
     "remainder_clients",
     "last_sizes",
     "sent_clients",
+    "client_rank",
     "tensors",
 )
 _ROLES = ("U", "V", "dense")  # the tensors of a residual (Residual.tensors)
@@ -104,6 +105,10 @@ def _parse_state(state: Mapping, *, assign: bool) -> dict:
     out["client_version"] = {
         _count(c, "a client id", key=True): _count(v, f"client_version of {c}")
         for c, v in mapping("client_version").items()
+    }
+    out["client_rank"] = {
+        _count(c, "a client id", key=True): _count(v, f"client_rank of {c}")
+        for c, v in mapping("client_rank").items()
     }
     last_sizes = {}
     for name, sizes in mapping("last_sizes").items():

@@ -14,7 +14,7 @@ import datasets
 import numpy as np
 from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
 
-__all__ = ["SCHEMES", "describe_partitions", "partition"]
+__all__ = ["SCHEMES", "describe_partitions", "partition", "partition_like"]
 
 SCHEMES: tuple[str, ...] = ("iid", "dirichlet")
 
@@ -230,3 +230,46 @@ def describe_partitions(
     return "\n".join(
         "  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in [header, *rows]
     )
+
+
+def partition_like(
+    train_labels: Sequence | None,
+    parts: Sequence[Sequence[int]],
+    test_labels: Sequence | None,
+    num_test: int,
+    *,
+    seed: int = 0,
+) -> list[list[int]]:
+    """Splits a test set across the clients of ``parts`` the way their training data is split.
+
+    Each client gets, of every class, the share of the test examples that it holds of
+    that class's training examples, so its test split is drawn like its training data
+    (a Dirichlet-skewed client is tested on its own skew; IID clients on near-IID
+    splits). Without labels the test set is shuffled with ``seed`` and cut evenly.
+    Used where each client is evaluated on its own data (personalized methods).
+
+    Args:
+        train_labels: The training examples' labels (``None``: no classes).
+        parts: Each client's training row indices.
+        test_labels: The test examples' labels (``None``: no classes).
+        num_test: The number of test examples.
+        seed: Seed for the order within each class.
+
+    Returns:
+        For each client, its sorted test row indices; together they cover every row once.
+    """
+    k = len(parts)
+    rng = np.random.default_rng(int(seed))
+    if train_labels is None or test_labels is None:
+        return [sorted(int(i) for i in c) for c in np.array_split(rng.permutation(num_test), k)]
+    train = np.asarray(train_labels)
+    test = np.asarray(test_labels)
+    out: list[list[int]] = [[] for _ in range(k)]
+    for y in np.unique(test):
+        rows = rng.permutation(np.flatnonzero(test == y))
+        held = np.array([np.count_nonzero(train[list(p)] == y) for p in parts], dtype=float)
+        share = held / held.sum() if held.sum() > 0 else np.full(k, 1.0 / k)
+        cuts = np.round(np.cumsum(share)[:-1] * len(rows)).astype(int)
+        for c, chunk in enumerate(np.split(rows, cuts)):
+            out[c].extend(int(i) for i in chunk)
+    return [sorted(c) for c in out]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -180,6 +180,7 @@ def train_local(
     progress: bool = True,
     autocast: torch.dtype | None = None,
     dp=None,
+    penalty: Callable[[], torch.Tensor] | None = None,
 ) -> TrainResult:
     """Trains the model's trainable parameters on ``data`` with AdamW.
 
@@ -205,7 +206,11 @@ def train_local(
             ``noise_multiplier``, ``sample_rate`` and ``max_grad_norm``): Poisson-sampled
             batches, per-sample clipping and Gaussian noise (Opacus), instead of plain
             clipping of the batch gradient. The noise comes from ``seed`` too.
+        penalty: A regularizer added to each step's loss (HetLoRA's rank pruning); the
+            reported loss is the task's alone. Not with ``dp``.
     """
+    if dp is not None and penalty is not None:
+        raise ValueError("a loss `penalty` cannot be combined with DP-SGD (`dp`)")
     if dp is not None:
         return _train_dp(
             model, data, dp, epochs=epochs, steps=steps, batch_size=batch_size, lr=lr,
@@ -233,7 +238,7 @@ def train_local(
         batch = _collate(data.subset(idx), device)
         with _amp(device, autocast):
             loss = model(**batch).loss
-        loss.backward()
+        (loss if penalty is None else loss + penalty()).backward()
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         opt.step()
         sched.step()

@@ -11,11 +11,14 @@ from fedexlora.core.methods import (
     centralized,
     fedex,
     fedit,
+    fedsa,
     fedsb,
     fedsvd,
     ffa,
     flexlora,
     flora,
+    frlora,
+    hetlora,
     lorafair,
     rolora,
 )
@@ -35,6 +38,9 @@ REGISTRY: dict[str, MethodSpec] = {
         fedsvd,
         lorafair,
         rolora,
+        fedsa,
+        frlora,
+        hetlora,
         centralized,
     )
 }

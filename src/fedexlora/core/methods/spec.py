@@ -15,7 +15,8 @@ __all__ = ["Aggregate", "MethodSpec"]
 # The server math of one layer: stacked client factors A (k, r, n) and B (k, d, r) in
 # fp64, normalised weights p (k,) -> the new global A (r, n), B (d, r) and the residual
 # (d, n) to fold into the base, before the LoRA scale. Keyword arguments: ``out_dtype``
-# (the dtype results are returned in), ``generator`` (seeded randomness), ``atol``.
+# (the dtype results are returned in), ``generator`` (seeded randomness), ``atol``, and
+# for a method that ``restarts``, ``start``: the global (A, B) the clients started from.
 Aggregate = Callable[..., tuple[torch.Tensor, torch.Tensor, Residual]]
 
 
@@ -46,10 +47,24 @@ class MethodSpec:
             upload only the factor they trained (RoLoRA).
         latent: Clients train an ``r x r`` core between frozen A and B (Fed-SB); the
             server sees it in latent coordinates (``A = I``, ``B = R``).
+        personal_B: Each client keeps its own B: it trains A and B but uploads only A,
+            and receives only the global A (FedSA-LoRA). There is no global model: the
+            run evaluates each client's own (global A, its B), and reports no deviation.
         hetero_ranks: Clients may train adapters of different ranks (``client_ranks``).
         hetero_drops_tail: A client of a lower rank gets the truncation of the global
             adapter and nothing else (FlexLoRA); otherwise what the truncation leaves out
             is folded into that client's base, so it holds the global model exactly.
+        restarts: Every round the global adapter returns to the factors the clients
+            started it from, and what the round's aggregate adds is folded into the base
+            (FRLoRA); the server math gets those factors as ``start=(A0, B0)``.
+        lora_init: peft's ``init_lora_weights`` for the adapter (``"pissa"``: A and B
+            from the principal singular vectors of the pretrained weight, which keeps
+            the rest as its base); ``None`` is peft's default.
+        hetero_slices: A client of a lower rank gets the first ``r_i`` rows of A and
+            columns of B (HetLoRA), not the leading SVD components.
+        prunes_rank: Clients prune their own rank (HetLoRA): they regularize the tail of
+            their adapter, cut it when its norm shrinks, and the server keeps sending them
+            the cut rank (zeros beyond it).
         residual_rank: The residual may be truncated to a rank with error feedback.
         fresh_adapter: The global adapter restarts every round (a seeded fresh A, B = 0).
         flower: Runs under the Flower engine.
@@ -76,11 +91,16 @@ class MethodSpec:
     frozen_A: bool = False
     refactors_A: bool = False
     alternating: bool = False
+    personal_B: bool = False
     latent: bool = False
     hetero_ranks: bool = False
     hetero_drops_tail: bool = False
+    hetero_slices: bool = False
+    prunes_rank: bool = False
     residual_rank: bool = False
     fresh_adapter: bool = False
+    restarts: bool = False
+    lora_init: str | None = None
     flower: bool = True
     effective_is_deviation: bool = False
     baseline: str | None = None
@@ -97,6 +117,10 @@ class MethodSpec:
             raise ValueError(f"method {self.name!r}: `alternating` freezes A or B by round")
         if self.refactors_A and not self.frozen_A:
             raise ValueError(f"method {self.name!r}: `refactors_A` needs `frozen_A`")
+        if self.personal_B and (self.frozen_A or self.alternating or self.hetero_ranks):
+            raise ValueError(f"method {self.name!r}: `personal_B` trains A and B at one rank")
+        if (self.hetero_slices or self.prunes_rank) and not self.hetero_ranks:
+            raise ValueError(f"method {self.name!r}: rank slicing and pruning need `hetero_ranks`")
         if self.hetero_drops_tail and not self.hetero_ranks:
             raise ValueError(f"method {self.name!r}: `hetero_drops_tail` needs `hetero_ranks`")
 
@@ -105,6 +129,11 @@ class MethodSpec:
         if self.alternating:
             return rnd % 2 == 0, rnd % 2 == 1
         return not self.frozen_A, True
+
+    def uploaded(self, rnd: int) -> tuple[bool, bool]:
+        """Whether clients upload A and B in round ``rnd`` (what they train, less B kept local)."""
+        train_A, train_B = self.trained(rnd)
+        return train_A, train_B and not self.personal_B
 
     @property
     def server(self) -> str:
