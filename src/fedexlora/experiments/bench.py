@@ -239,8 +239,12 @@ def _layer_bytes(
             res = aggregate([As[0]] * clients, Bs, method=m, generator=g)
             down = _nbytes(res.B) + (_nbytes(res.A) if spec.refactors_A else 0)  # FedSVD: new A
             out[m] = {"down": down, "up": _nbytes(Bs[0]), "residual": 0}
+        elif spec.personal_B:  # FedSA-LoRA: A up, Ā down; B stays on the client
+            res = aggregate(As, [Bs[0]] * clients, method=m, generator=g)
+            out[m] = {"down": _nbytes(res.A), "up": _nbytes(As[0]), "residual": 0}
         else:
-            res = aggregate(As, Bs, method=m, generator=g)
+            start = (As[0], Bs[0]) if spec.restarts else None  # FRLoRA: the round's start
+            res = aggregate(As, Bs, method=m, generator=g, start=start)
             ab = _nbytes(res.A) + _nbytes(res.B)
             if not spec.exact:  # averaged factors alone: no residual
                 out[m] = {"down": ab, "up": up_ab, "residual": 0}
