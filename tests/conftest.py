@@ -28,6 +28,8 @@ SLOW_FIRST = [
     "test_privacy.py",
     "test_compare.py",
     "test_paper_methods.py",
+    "test_fedsa.py",
+    "test_hetlora.py",
     "test_paper_tasks.py",
     "test_flower_parity.py",
     "test_recipes.py",

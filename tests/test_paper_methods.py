@@ -31,6 +31,25 @@ def _projector(rows):  # sign- and basis-free: the row space of an (r, n) matrix
     return rows.T @ torch.linalg.pinv(rows.T)
 
 
+def _two_rank_model(tiny_bert_dir):
+    """A rank-4 global adapter (random B, so its update is not zero) and a rank-2 one:
+    ``(model, global layer info, rank-2 layer info)``."""
+    import dataclasses
+
+    from fedexlora.bridge.models import load_model
+
+    model = load_model(
+        tiny_bert_dir, causal=False, num_labels=3, r=4, alpha=8, dropout=0.0,
+        target_modules=["query", "value"],
+    )[0]  # fmt: skip
+    model.add_adapter("rank2", dataclasses.replace(model.peft_config["default"], r=2))
+    g = torch.Generator().manual_seed(0)
+    for layer in lora_layers(model).values():
+        w = layer.lora_B["default"].weight
+        w.data = torch.randn(w.shape, generator=g)
+    return model, layer_info(model, "default"), layer_info(model, "rank2")
+
+
 # -- FedSVD ---------------------------------------------------------------------------
 def test_fedsvd_is_the_svd_of_the_averaged_B_times_the_shared_A():
     As, Bs, p = _factors(shared_A=True)
@@ -111,21 +130,7 @@ def test_flexlora_is_the_eckart_young_truncation_of_the_weighted_update():
 def test_flexlora_lower_rank_client_gets_the_truncation_and_nothing_folded(tiny_bert_dir):
     """A rank-2 client of a rank-4 global adapter: its payload is the best rank-2 part of
     the global update in its own scale, with no residual (FedEx would fold the tail)."""
-    from fedexlora.bridge.models import load_model
-
-    model = load_model(
-        tiny_bert_dir, causal=False, num_labels=3, r=4, alpha=8, dropout=0.0,
-        target_modules=["query", "value"],
-    )[0]  # fmt: skip
-    import dataclasses
-
-    model.add_adapter("rank2", dataclasses.replace(model.peft_config["default"], r=2))
-    g = torch.Generator().manual_seed(0)
-    for layer in lora_layers(model).values():
-        layer.lora_B["default"].weight.data = torch.randn(layer.lora_B["default"].weight.shape,
-                                                          generator=g)  # fmt: skip
-    glob = layer_info(model, "default")
-    low = layer_info(model, "rank2")
+    model, glob, low = _two_rank_model(tiny_bert_dir)
     for method, folds in (("flexlora", False), ("fedex", True)):
         server = Server(get_state(model, adapter="default"), glob, num_clients=2, method=method,
                         client_layers={1: low})  # fmt: skip
@@ -340,135 +345,6 @@ def test_rolora_refuses_dp_sgd_with_a_clear_error(tiny_cfg):
         tiny_cfg.replace(methods=["rolora"], dp_epsilon=8.0).validate()
 
 
-# -- FedSA-LoRA -----------------------------------------------------------------------
-def test_fedsa_averages_A_and_leaves_B_to_the_clients():
-    As, Bs, p = _factors(k=4)
-    Bs = [Bs[0].clone() for _ in Bs]  # clients send no B: the server fills in its own
-    res = aggregate(As, Bs, p, method="fedsa")
-    assert torch.allclose(res.A, sum(pi * A for pi, A in zip(p, As)), atol=1e-12)
-    assert torch.equal(res.B, Bs[0]) and res.residual.is_zero
-
-
-def test_fedsa_server_sends_and_takes_no_B_after_a_clients_first_payload(tiny_bert_dir):
-    from test_scale import _model
-
-    model = _model(tiny_bert_dir)
-    server = Server(get_state(model), layer_info(model), num_clients=2, method="fedsa")
-    first = server.payload_for(0)
-    assert first.reset and all(B is not None for _, B in first.state.factors.values())
-    g = torch.Generator().manual_seed(0)
-
-    def upload(c, with_B):
-        factors = {
-            k: (torch.randn(a.shape, generator=g), torch.randn(b.shape, generator=g) if with_B
-                else None)
-            for k, (a, b) in server.state.factors.items()
-        }  # fmt: skip
-        return ClientUpload(c, type(server.state)(factors=factors), 10)  # no head: kept
-
-    server.payload_for(1)
-    B_before = {k: B.clone() for k, (_, B) in server.state.factors.items()}
-    outcome = server.aggregate([upload(0, True), upload(1, False)])
-    assert outcome.accepted == [1] and "keys" in outcome.rejected[0]  # a B is refused
-    assert all(torch.equal(B, B_before[k]) for k, (_, B) in server.state.factors.items())
-    nxt = server.payload_for(1)
-    assert not nxt.reset and all(B is None for _, B in nxt.state.factors.values())
-    assert not nxt.state.extra and server.state.extra  # the server's head stays its own
-
-
-def test_partition_like_gives_each_client_its_training_share_of_every_class():
-    import numpy as np
-
-    from fedexlora.tasks.partition import partition_like
-
-    rng = np.random.default_rng(0)
-    train = rng.integers(0, 3, 300)
-    parts = [list(range(0, 40)), list(range(40, 200)), list(range(200, 300))]
-    train[:40] = 0  # client 0 holds only class 0
-    test = rng.integers(0, 3, 90)
-    got = partition_like(train, parts, test, 90, seed=1)
-    assert sorted(i for c in got for i in c) == list(range(90))
-    assert all(test[i] == 0 for i in got[0])
-    for y in range(3):
-        held = np.array([np.count_nonzero(train[p] == y) for p in parts])
-        want = held / held.sum() * np.count_nonzero(test == y)
-        have = [np.count_nonzero(test[c] == y) for c in got]
-        assert np.all(np.abs(have - want) <= 1), (y, have, want)
-    iid = partition_like(None, parts, None, 10, seed=1)
-    assert sorted(map(len, iid)) == [3, 3, 4]
-
-
-def test_fedsa_end_to_end_each_client_keeps_its_B_on_both_engines(
-    tiny_cfg, tmp_path, task_identity, monkeypatch
-):
-    """Each client trains from the B and head it kept, and the row's per-client metrics are
-    those of (the weighted mean of the uploaded A's, the client's own B and head) on the
-    client's own test split; Flower's clients, each holding its own model, agree."""
-    import fedexlora.run.simulation as sim
-    from fedexlora.core.state import AdapterState
-    from fedexlora.run.engine import evaluate_personal, new_model, prepare
-    from fedexlora.run.restore import load_task_for
-    from test_flower_parity import _close, _flower
-
-    cfg = tiny_cfg.replace(methods=["fedsa"], rounds=2, lr=2e-2)
-    seen = {}  # (round, client) -> (state before training, state after, upload)
-    real = sim.local_update
-
-    def spy(cfg_, method, model, data, rnd, client, **kw):
-        before = get_state(model)
-        up = real(cfg_, method, model, data, rnd, client, **kw)
-        seen[(rnd, client)] = (before, get_state(model), up)
-        return up
-
-    monkeypatch.setattr(sim, "local_update", spy)
-    local = run_experiment(cfg, tmp_path / "local", progress=False)
-    task = load_task_for(cfg)
-    model, tok = new_model(cfg, task, "fedsa")
-    prep = prepare(cfg, tok, task)
-    for rnd, row in enumerate(local, start=1):
-        assert row["deviation"]["mean"] is None and row["effective_deviation"]["max"] is None
-        ups = [seen[(rnd, c)][2] for c in range(cfg.num_clients)]
-        assert all(B is None for u in ups for _, B in u.state.factors.values())
-        assert all(not u.state.extra for u in ups)  # the head stays on the client too
-        n = torch.tensor([float(u.num_examples) for u in ups], dtype=torch.float64)
-        p = n / n.sum()
-        A_bar = {k: sum(pi * u.state.factors[k][0].double() for pi, u in zip(p, ups)).float()
-                 for k in ups[0].state.factors}  # fmt: skip
-        for c in range(cfg.num_clients):
-            after = seen[(rnd, c)][1]
-            if rnd == 2:  # it trained round 2 from the B and head it kept after round 1
-                kept, start = seen[(1, c)][1], seen[(2, c)][0]
-                for k, (_, B) in kept.factors.items():
-                    assert torch.equal(start.factors[k][1], B), k
-                for k, t in kept.extra.items():
-                    assert torch.equal(start.extra[k], t), k
-            own = AdapterState(factors={k: (None, B) for k, (_, B) in after.factors.items()},
-                               extra=after.extra)  # fmt: skip
-            glob = AdapterState(factors={k: (A, None) for k, A in A_bar.items()})
-            metrics, m = evaluate_personal(cfg, model, prep, c, glob, own)
-            assert m == row["personalized"]["test_examples"][str(c)] > 0
-            assert metrics == pytest.approx(row["personalized"]["clients"][str(c)], abs=1e-6)
-    flower, _ = _flower(cfg, tmp_path / "flower")
-    _close(flower, local)
-    for a, b in zip(flower, local):
-        assert a["personalized"]["test_examples"] == b["personalized"]["test_examples"]
-        for c, m in a["personalized"]["clients"].items():
-            assert m == pytest.approx(b["personalized"]["clients"][c], rel=1e-5, abs=1e-6)
-
-
-def test_fedsa_resume_continues_each_clients_own_B(tiny_cfg, tmp_path, task_identity):
-    """The in-process engine checkpoints what its clients keep: a resumed run is the
-    uninterrupted one."""
-    cfg = tiny_cfg.replace(methods=["fedsa"], rounds=2, lr=2e-2)
-    whole = run_experiment(cfg, tmp_path / "whole", progress=False)
-    run_experiment(cfg.replace(rounds=1), tmp_path / "cut", progress=False)
-    again = run_experiment(cfg, tmp_path / "cut", resume=True, progress=False)
-    # round 2 trains from the B each client kept (from B = 0 its loss differs)
-    assert again[1]["train_loss"] == pytest.approx(whole[1]["train_loss"], rel=1e-6)
-    assert again[1]["personalized"] == whole[1]["personalized"]
-    assert again[1]["metrics"] == whole[1]["metrics"]
-
-
 # -- FRLoRA ---------------------------------------------------------------------------
 def test_frlora_folds_the_product_of_the_averages_and_restarts():
     As, Bs, p = _factors(k=4)
@@ -488,125 +364,3 @@ def test_frlora_folds_the_product_of_the_averages_and_restarts():
 def test_frlora_refuses_a_quantized_base_with_a_clear_error(tiny_cfg):
     with pytest.raises(ValueError, match="method 'frlora' starts its adapter from the SVD"):
         tiny_cfg.replace(methods=["frlora"], quantization="nf4").validate()
-
-
-# -- HetLoRA --------------------------------------------------------------------------
-def test_hetlora_weights_by_the_norm_of_each_update_and_ignores_data_weights():
-    As, Bs, p = _factors(k=4, r=3)
-    As[0][2:] = 0  # a zero-padded rank-2 client
-    Bs[0][:, 2:] = 0
-    res = aggregate(As, Bs, p, method="hetlora")
-    norms = torch.stack([torch.linalg.norm(B @ A) for A, B in zip(As, Bs)])  # dense
-    w = norms / norms.sum()
-    assert torch.allclose(res.A, sum(wi * A for wi, A in zip(w, As)), atol=1e-12)
-    assert torch.allclose(res.B, sum(wi * B for wi, B in zip(w, Bs)), atol=1e-12)
-    other = aggregate(As, Bs, [1.0] * 4, method="hetlora")  # the data weights do not matter
-    assert torch.allclose(other.A, res.A, atol=1e-12) and res.residual.is_zero
-
-
-def test_hetlora_lower_rank_client_gets_the_first_rows_and_keeps_its_cut(tiny_bert_dir):
-    import dataclasses
-
-    from fedexlora.bridge.models import load_model
-
-    model = load_model(
-        tiny_bert_dir, causal=False, num_labels=3, r=4, alpha=8, dropout=0.0,
-        target_modules=["query", "value"],
-    )[0]  # fmt: skip
-    model.add_adapter("rank2", dataclasses.replace(model.peft_config["default"], r=2))
-    g = torch.Generator().manual_seed(0)
-    for layer in lora_layers(model).values():
-        w = layer.lora_B["default"].weight
-        w.data = torch.randn(w.shape, generator=g)
-    glob, low = layer_info(model, "default"), layer_info(model, "rank2")
-    server = Server(get_state(model, adapter="default"), glob, num_clients=3, method="hetlora",
-                    client_layers={1: low})  # fmt: skip
-    pay = server.payload_for(1)
-    assert not pay.residuals  # the rest of the global adapter is dropped, not folded
-    root = (glob[next(iter(glob))].scale / low[next(iter(low))].scale) ** 0.5
-    for name, (A, B) in pay.state.factors.items():
-        gA, gB = server.state.factors[name]
-        assert torch.allclose(A, gA[:2] * root) and torch.allclose(B, gB[:, :2] * root)
-    server.payload_for(0)
-    server.payload_for(2)
-    # client 0 (rank 4) pruned itself to rank 3: its zero tail is kept from then on, though
-    # client 2's full rank gives the global adapter a tail
-    ups = []
-    for c, (st, r) in ((0, (server.state, 3)), (1, (pay.state, 2)), (2, (server.state, 4))):
-        factors = {}
-        for k, (A, B) in st.factors.items():
-            A, B = (
-                A + 0.1 * torch.randn(A.shape, generator=g),
-                B + 0.1 * torch.randn(B.shape, generator=g),
-            )
-            A[r:], B[:, r:] = 0, 0
-            factors[k] = (A, B)
-        ups.append(ClientUpload(c, type(st)(factors=factors, extra=st.extra), 10))
-    server.aggregate(ups)
-    assert server.client_rank == {0: 3}
-    nxt = server.payload_for(0)
-    for A, B in nxt.state.factors.values():
-        assert not A[3:].any() and not B[:, 3:].any() and A[:3].any()
-    assert all(A[3:].any() for A, _ in server.state.factors.values())
-    assert all(A[3:].any() for A, _ in server.payload_for(2).state.factors.values())
-    again = Server(get_state(model, adapter="default"), glob, num_clients=3, method="hetlora",
-                   client_layers={1: low})  # fmt: skip
-    again.load_state_dict(server.state_dict())
-    assert again.client_rank == {0: 3}
-
-
-def test_hetlora_end_to_end_prunes_and_matches_on_both_engines(
-    tiny_cfg, tmp_path, task_identity, monkeypatch
-):
-    """Ranks 2, 4, 4 with a strong pruning weight: some client cuts its rank, keeps it cut,
-    and the model is the sparsity-weighted average of the zero-padded uploads."""
-    import fedexlora.core.methods.hetlora as hetlora
-    from test_flower import _final_model
-    from test_flower_parity import _close, _flower
-    from test_precision import _rel, _w0
-
-    monkeypatch.setattr(hetlora, "LAMBDA", 20.0)
-    cfg = tiny_cfg.replace(methods=["hetlora"], rounds=3, lora_r=4, client_ranks=[2, 4, 4],
-                           lr=2e-2, save_client_adapters=True)  # fmt: skip
-    local = run_experiment(cfg, tmp_path / "local", progress=False)
-    model, server = _final_model(cfg, tmp_path / "local", "hetlora")
-    assert server.client_rank, "no client pruned its rank"
-    last = tmp_path / "local" / "clients" / f"round-{cfg.rounds}"
-    tensors = [  # each client's own adapter (another rank's is saved under rank<r>/)
-        load_file(str(last / f"client-{c}" / ("" if r == 4 else f"rank{r}")
-                      / "adapter_model.safetensors"))
-        for c, r in enumerate(cfg.client_ranks)
-    ]  # fmt: skip
-    s_g = cfg.lora_alpha / cfg.lora_r
-    got, want, w0 = {}, {}, {}
-    for n, layer in lora_layers(model).items():
-        padded = []
-        for c, t in enumerate(tensors):
-            key = next(k for k in t if k.endswith(f"{n.removeprefix('base_model.model.')}"
-                                                  ".lora_A.weight"))  # fmt: skip
-            A, B = t[key].double(), t[key.replace("lora_A", "lora_B")].double()
-            r_c = cfg.client_ranks[c]
-            A_p = torch.zeros(4, A.shape[1], dtype=A.dtype)
-            B_p = torch.zeros(B.shape[0], 4, dtype=B.dtype)
-            f = (cfg.lora_alpha / r_c) / s_g  # the client's scale, in the global one
-            A_p[:r_c], B_p[:, :r_c] = A * f**0.5, B * f**0.5
-            padded.append((A_p, B_p))
-        norms = torch.stack([torch.linalg.norm(B @ A) for A, B in padded])
-        w = norms / norms.sum()
-        A_g = sum(wi * A for wi, (A, _) in zip(w, padded))
-        B_g = sum(wi * B for wi, (_, B) in zip(w, padded))
-        w0[n] = _w0(layer)
-        want[n] = w0[n] + s_g * B_g @ A_g
-        got[n] = effective_weight(layer).double()
-    assert _rel(got, want, w0) <= 1e-5
-    for c, r in server.client_rank.items():  # its last upload used only the cut rank
-        for k, t in tensors[c].items():
-            if k.endswith("lora_A.weight"):
-                assert not t[r:].any() and t[:r].any(), (c, k)
-    assert min(r["effective_deviation"]["max"] for r in local) > 1e-3  # lossy, and reported
-    flower, _ = _flower(cfg, tmp_path / "flower")
-    _close(flower, local)
-    other, other_server = _final_model(cfg, tmp_path / "flower", "hetlora")
-    assert other_server.client_rank == server.client_rank
-    for n, layer in lora_layers(other).items():
-        assert torch.allclose(effective_weight(layer).double(), got[n], rtol=0, atol=1e-6), n

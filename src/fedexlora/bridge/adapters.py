@@ -500,22 +500,3 @@ def tail_norm(model: torch.nn.Module, start: int, stop: int) -> torch.Tensor:
         term = torch.linalg.norm(B[:, start:stop]) * torch.linalg.norm(A[start:stop])
         total = term if total is None else total + term
     return total if total is not None else torch.zeros(())
-
-
-def used_rank(model: torch.nn.Module) -> int:
-    """The rank the active adapter uses: one past its last A row not all zero."""
-    adapter = _adapter_name(model, None)
-    used = 0
-    for layer in lora_layers(model, adapter).values():
-        live = (layer.lora_A[adapter].weight != 0).any(dim=1).nonzero().flatten()
-        used = max(used, int(live.max()) + 1 if live.numel() else 0)
-    return used
-
-
-@torch.no_grad()
-def cut_rank(model: torch.nn.Module, rank: int) -> None:
-    """Sets every A row and B column of the active adapter from ``rank`` on to zero."""
-    adapter = _adapter_name(model, None)
-    for layer in lora_layers(model, adapter).values():
-        layer.lora_A[adapter].weight[rank:] = 0
-        layer.lora_B[adapter].weight[:, rank:] = 0

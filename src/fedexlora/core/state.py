@@ -33,7 +33,8 @@ class AdapterState:
     Attributes:
         factors: Module name -> ``(A, B)`` with ``A`` ``(r, n)`` and ``B`` ``(d, r)``.
             ``A`` may be ``None`` where a method does not upload it (FFA-LoRA), ``B``
-            where a round does not train it (RoLoRA's A rounds); never both.
+            where a round does not train it (RoLoRA's A rounds) or the client keeps it
+            (FedSA-LoRA); never both.
         extra: Parameter name -> tensor, for trainable non-LoRA parameters.
     """
 

@@ -32,6 +32,7 @@ import os
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -317,6 +318,50 @@ def _spare_model(run_id, method: str, fingerprint: str):
     return None
 
 
+@dataclass
+class _Client:
+    """One message's client: its configuration, partition and model (see :func:`_client_for`)."""
+
+    cfg: Any
+    conf: ConfigRecord
+    pid: int
+    method: str
+    since: int
+    model: Any
+    prep: Any
+    disk: Path | None
+    run_token: str
+    fingerprint: str
+
+
+def _client_for(msg: Message, context: Context, defaults: Mapping[str, Any]) -> _Client:
+    """The client a train or evaluate message is for, its model holding ``base-version``.
+
+    Raises:
+        ValueError: If the client's configuration or partition does not match the
+            server's, or it does not hold the base version the message builds on.
+    """
+    cfg, fingerprint, settings = _resolve(defaults, context)
+    conf = msg.content["config"]
+    theirs = str(conf.get("fingerprint", ""))
+    if theirs and theirs != fingerprint:
+        raise ValueError(
+            f"this ClientApp resolved another configuration (fingerprint {fingerprint!r}) "
+            f"than the server ({theirs!r}); both must share one run config"
+        )
+    pid = _partition(context, cfg.num_clients)
+    if int(conf["partition-id"]) != pid:
+        raise ValueError(f"message for partition {conf['partition-id']}, this node holds {pid}")
+    method, since = str(conf["method"]), int(conf["base-version"])
+    run_token = str(conf.get("run-token", ""))
+    disk = _disk(context, settings, run_token, method, pid)
+    task, prep, spare = _task_and_data(cfg, fingerprint, method)
+    model = _client_model(
+        cfg, task, method, context, pid, since, spare, disk, run_token, fingerprint
+    )
+    return _Client(cfg, conf, pid, method, since, model, prep, disk, run_token, fingerprint)
+
+
 def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:
     """Applies the payload of ``msg`` to this client's model, trains, and replies.
 
@@ -329,25 +374,10 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     from fedexlora.server.server import Payload
     from fedexlora.training.privacy import DPCheckError
 
-    cfg, fingerprint, settings = _resolve(defaults, context)
-    conf = msg.content["config"]
-    theirs = str(conf.get("fingerprint", ""))
-    if theirs and theirs != fingerprint:
-        raise ValueError(
-            f"this ClientApp resolved another configuration (fingerprint {fingerprint!r}) "
-            f"than the server ({theirs!r}); both must share one run config"
-        )
-    pid = _partition(context, cfg.num_clients)
-    if int(conf["partition-id"]) != pid:
-        raise ValueError(f"payload for partition {conf['partition-id']}, this node holds {pid}")
-    method, rnd = str(conf["method"]), int(conf["server-round"])
-    version, since = int(conf["version"]), int(conf["base-version"])
-    run_token = str(conf.get("run-token", ""))
-    disk = _disk(context, settings, run_token, method, pid)
-    task, prep, spare = _task_and_data(cfg, fingerprint, method)
-    model = _client_model(
-        cfg, task, method, context, pid, since, spare, disk, run_token, fingerprint
-    )
+    c = _client_for(msg, context, defaults)
+    cfg, conf, pid, method, since = c.cfg, c.conf, c.pid, c.method, c.since
+    model, prep, disk, run_token, fingerprint = c.model, c.prep, c.disk, c.run_token, c.fingerprint
+    rnd, version = int(conf["server-round"]), int(conf["version"])
     payload = Payload.from_flat(
         from_array_record(msg.content["arrays"]), round=rnd, version=version, reset=since < 0
     )
@@ -405,22 +435,10 @@ def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -
     from fedexlora.core.state import AdapterState
     from fedexlora.run.engine import evaluate_personal
 
-    cfg, fingerprint, settings = _resolve(defaults, context)
-    conf = msg.content["config"]
-    if str(conf.get("fingerprint", "")) not in ("", fingerprint):
-        raise ValueError("this ClientApp resolved another configuration than the server")
-    pid = _partition(context, cfg.num_clients)
-    if int(conf["partition-id"]) != pid:
-        raise ValueError(f"evaluation for partition {conf['partition-id']}, this node holds {pid}")
-    method, since = str(conf["method"]), int(conf["base-version"])
-    run_token = str(conf.get("run-token", ""))
-    disk = _disk(context, settings, run_token, method, pid)
-    task, prep, spare = _task_and_data(cfg, fingerprint, method)
-    model = _client_model(
-        cfg, task, method, context, pid, since, spare, disk, run_token, fingerprint
-    )
+    c = _client_for(msg, context, defaults)
     state = AdapterState.from_flat(from_array_record(msg.content["arrays"]))
-    metrics, n = evaluate_personal(cfg, model, prep, pid, state)
+    metrics, n = evaluate_personal(c.cfg, c.model, c.prep, c.pid, state)
+    model, pid = c.model, c.pid
     meta = context.state.get(_META)
     if _MAX_MODELS > 0 and isinstance(meta, ConfigRecord):  # back in the cache: only A
         _MODELS[(context.run_id, pid)] = (meta["token"], model)  # moved, and payloads set A

@@ -30,12 +30,12 @@ __all__ = [
     "autocast_dtype",
     "client_adapter",
     "client_seed",
+    "evaluate_personal",
     "local_update",
     "new_model",
     "new_server",
     "personal_metrics",
     "prepare",
-    "evaluate_personal",
     "resolve_device",
     "round_row",
     "save_client_adapter",
@@ -386,18 +386,7 @@ def local_update(
         from fedexlora.bridge.adapters import set_trainable
 
         set_trainable(model, train_A=train_A, train_B=train_B)
-    penalty, prune = None, None
-    if spec.prunes_rank:  # HetLoRA: regularize the tail of the rank this client uses
-        from fedexlora.bridge.adapters import tail_norm, used_rank
-        from fedexlora.core.methods.hetlora import LAMBDA, pruning_tail
-
-        rank = used_rank(model)
-        cut = pruning_tail(rank)
-        if 1 <= cut < rank:
-            with torch.no_grad():
-                before = float(tail_norm(model, cut, rank))
-            penalty = lambda: LAMBDA * tail_norm(model, cut, rank)  # noqa: E731
-            prune = (cut, rank, before)
+    penalty, prune = _rank_pruning(model) if spec.prunes_rank else (None, None)
     res = train_local(
         model,
         data,
@@ -417,12 +406,7 @@ def local_update(
         penalty=penalty,
     )
     if prune is not None:
-        from fedexlora.bridge.adapters import cut_rank, tail_norm
-
-        cut, rank, before = prune
-        with torch.no_grad():
-            if float(tail_norm(model, cut, rank)) < before:  # the tail shrank: cut it off
-                cut_rank(model, cut)
+        prune()
     up_A, up_B = spec.uploaded(rnd)  # FedSA-LoRA: B is trained but kept
     return make_upload(
         model,
@@ -433,6 +417,32 @@ def local_update(
         include_B=up_B,
         include_extra=not spec.personal_B,
     )
+
+
+def _rank_pruning(model):
+    """HetLoRA's rank self-pruning for one round: ``(penalty, prune)``, or ``(None, None)``.
+
+    ``penalty`` (added to the local loss) is ``λ ||B[:, t:r]|| ||A[t:r]||`` over the tail
+    of the rank ``r`` the client uses, ``t = ⌊γ r⌋``; ``prune`` (after training) cuts the
+    adapter to rank ``t`` when that tail's norm product ended smaller than it began.
+    """
+    from fedexlora.bridge.adapters import tail_norm
+    from fedexlora.core.hetero import cut_rank, used_rank
+    from fedexlora.core.methods.hetlora import LAMBDA, pruning_tail
+
+    rank = used_rank(get_state(model, include_extra=False))
+    cut = pruning_tail(rank)
+    if not 1 <= cut < rank:
+        return None, None
+    with torch.no_grad():
+        before = float(tail_norm(model, cut, rank))
+
+    def prune() -> None:
+        with torch.no_grad():
+            if float(tail_norm(model, cut, rank)) < before:  # the tail shrank: cut it off
+                set_state(model, cut_rank(get_state(model, include_extra=False), cut))
+
+    return (lambda: LAMBDA * tail_norm(model, cut, rank)), prune
 
 
 def apply_round(

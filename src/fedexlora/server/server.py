@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from fedexlora.core.aggregation import Residual, residuals_to_flat
+from fedexlora.core.hetero import client_view, cut_rank, to_global, used_rank
 from fedexlora.core.messages import (
     ClientUpload,
     Payload,
@@ -29,10 +30,8 @@ from fedexlora.core.methods import REGISTRY, method_names
 from fedexlora.core.state import AdapterState, LayerInfo, aggregate_states
 from fedexlora.server.snapshot import (
     ServerStateMismatch,
-    _compare_flat,
     _parse_state,
-    _residual_parts,
-    _specs,
+    check_state,
 )
 
 __all__ = [
@@ -64,31 +63,6 @@ def _timed(fn):
                 self.last_round_seconds, self._busy = self._busy, 0.0
 
     return wrapper
-
-
-def _used_rank(state: AdapterState) -> int:
-    """The rank a client's factors use: one past the last A row or B column not all zero."""
-    used = 0
-    for A, B in state.factors.values():
-        for X, dim in ((A, 1), (B, 0)):
-            if X is not None:
-                live = (X != 0).any(dim=dim).nonzero().flatten()
-                used = max(used, int(live.max()) + 1 if live.numel() else 0)
-    return used
-
-
-def _cut_rank(state: AdapterState, rank: int) -> AdapterState:
-    """``state`` with every A row and B column from ``rank`` on set to zero."""
-    factors = {}
-    for name, (A, B) in state.factors.items():
-        if A is not None:
-            A = A.clone()
-            A[rank:] = 0
-        if B is not None:
-            B = B.clone()
-            B[:, rank:] = 0
-        factors[name] = (A, B)
-    return AdapterState(factors=factors, extra=state.extra)
 
 
 class Server:
@@ -259,7 +233,7 @@ class Server:
         if client_id in self.client_layers:
             state, residuals = self._hetero_view(client_id, residuals)
         if client_id in self.client_rank:  # HetLoRA: what it pruned stays pruned
-            state = _cut_rank(state, self.client_rank[client_id])
+            state = cut_rank(state, self.client_rank[client_id])
             if client_id in self.sent:
                 self.sent[client_id] = state
         keep = self.history_reach() >= self.expected_absence()
@@ -303,8 +277,6 @@ class Server:
 
         Everything is expressed in the client's own LoRA scale.
         """
-        from fedexlora.core.hetero import client_view
-
         gen = torch.Generator().manual_seed(self.seed * 65_537 + self.round * 101 + c)
         layers_c = self.client_layers[c]
         view, t_new = client_view(
@@ -464,7 +436,7 @@ class Server:
                 of the wrong type, tensors that make no residual or adapter state.
         """
         parsed = _parse_state(state, assign=assign)
-        self._check_state(parsed)
+        check_state(self, parsed)
         self.round = parsed["round"]
         self.version = parsed["version"]
         self.state = parsed["state"]
@@ -476,56 +448,6 @@ class Server:
         self.remainder = parsed["remainder"]
         self.sent = parsed["sent"]
         self.client_rank = parsed["client_rank"]
-
-    def _check_state(self, s: dict) -> None:
-        """Raises :class:`ServerStateMismatch` naming what of ``s`` is not this server's."""
-        if s["method"] != self.method:
-            raise ServerStateMismatch(
-                f"server state is for method {s['method']!r}, not {self.method!r}"
-            )
-        problems = _compare_flat("state", s["state"].to_flat(), _specs(self.state.to_flat()))
-        for part, residuals in _residual_parts(s):
-            for name, r in residuals.items():
-                info = self.layers.get(name)
-                if info is None:
-                    problems.append(f"{part}.{name}: no such module")
-                elif tuple(r.shape) != tuple(info.shape):
-                    problems.append(
-                        f"{part}.{name}: shape {tuple(r.shape)}, expected {tuple(info.shape)}"
-                    )
-        problems += [
-            f"last_sizes.{k}: no such module" for k in s["last_sizes"] if k not in self.layers
-        ]
-        clients = set(s["client_version"]) | set(s["remainder"]) | set(s["sent"])
-        clients |= set(s["client_rank"])
-        problems += [
-            f"client {c}: the server has {self.num_clients} clients"
-            for c in sorted(clients)
-            if c >= self.num_clients
-        ]
-        for c in sorted(set(s["remainder"]) | set(s["sent"])):
-            if c not in self.client_layers:
-                problems.append(
-                    f"client {c}: a heterogeneous view, but the client has the global rank"
-                )
-        for c, view in s["sent"].items():
-            if c in self.client_layers:
-                problems += _compare_flat(f"sent{c}", view.to_flat(), self._view_specs(c))
-        if problems:
-            more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-            raise ServerStateMismatch(
-                "server state does not match this server: " + "; ".join(problems[:8]) + more
-            )
-
-    def _view_specs(self, c: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Shape and dtype of each tensor of the view client ``c`` (another rank) trains from."""
-        out = _specs(self.state.to_flat())
-        for name, info in self.client_layers[c].items():
-            d, n = self.layers[name].shape
-            if f"lora.{name}.A" in out:
-                out[f"lora.{name}.A"] = ((info.rank, n), out[f"lora.{name}.A"][1])
-            out[f"lora.{name}.B"] = ((d, info.rank), out[f"lora.{name}.B"][1])
-        return out
 
     # -- aggregation -----------------------------------------------------------------
     @_timed
@@ -559,7 +481,7 @@ class Server:
             generator = torch.Generator().manual_seed(self.seed * 7919 + self.round)
         if self._has("prunes_rank"):  # HetLoRA: a client's zero tail is the rank it pruned to
             for u in accepted:
-                used = _used_rank(u.state)
+                used = used_rank(u.state)
                 full = self.client_layers.get(u.client_id, self.layers)
                 if used < min(info.rank for info in full.values()):
                     self.client_rank[u.client_id] = used
@@ -654,8 +576,6 @@ class Server:
     def _to_global(self, up: ClientUpload) -> AdapterState:
         if up.client_id not in self.client_layers:
             return up.state
-        from fedexlora.core.hetero import to_global
-
         return to_global(up.state, self.layers, self.client_layers[up.client_id])
 
     def _add_remainders(self, residuals, accepted, weights) -> dict[str, Residual]:

@@ -12,7 +12,7 @@ import torch
 from fedexlora.core.aggregation import Residual, residuals_from_flat
 from fedexlora.core.state import AdapterState
 
-__all__ = ["STATE_KEYS", "ServerStateMismatch"]
+__all__ = ["STATE_KEYS", "ServerStateMismatch", "check_state"]
 
 
 class ServerStateMismatch(ValueError):
@@ -187,4 +187,57 @@ def _parse_state(state: Mapping, *, assign: bool) -> dict:
         raise ValueError(
             f"server state: versions {sorted(set(late))} are past version {out['version']}"
         )
+    return out
+
+
+def check_state(server, s: dict) -> None:
+    """Raises :class:`ServerStateMismatch` naming what of a parsed state is not ``server``'s.
+
+    ``s`` is what :func:`_parse_state` returned; ``server`` a
+    :class:`~fedexlora.server.Server` (its method, layers, clients and their ranks).
+    """
+    if s["method"] != server.method:
+        raise ServerStateMismatch(
+            f"server state is for method {s['method']!r}, not {server.method!r}"
+        )
+    layers = server.layers
+    problems = _compare_flat("state", s["state"].to_flat(), _specs(server.state.to_flat()))
+    for part, residuals in _residual_parts(s):
+        for name, r in residuals.items():
+            info = layers.get(name)
+            if info is None:
+                problems.append(f"{part}.{name}: no such module")
+            elif tuple(r.shape) != tuple(info.shape):
+                problems.append(
+                    f"{part}.{name}: shape {tuple(r.shape)}, expected {tuple(info.shape)}"
+                )
+    problems += [f"last_sizes.{k}: no such module" for k in s["last_sizes"] if k not in layers]
+    clients = set(s["client_version"]) | set(s["remainder"]) | set(s["sent"])
+    clients |= set(s["client_rank"])
+    problems += [
+        f"client {c}: the server has {server.num_clients} clients"
+        for c in sorted(clients)
+        if c >= server.num_clients
+    ]
+    for c in sorted(set(s["remainder"]) | set(s["sent"])):
+        if c not in server.client_layers:
+            problems.append(f"client {c}: a heterogeneous view, but the client has the global rank")
+    for c, view in s["sent"].items():
+        if c in server.client_layers:
+            problems += _compare_flat(f"sent{c}", view.to_flat(), _view_specs(server, c))
+    if problems:
+        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        raise ServerStateMismatch(
+            "server state does not match this server: " + "; ".join(problems[:8]) + more
+        )
+
+
+def _view_specs(server, c: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each tensor of the view client ``c`` (another rank) trains from."""
+    out = _specs(server.state.to_flat())
+    for name, info in server.client_layers[c].items():
+        d, n = server.layers[name].shape
+        if f"lora.{name}.A" in out:
+            out[f"lora.{name}.A"] = ((info.rank, n), out[f"lora.{name}.A"][1])
+        out[f"lora.{name}.B"] = ((d, info.rank), out[f"lora.{name}.B"][1])
     return out
