@@ -1,20 +1,30 @@
 """A FedEx server step in every round, not only the first, against that round's fold.
 
-Twenty rounds of one 4096x4096 fp32 layer (k=10 clients, r=16, so each round's residual
-has rank (k-1) r = 144). Each round the same process times, on fresh client factors:
+Twenty rounds (by default) of one 4096x4096 fp32 layer, k=10 clients, r=16: each round's
+residual has rank (k-1) r = 144, and the record of everything folded since W0 reaches
+one dense ``d x n`` at round 15. Each round, in one process, on fresh client factors:
 
-* ``aggregate``: ``fedexlora.aggregate(method="fedex")``, the exact factored residual;
-* ``record``: the server's record of everything folded since W0
-  (``Residual.concat([base_delta, residual], reduce=False)``, as ``Server.aggregate``
-  keeps it for new clients: concatenated, dense once that is smaller);
-* ``fold``: ``fedexlora.bridge.adapters.fold_residuals`` into a one-layer peft model: one
-  ``W.addmm_(U, V)``, the residual recorded for the model's saved state while the record
-  is smaller than the weight;
+* ``server``: ``Server.aggregate(uploads, effective=False)`` of the k uploads, as both
+  engines call it (validation, the exact factored residual, the new global state,
+  FedIT's deviation for the row, and the record of the base delta that reset payloads
+  are built from; the effective deviation is measured on the model by the engines),
+  twice:
+
+  - ``own``: a server that keeps its record itself (a user's loop with no model):
+    concatenated factors while smaller than dense, then one dense ``d x n`` (formed once
+    from all the factors, then added to every round);
+  - ``model``: a server whose ``delta_source`` is the global model
+    (``fedexlora.bridge.adapters.folded_delta``, what both engines set): where the record
+    would turn dense it is dropped, and read from the model when a reset payload or a
+    checkpoint needs it;
+
+* ``fold``: ``fedexlora.bridge.adapters.fold_residuals`` of the round's residual into a
+  one-layer peft model (one ``W.addmm_(U, V)``), the ``model`` server's source;
 * ``floor``: one ``W.addmm_(U, V)`` of random rank-144 factors (that round's fold at its
   least).
 
-It prints, per round, each part in ms and ``step / floor`` with ``step = aggregate +
-record + fold``. No round changes the form of anything the fold touches.
+It prints, per round, each part in ms and ``step / floor`` with ``step = server + fold``
+for each kind of server; at the end the cost of one reset payload from each.
 
 Usage::
 
@@ -24,6 +34,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -43,8 +54,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from peft import LoraConfig, get_peft_model
 
-    from fedexlora.bridge.adapters import fold_residuals
-    from fedexlora.core.aggregation import Residual, aggregate
+    from fedexlora import Server
+    from fedexlora.bridge.adapters import fold_residuals, folded_delta, get_state, layer_info
+    from fedexlora.core.state import AdapterState
+    from fedexlora.server import ClientUpload
 
     dev = torch.device(args.device)
     d = n = args.size
@@ -52,10 +65,10 @@ def main() -> None:
     q = (k - 1) * r
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def timed(fn, *args, **kwargs):
+    def timed(fn, *a, **kw):
         sync()
         t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
+        out = fn(*a, **kw)
         sync()
         return time.perf_counter() - t0, out
 
@@ -63,43 +76,73 @@ def main() -> None:
     model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["0"]))
     model.to(dev)
     layer = "base_model.model.0"
+    state, layers = get_state(model), layer_info(model)
+    own = Server(state, layers, num_clients=k)
+    held = Server(state, layers, num_clients=k)
+    held.delta_source = functools.partial(folded_delta, model)
     W = torch.randn(d, n, device=dev) * 0.02
     g = torch.Generator().manual_seed(0)
-    record = None
     print(
         f"torch {torch.__version__}, {dev}, {torch.get_num_threads()} threads, {d}x{n}, "
         f"k={k}, r={r}: each round's residual has rank {q}"
     )
-    print("| round | aggregate ms | record ms | fold ms | step ms | floor ms | step/floor "
-          "| record held |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
-    ratios = []
+    print("| round | server own ms | server model ms | fold ms | floor ms "
+          "| step/floor own | step/floor model | own record | model server holds |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    ratios = {"own": [], "model": []}
     for rnd in range(1, args.rounds + 1):
         A0 = torch.randn(r, n, generator=g) / n**0.5
         B0 = torch.randn(d, r, generator=g) / d**0.5
-        As = [(A0 + 0.1 * torch.randn(r, n, generator=g) / n**0.5).to(dev) for _ in range(k)]
-        Bs = [(B0 + 0.1 * torch.randn(d, r, generator=g) / d**0.5).to(dev) for _ in range(k)]
+        ups = [
+            ClientUpload(
+                c,
+                AdapterState(
+                    {
+                        layer: (
+                            (A0 + 0.1 * torch.randn(r, n, generator=g) / n**0.5).to(dev),
+                            (B0 + 0.1 * torch.randn(d, r, generator=g) / d**0.5).to(dev),
+                        )
+                    }
+                ),
+                10,
+            )
+            for c in range(k)
+        ]
         Uf = torch.randn(d, q, generator=g).to(dev)
         Vf = torch.randn(q, n, generator=g).to(dev)
-        t_agg, res = timed(aggregate, As, Bs)
-        R = res.residual
-        if record is None:
-            t_rec, record = 0.0, R
-        else:
-            t_rec, record = timed(Residual.concat, [record, R], reduce=False)
-        t_fold, _ = timed(fold_residuals, model, {layer: R})
+        # as both engines call it: the effective deviation is measured on the model
+        t_own, _ = timed(own.aggregate, ups, effective=False)
+        t_held, outcome = timed(held.aggregate, ups, effective=False)
+        t_fold, _ = timed(fold_residuals, model, outcome.residuals)
         t_floor, _ = timed(W.addmm_, Uf, Vf, alpha=2.0)
-        step = t_agg + t_rec + t_fold
-        ratios.append(step / t_floor)
-        held = "dense" if not record.is_factored else f"rank {record.rank}"
-        print(
-            f"| {rnd} | {1e3 * t_agg:.1f} | {1e3 * t_rec:.1f} | {1e3 * t_fold:.1f} "
-            f"| {1e3 * step:.1f} | {1e3 * t_floor:.1f} | {step / t_floor:.2f} | {held} |"
+        step_own, step_held = t_own + t_fold, t_held + t_fold
+        ratios["own"].append(step_own / t_floor)
+        ratios["model"].append(step_held / t_floor)
+        rec = own.base_delta[layer]
+        own_held = "dense" if not rec.is_factored else f"rank {rec.rank}"
+        model_held = (
+            "nothing (the model holds it)"
+            if layer in held.outgrown
+            else f"rank {held.base_delta[layer].rank}"
         )
-    print(
-        f"\nstep/floor: median {statistics.median(ratios):.2f}, "
-        f"max {max(ratios):.2f} (round {ratios.index(max(ratios)) + 1})"
-    )
+        print(
+            f"| {rnd} | {1e3 * t_own:.1f} | {1e3 * t_held:.1f} | {1e3 * t_fold:.1f} "
+            f"| {1e3 * t_floor:.1f} | {step_own / t_floor:.2f} | {step_held / t_floor:.2f} "
+            f"| {own_held} | {model_held} |"
+        )
+    for kind, rs in ratios.items():
+        worst = max(rs)
+        print(
+            f"\nstep/floor, {kind} record: median {statistics.median(rs):.2f}, "
+            f"max {worst:.2f} (round {rs.index(worst) + 1})"
+        )
+    for s, kind in ((own, "own"), (held, "model")):
+        s.forget_client(0)
+        t_reset, p = timed(s.payload_for, 0)
+        print(f"a reset payload, {kind} record: {1e3 * t_reset:.1f} ms, {p.nbytes / 1e6:.1f} MB")
+    gap = (own.delta(layer).to_dense() - held.delta(layer).to_dense()).abs().max()
+    scale_ = float(own.delta(layer).to_dense().abs().max())
+    print(f"max |own - model| / max |own| of the base delta: {float(gap) / scale_:.1e}")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,13 @@ The ideal global model is tracked by hand in fp64, from the uploads alone:
 ``ideal_t = base_{t-1} + sum_i p_i s B_i A_i`` and ``base_t = ideal_t - s B_bar A_bar``.
 """
 
+import functools
+
 import pytest
 import torch
 
 from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_info
-from fedexlora.bridge.adapters import effective_weight, lora_layers
+from fedexlora.bridge.adapters import effective_weight, folded_delta, lora_layers
 from fedexlora.bridge.models import load_model
 from fedexlora.core.state import AdapterState
 from fedexlora.server import ClientUpload
@@ -66,11 +68,19 @@ def _rel_gap(model, ideal: dict) -> float:
     return (num / den) ** 0.5
 
 
-def test_client_absent_for_50_rounds_is_exact_and_server_state_stays_bounded(tiny_bert_dir):
+@pytest.mark.parametrize("from_model", [False, True], ids=["own-record", "model-held"])
+def test_client_absent_for_50_rounds_is_exact_and_server_state_stays_bounded(
+    tiny_bert_dir, from_model
+):
+    """``model-held``: the server reads its dense base deltas from the global model
+    (``delta_source``, as both engines set it) instead of keeping them: the client away
+    for 50 rounds is rebuilt from what the model holds, still against the hand ideal."""
     torch.manual_seed(0)
     glob, away, regular = _model(tiny_bert_dir), _model(tiny_bert_dir), _model(tiny_bert_dir)
     layers = layer_info(glob)
     server = Server(get_state(glob), layers, num_clients=6)
+    if from_model:
+        server.delta_source = functools.partial(folded_delta, glob)
     base = {n: effective_weight(layer, lora=False) for n, layer in lora_layers(glob).items()}
     gen = torch.Generator().manual_seed(1)
     dense = {n: info.shape[0] * info.shape[1] * 4 for n, info in layers.items()}
@@ -107,13 +117,18 @@ def test_client_absent_for_50_rounds_is_exact_and_server_state_stays_bounded(tin
             older = sum(
                 r[name].nbytes for v, r in server.history.items() if v != newest and name in r
             )
-            assert server.base_delta[name].nbytes + older <= dense[name]
+            assert server._delta_bytes(name) + older <= dense[name]
+            if from_model:  # what turned dense lives in the model only
+                assert (name in server.outgrown) == (name not in server.base_delta)
+                assert name not in server.base_delta or server.base_delta[name].dense is None
     assert (0, 52) in resets  # away for 50 rounds: rebuilt from the base delta
     assert (1, 31) in catch_ups  # back after one round: caught up from the history
     assert (1, 14) in resets  # back after 7 rounds: the history no longer reaches
     assert server.history_floor > 2
     # the server's memory does not depend on how many rounds a client missed
     parts = server.nbytes()
+    if from_model:
+        assert server.outgrown == set(layers) and parts["base_delta"] == 0
     assert parts["history"] + parts["base_delta"] <= sum(dense.values()) + sum(
         r.nbytes for r in server.history[max(server.history)].values()
     )

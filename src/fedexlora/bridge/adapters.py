@@ -33,6 +33,7 @@ __all__ = [
     "effective_weight",
     "fold_layer",
     "fold_residuals",
+    "folded_delta",
     "folded_weights",
     "get_state",
     "layer_info",
@@ -411,6 +412,48 @@ def load_side_state(model: torch.nn.Module, flat: Mapping[str, torch.Tensor]) ->
 def side_nbytes(model: torch.nn.Module) -> int:
     """Bytes held by all side branches."""
     return sum(s.nbytes for s in (_side(x) for x in lora_layers(model).values()) if s)
+
+
+@torch.no_grad()
+def folded_delta(model: torch.nn.Module, name: str, adapter: str = "default") -> Residual:
+    """What was folded into module ``name`` since it was loaded, in ``adapter``'s units.
+
+    That is ``sum R`` over the residuals :func:`fold_residuals` gave it (before the LoRA
+    scale): the server's record of its base delta, read from the model instead of kept
+    twice (:attr:`fedexlora.server.Server.delta_source`). An fp32 layer gives its record
+    while it is factored, and ``(W - W0) / scale`` once the weight itself is the state;
+    a bf16/fp16 or quantized layer gives its side branch. Returned in fp32 (fp64 for an
+    fp64 layer) on the CPU.
+
+    Raises:
+        ValueError: If ``name`` is not a LoRA layer of the model.
+    """
+    layers = lora_layers(model, _adapter_name(model, adapter))
+    if name not in layers:
+        raise ValueError(f"no LoRA layer {name!r} in the model")
+    layer = layers[name]
+    scale = float(layer.scaling[adapter])
+    d, n = layer.lora_B[adapter].weight.shape[0], layer.lora_A[adapter].weight.shape[1]
+    branch = _branch(layer)
+    if branch is None or not branch.rank:
+        return Residual.zero(d, n)
+    cpu = lambda t: t.detach().to("cpu")  # noqa: E731
+    if isinstance(branch, Accumulator) and branch.outgrown:
+        w = layer.get_base_layer().weight.detach()
+        # in the weight's dtype: W and W0 hold the delta to their own precision, and a
+        # client that folds it back onto W0 comes within rounding of W
+        delta = torch.sub(cpu(w), cpu(branch.base0)).div_(scale)
+        if getattr(layer, "fan_in_fan_out", False):
+            delta = delta.T
+        return Residual((d, n), dense=delta.contiguous(), stored_rank=min(d, n))
+    R = branch.residual.scaled(1.0 / scale)
+    return Residual(
+        R.shape,
+        U=None if R.U is None else cpu(R.U),
+        V=None if R.V is None else cpu(R.V),
+        dense=None if R.dense is None else cpu(R.dense),
+        stored_rank=R.stored_rank,
+    )
 
 
 def folded_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -355,16 +355,23 @@ def deviation(As: Sequence[torch.Tensor], Bs: Sequence[torch.Tensor], weights=No
     """Relative Frobenius deviation of the averaged-factor product from the ideal update.
 
     ``||B̄ Ā - sum_i p_i B_i A_i||_F / ||sum_i p_i B_i A_i||_F``: what plain averaging of
-    the factors (FedIT) loses, and what FedEx-LoRA's residual corrects. Computed from
-    ``(k r, k r)`` Gram matrices, never from ``(d, n)`` products. Returns 0 when the ideal
-    update is zero.
+    the factors (FedIT) loses, and what FedEx-LoRA's residual corrects. Never forms a
+    ``(d, n)`` product. The difference is ``U V`` with the centred factors
+    ``U = [sqrt(p_i)(B_i - B̄)]`` and ``V = [sqrt(p_i)(A_i - Ā)]``, whose fp64 Gram
+    matrices (``(k r, k r)``, the only ``O((d + n) (k r)^2)`` work) give its norm without
+    cancelling the factors' common part; the ideal is ``B̄ Ā + U V``, whose norm needs
+    only ``r``-wide products on top. Returns 0 when the ideal update is zero.
     """
-    A, B = _stack(As, Bs)
+    A, B = _stack(As, Bs, dtype=torch.float64)
     p = normalize_weights(weights, A.shape[0]).to(device=A.device, dtype=A.dtype)
-    U, V = _centred_factors(A, B, p)
-    num = _gram_fro2(U, V)
-    P, Q = factor_product(As, Bs, weights)
-    den = _gram_fro2(P, Q)
+    U, V = _centred_factors(A, B, p)  # (d, k r), (k r, n)
+    A_bar = torch.einsum("k,krn->rn", p, A)  # (r, n)
+    B_bar = torch.einsum("k,kdr->dr", p, B)  # (d, r)
+    GU, GV = U.T @ U, V @ V.T  # (k r, k r)
+    num = float(torch.sum(GU * GV).clamp_min(0))  # ||U V||^2
+    avg = float(torch.sum((B_bar.T @ B_bar) * (A_bar @ A_bar.T)))  # ||B̄ Ā||^2
+    cross = float(torch.sum((B_bar.T @ U) * (A_bar @ V.T)))  # <B̄ Ā, U V>
+    den = max(avg + 2 * cross + num, 0.0)
     return math.sqrt(num / den) if den > 0 else 0.0
 
 

@@ -111,6 +111,7 @@ def aggregate_states(
     *,
     global_state: AdapterState | None = None,
     generator: torch.Generator | None = None,
+    effective: bool = True,
 ) -> RoundAggregate:
     """Aggregates client adapter states module by module.
 
@@ -124,6 +125,11 @@ def aggregate_states(
         global_state: The current global state. Required where clients do not upload
             a factor (FFA-LoRA's A, RoLoRA's frozen one): the global factor is used.
         generator: Seeded generator for ``flora``'s fresh A.
+        effective: Also compute each module's effective deviation (the applied update
+            against the ideal, from the returned factors). An engine that measures it on
+            the model it folds into (:func:`fedexlora.bridge.steps.apply_outcome`) turns
+            it off: at 4096 x 4096 it is an fp64 Gram of width ``(2 k + 1) r`` per side,
+            several times the cost of the aggregation itself.
 
     Returns:
         The new global state, the residuals to fold, and deviations per module.
@@ -158,7 +164,9 @@ def aggregate_states(
         residuals[name] = res.residual
         dev[name] = deviation(As, Bs, p)
         # aggregate() has accepted the method: the registry knows it
-        if get_method(method).effective_is_deviation:
+        if not effective:
+            pass
+        elif get_method(method).effective_is_deviation:
             eff[name] = dev[name]
         else:
             eff[name] = _effective_deviation(As, Bs, p, res)

@@ -102,6 +102,7 @@ def run_server(
             min_available_nodes=settings.min_available_nodes or None,
             wait_timeout=settings.wait_timeout,
             fingerprint=run.fingerprint,
+            effective=False,  # apply_round measures it on the model
         )
         if current.rows and current.rows[-1].get("privacy"):  # a resume: the last reports
             strategy.dp_reports = {

@@ -243,6 +243,9 @@ class FedExLoRA(FedAvg):
             goes on if at least ``min_train_nodes`` nodes are there, else fails.
         fingerprint: Configuration fingerprint sent along; clients check it.
         weighted_by_key: The ``MetricRecord`` key holding each upload's example count.
+        effective: Have the server compute each round's effective deviation from the new
+            factors (``Server.aggregate``'s ``effective``). fedex-lora's ServerApp turns it
+            off: it measures the deviation on the global model it folds into.
 
     A ``server`` restored from a checkpoint continues after its round: Flower's round 1
     is then the server's round ``server.round + 1``. Before its first round the strategy
@@ -261,6 +264,7 @@ class FedExLoRA(FedAvg):
         wait_timeout: float = 600.0,
         fingerprint: str = "",
         weighted_by_key: str = "num-examples",
+        effective: bool = True,
     ) -> None:
         if server.method not in FLOWER_METHODS:
             raise ValueError(
@@ -285,6 +289,7 @@ class FedExLoRA(FedAvg):
         self.nodes = nodes
         self.wait_timeout = wait_timeout
         self.fingerprint = fingerprint
+        self.effective = effective
         self.current: RoundRecord | None = None
         self.offset = server.round  # rounds done before this strategy started
         self._waited = False
@@ -574,14 +579,14 @@ class FedExLoRA(FedAvg):
                 f"{self.method} round {rec.round}: client {c} dropped: {why}", stacklevel=1
             )
         if len(ups) < self.min_train_nodes:
-            outcome = self.server.aggregate([])
+            outcome = self.server.aggregate([], effective=self.effective)
             for u in ups:
                 outcome.rejected[u.client_id] = (
                     f"round not aggregated: {len(ups)} upload(s), min_train_nodes="
                     f"{self.min_train_nodes}"
                 )
         else:
-            outcome = self.server.aggregate(ups)
+            outcome = self.server.aggregate(ups, effective=self.effective)
         rec.outcome = outcome
         accepted = [u for u in ups if u.client_id in outcome.accepted]
         losses = [u.train_loss for u in accepted]

@@ -10,6 +10,7 @@ the same global model. The model-level steps a user's own loop needs live in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import warnings
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fedexlora.bridge.adapters import get_state, layer_info, set_state
+from fedexlora.bridge.adapters import folded_delta, get_state, layer_info, set_state
 from fedexlora.bridge.steps import apply_outcome, make_upload
 from fedexlora.config import RunConfig
 from fedexlora.core.methods import get_method
@@ -173,7 +174,7 @@ def new_server(cfg: RunConfig, method: str, model) -> Server:
         name = client_adapter(cfg, method, c)
         if name is not None:
             client_layers[c] = layer_info(model, name)
-    return Server(
+    server = Server(
         get_state(model, adapter="default"),
         layer_info(model, "default"),
         method=spec.server,
@@ -186,6 +187,12 @@ def new_server(cfg: RunConfig, method: str, model) -> Server:
         max_update_norm=None if centralized else cfg.max_update_norm,
         client_layers=client_layers,
     )
+    if not (spec.latent or spec.personal_B):
+        # every engine folds each outcome into this model (apply_round): the server reads
+        # a dense base delta from it instead of keeping a second copy (Fed-SB's deltas are
+        # in latent coordinates, FedSA-LoRA folds nothing into a global model)
+        server.delta_source = functools.partial(folded_delta, model)
+    return server
 
 
 def effective_partition(cfg: RunConfig, task) -> tuple[str, str]:

@@ -144,7 +144,7 @@ def _write_adapter(cfg, model, server, dest: Path) -> str:
         if side is not None:
             extra = side.residual if side.rank else None
         else:
-            delta = server.base_delta.get(name)
+            delta = server.delta(name)
             extra = delta.scaled(scale) if delta is not None and not delta.is_zero else None
         Bs, As = [scale * B], [A]
         if extra is not None:

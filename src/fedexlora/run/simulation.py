@@ -136,7 +136,7 @@ def run_method(
             uploads.append(up)
             if cfg.save_client_adapters and out_dir is not None:
                 save_client_adapter(model, out_dir, rnd, c, up.num_examples)
-        outcome = server.aggregate(uploads)
+        outcome = server.aggregate(uploads, effective=False)  # measured on the model
         if cfg.save_client_adapters and out_dir is not None:
             for c, w in outcome.weights.items():
                 meta = RunLayout(out_dir).client_adapter_meta(rnd, c)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -74,6 +74,13 @@ class Server:
     the latest round's residual. A client away longer than that history reaches is sent
     a ``reset`` payload built from the base delta (see :meth:`payload_for`).
 
+    An engine that holds the global model can spare the server its dense copy of the base
+    delta: with :attr:`delta_source` set (both of fedex-lora's engines set it to
+    :func:`fedexlora.bridge.adapters.folded_delta` on their model), a layer whose record
+    would turn dense is dropped instead (:attr:`outgrown`) and read back from the model
+    when a reset payload or a checkpoint needs it. Each round then costs the server no
+    more than aggregating: no dense rebuild, no growing copy.
+
     Args:
         state: The initial global adapter state (with A for every module).
         layers: Scale, orientation and shape of each LoRA layer.
@@ -124,6 +131,10 @@ class Server:
         self.client_version: dict[int, int] = {}  # base version each client holds
         self.feedback: dict[str, Residual] = {}  # lossy mode: residual kept back
         self.base_delta: dict[str, Residual] = {}  # sum of residuals folded so far
+        # Reads what the global model holds folded (``name -> Residual``, the base delta
+        # in the server's units): set by an engine that folds every outcome into a model
+        self.delta_source: Callable[[str], Residual] | None = None
+        self.outgrown: set[str] = set()  # layers whose base delta only the model holds
         self.client_layers = {int(c): dict(v) for c, v in (client_layers or {}).items()}
         if self.client_layers and not self._has("hetero_ranks"):
             hetero = " or ".join(repr(m) for m in method_names(hetero_ranks=True))
@@ -216,12 +227,11 @@ class Server:
         """
         since = self.client_version.get(client_id)
         residuals = None if since is None else self.catch_up(since)
-        from_w0 = {k: v for k, v in self.base_delta.items() if not v.is_zero}
-        if residuals and _nbytes(from_w0) < _nbytes(residuals):
+        if residuals and self._delta_bytes() < _nbytes(residuals):
             residuals = None  # the whole delta is smaller than the catch-up
         reset = residuals is None
         if reset:
-            residuals = from_w0
+            residuals = self.deltas()
             self.remainder.pop(client_id, None)  # heterogeneous ranks: nothing folded
         state = self.state
         if self._has("frozen_A") and not self._has("refactors_A") and not reset:
@@ -259,6 +269,101 @@ class Server:
         """Rounds a client waits, on average, between two samplings (1 when all are)."""
         return max(1.0, self.num_clients / self.sample_size())
 
+    def delta(self, name: str) -> Residual | None:
+        """Module ``name``'s base delta: everything folded into it since ``W0``.
+
+        Read from :attr:`delta_source` for a layer the server no longer keeps itself
+        (:attr:`outgrown`). ``None`` where nothing was folded.
+        """
+        if name in self.outgrown:
+            if self.delta_source is None:
+                raise RuntimeError(
+                    f"the base delta of {name!r} lives in the engine's model, and the "
+                    "server has no `delta_source` to read it from"
+                )
+            return self.delta_source(name)
+        return self.base_delta.get(name)
+
+    def deltas(self) -> dict[str, Residual]:
+        """Every nonzero base delta (:meth:`delta`): a reset payload's residuals."""
+        out = {}
+        for name in [*self.base_delta, *sorted(self.outgrown)]:
+            r = self.delta(name)
+            if r is not None and not r.is_zero:
+                out[name] = r
+        return out
+
+    def _delta_bytes(self, name: str | None = None) -> int:
+        """Bytes of a base delta as a reset payload sends it (all layers for ``None``)."""
+        if name is None:
+            return sum(self._delta_bytes(k) for k in [*self.base_delta, *self.outgrown])
+        if name in self.outgrown:
+            d, n = self.layers[name].shape
+            return d * n * 4  # dense fp32
+        r = self.base_delta.get(name)
+        return 0 if r is None or r.is_zero else r.nbytes
+
+    def _record(self, name: str, r: Residual) -> None:
+        """Adds this round's residual ``r`` to module ``name``'s base delta.
+
+        Factors are concatenated (not re-factored: linear in their size). Where the sum
+        would turn dense and :attr:`delta_source` can give it, the server's copy is
+        dropped: the model already holds it, and forming a dense ``d x n`` here would
+        cost a matmul of the record's whole rank in that round and a dense add in every
+        later one. The source is checked against the record once, at that moment: on a
+        mismatch the server keeps its own copy and says so.
+        """
+        if name in self.outgrown:
+            return
+        prev = self.base_delta.get(name)
+        if prev is None or prev.is_zero:
+            self.base_delta[name] = r
+            return
+        d, n = self.layers[name].shape
+        grows_dense = (
+            prev.dense is not None or r.dense is not None or (prev.rank + r.rank) * (d + n) >= d * n
+        )
+        if grows_dense and self.delta_source is not None and self._source_agrees(name, prev):
+            self.outgrown.add(name)
+            del self.base_delta[name]
+            return
+        self.base_delta[name] = Residual.concat([prev, r], reduce=False)
+
+    def _source_agrees(self, name: str, record: Residual) -> bool:
+        """Whether :attr:`delta_source` holds ``record`` (to 1%, on a random probe).
+
+        Called in :meth:`aggregate`, before the engine folds the round: the model must
+        hold exactly the earlier rounds. Costs two matrix-vector products (and whatever
+        the source takes to answer: an fp32 layer's record is still factored then).
+        """
+        held = self.delta_source(name)
+        d, n = record.shape
+        if tuple(held.shape) != (d, n):
+            ok = False
+        else:
+            gen = torch.Generator().manual_seed(self.seed * 7_919 + self.round)
+            x = torch.randn(n, 1, generator=gen)
+
+            def probe(res: Residual) -> torch.Tensor:  # fp32 matvecs: a 1% check
+                if res.is_zero:
+                    return torch.zeros(d, 1)
+                if res.dense is not None:
+                    return res.dense.cpu().float() @ x
+                return res.U.cpu().float() @ (res.V.cpu().float() @ x)
+
+            want, got = probe(record), probe(held)
+            ok = bool(torch.linalg.norm(got - want) <= 1e-2 * torch.linalg.norm(want))
+        if not ok:
+            import warnings
+
+            warnings.warn(
+                f"the model's base delta of {name!r} is not the server's record: the "
+                "server keeps its own copy (was every round's residual folded into the "
+                "model given as `delta_source`?)",
+                stacklevel=3,
+            )
+        return ok
+
     def history_reach(self) -> float:
         """About how many rounds back the history will reach (``inf`` before any round).
 
@@ -267,8 +372,7 @@ class Server:
         """
         reach = math.inf
         for name, (size, dense) in self.last_sizes.items():
-            base = self.base_delta.get(name)
-            room = dense - (0 if base is None else base.nbytes)
+            room = dense - self._delta_bytes(name)
             reach = min(reach, 1 + max(0, room) // max(1, size))
         return reach
 
@@ -323,7 +427,7 @@ class Server:
         oldest = min(self.client_version.values(), default=self.version)
         drop = {v for v in self.history if v < oldest}
         newest = max(self.history)
-        used = {name: _nbytes({name: r}) for name, r in self.base_delta.items()}
+        used = {name: self._delta_bytes(name) for name in [*self.base_delta, *self.outgrown]}
         cut = False
         for v in sorted(self.history, reverse=True):
             if v in drop:
@@ -352,7 +456,8 @@ class Server:
         """Bytes of the server's tensors, by part (``total`` is their sum).
 
         ``state``: the global factors and extras; ``base_delta``: what was folded into the
-        global base since ``W0``; ``history``: the residuals kept for catch-up;
+        global base since ``W0``, where the server keeps it (not the :attr:`outgrown`
+        layers, which the model holds); ``history``: the residuals kept for catch-up;
         ``feedback``: what the lossy modes hold back; ``clients``: per-client views
         (heterogeneous ranks only).
         """
@@ -397,7 +502,9 @@ class Server:
               ``history<v>.…``, ``remainder<c>.…`` and ``sent<c>.<key>``.
         """
         flat = {f"state.{k}": v for k, v in self.state.to_flat().items()}
-        flat.update(residuals_to_flat("base_delta", self.base_delta))
+        # the outgrown layers' deltas are read from the model: the format does not change
+        delta = {**self.base_delta, **{k: self.delta(k) for k in sorted(self.outgrown)}}
+        flat.update(residuals_to_flat("base_delta", delta))
         flat.update(residuals_to_flat("feedback", self.feedback))
         for v, res in self.history.items():
             flat.update(residuals_to_flat(f"history{v}", res))
@@ -444,6 +551,7 @@ class Server:
         self.history = parsed["history"]
         self.last_sizes = parsed["last_sizes"]
         self.base_delta = parsed["base_delta"]
+        self.outgrown = set()  # a dense record is dropped again in the next round
         self.feedback = parsed["feedback"]
         self.remainder = parsed["remainder"]
         self.sent = parsed["sent"]
@@ -452,12 +560,23 @@ class Server:
     # -- aggregation -----------------------------------------------------------------
     @_timed
     def aggregate(
-        self, uploads: Sequence[ClientUpload], *, generator: torch.Generator | None = None
+        self,
+        uploads: Sequence[ClientUpload],
+        *,
+        generator: torch.Generator | None = None,
+        effective: bool = True,
     ) -> RoundOutcome:
         """Validates uploads, aggregates the accepted ones, and advances the round.
 
         If every upload is rejected (or none arrived), the global state is unchanged and
         the returned residuals are empty.
+
+        Args:
+            uploads: The round's client uploads.
+            generator: Seeded generator for ``flora``'s fresh A.
+            effective: Also compute :attr:`RoundOutcome.effective_deviation` from the
+                new factors (``{}`` when off). Both engines measure it on the model
+                instead (:func:`fedexlora.bridge.steps.apply_outcome`) and turn it off.
         """
         self.round += 1
         template = self.upload_template(self.round)
@@ -492,6 +611,7 @@ class Server:
             self.method,
             global_state=self.state,
             generator=generator,
+            effective=effective,
         )
         residuals = self._add_remainders(agg.residuals, accepted, agg.weights)
         feedback_norm = {}
@@ -521,14 +641,10 @@ class Server:
             self.history[self.version] = nonzero
             self.last_sizes = {k: (r.nbytes, self._dense_nbytes(k, r)) for k, r in nonzero.items()}
             for k, r in nonzero.items():
-                prev = self.base_delta.get(k)
                 if k in capped:  # side_rank: the capped delta itself, not a growing sum
                     self.base_delta[k] = capped[k]
                 else:
-                    # concatenated, not re-factored: linear in its size, dense when smaller
-                    self.base_delta[k] = (
-                        r if prev is None else Residual.concat([prev, r], reduce=False)
-                    )
+                    self._record(k, r)
             self.version += 1
             self._prune()
         return RoundOutcome(
