@@ -57,6 +57,10 @@ def _aggregate(rows: dict) -> dict:
             a["final"].append(vals[-1])
             a["best"].append(best_value(metric, vals))
             a["bytes"].append(sum(x["bytes_up"] + x["bytes_down"] for x in mrs))
+            a["round_bytes"].append(statistics.fmean(x["bytes_up"] + x["bytes_down"] for x in mrs))
+            # rows written before server_seconds existed have none
+            secs = [x["server_seconds"] for x in mrs if x.get("server_seconds") is not None]
+            a["server_seconds"].append(statistics.fmean(secs) if secs else float("nan"))
             devs = [x["deviation"]["mean"] for x in mrs]
             effs = [x["effective_deviation"]["max"] for x in mrs]
             # a personalized method (FedSA-LoRA) has no global model: no deviation (nan)
@@ -192,9 +196,9 @@ def comparison_table(rows: dict, cfgs: dict, elapsed: float, reused: int = 0) ->
         lines += [
             head,
             "",
-            f"| method | final {metric} | best {metric} | total bytes | mean deviation "
-            "| max effective deviation |",
-            "|---|---|---|---|---|---|",
+            f"| method | final {metric} | best {metric} | total bytes | bytes per round "
+            "| server ms per round | mean deviation | max effective deviation |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         key = _key(cell, "x").rsplit("|", 1)[0]
         present = [m for m in methods if f"{key}|{m}" in agg]
@@ -202,9 +206,12 @@ def comparison_table(rows: dict, cfgs: dict, elapsed: float, reused: int = 0) ->
             a = agg[f"{key}|{m}"]
             dev, eff = statistics.fmean(a["deviation"]), max(a["effective"])
             personal = math.isnan(dev)  # no global model (FedSA-LoRA)
+            srv = statistics.fmean(a["server_seconds"])
             lines.append(
                 f"| {m}{' (personalized)' if personal else ''} | {_ms(a['final'])} | "
                 f"{_ms(a['best'])} | {_mb(statistics.fmean(a['bytes']))} | "
+                f"{_mb(statistics.fmean(a['round_bytes']))} | "
+                + ("n/a | " if math.isnan(srv) else f"{1e3 * srv:.3g} | ")
                 + ("n/a | n/a |" if personal else f"{dev:.3g} | {eff:.2g} |")
             )
         lines.append("")
@@ -218,7 +225,9 @@ def comparison_table(rows: dict, cfgs: dict, elapsed: float, reused: int = 0) ->
     lines += [
         "*deviation*: relative Frobenius deviation of the averaged-factor product from the "
         "ideal update, mean over layers and rounds (what FedIT loses). *effective "
-        "deviation*: the same for the update actually applied.",
+        "deviation*: the same for the update actually applied. *bytes per round*: up and "
+        "down, all clients, mean over rounds. *server ms per round*: the server's own work "
+        "in a round (payloads, validation, aggregation), mean over rounds and seeds.",
         "",
         "![final metric per method](comparison.png)",
         "",

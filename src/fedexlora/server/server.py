@@ -135,6 +135,8 @@ class Server:
         # in the server's units): set by an engine that folds every outcome into a model
         self.delta_source: Callable[[str], Residual] | None = None
         self.outgrown: set[str] = set()  # layers whose base delta only the model holds
+        # a factored base delta's U and V are views into these, with room for more rounds
+        self._room: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.client_layers = {int(c): dict(v) for c, v in (client_layers or {}).items()}
         if self.client_layers and not self._has("hetero_ranks"):
             hetero = " or ".join(repr(m) for m in method_names(hetero_ranks=True))
@@ -323,11 +325,43 @@ class Server:
         grows_dense = (
             prev.dense is not None or r.dense is not None or (prev.rank + r.rank) * (d + n) >= d * n
         )
-        if grows_dense and self.delta_source is not None and self._source_agrees(name, prev):
+        if not grows_dense:
+            self.base_delta[name] = self._append(name, prev, r)
+            return
+        self._room.pop(name, None)
+        if self.delta_source is not None and self._source_agrees(name, prev):
             self.outgrown.add(name)
             del self.base_delta[name]
             return
         self.base_delta[name] = Residual.concat([prev, r], reduce=False)
+
+    def _append(self, name: str, prev: Residual, r: Residual) -> Residual:
+        """``prev + r``, factored: ``r``'s factors written after ``prev``'s in place.
+
+        ``prev``'s ``U`` and ``V`` are views of buffers with room to spare (twice what is
+        used, up to the rank at which dense is smaller), so a round copies only its own
+        residual, not the whole record: amortized, the record costs no more than the
+        round's factors. A view handed out earlier (a reset payload) never changes.
+        """
+        d, n = prev.shape
+        q0, q1 = int(prev.U.shape[1]), int(r.U.shape[1])
+        room = self._room.get(name)
+        if (
+            room is None
+            or room[0].data_ptr() != prev.U.data_ptr()
+            or room[1].data_ptr() != prev.V.data_ptr()
+            or room[0].shape[1] < q0 + q1
+            or room[0].dtype != prev.U.dtype
+        ):
+            cap = min(max(2 * (q0 + q1), 16), -(-d * n // (d + n)))
+            U = torch.empty(d, cap, dtype=prev.U.dtype, device=prev.U.device)
+            V = torch.empty(cap, n, dtype=prev.V.dtype, device=prev.V.device)
+            U[:, :q0], V[:q0] = prev.U, prev.V
+            room = self._room[name] = (U, V)
+        U, V = room
+        U[:, q0 : q0 + q1] = r.U.to(U)
+        V[q0 : q0 + q1] = r.V.to(V)
+        return Residual((d, n), U=U[:, : q0 + q1], V=V[: q0 + q1])
 
     def _source_agrees(self, name: str, record: Residual) -> bool:
         """Whether :attr:`delta_source` holds ``record`` (to 1%, on a random probe).
@@ -552,6 +586,7 @@ class Server:
         self.last_sizes = parsed["last_sizes"]
         self.base_delta = parsed["base_delta"]
         self.outgrown = set()  # a dense record is dropped again in the next round
+        self._room = {}
         self.feedback = parsed["feedback"]
         self.remainder = parsed["remainder"]
         self.sent = parsed["sent"]
