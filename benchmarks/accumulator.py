@@ -21,7 +21,10 @@ one dense ``d x n`` at round 15. Each round, in one process, on fresh client fac
 * ``fold``: ``fedexlora.bridge.adapters.fold_residuals`` of the round's residual into a
   one-layer peft model (one ``W.addmm_(U, V)``), the ``model`` server's source;
 * ``floor``: one ``W.addmm_(U, V)`` of random rank-144 factors (that round's fold at its
-  least).
+  least);
+* ``checkpoint``: ``state_dict()`` of the ``model`` server after the fold, as the engines
+  checkpoint every round (it reads the model's delta; the first read after the server
+  dropped its copy checks the model against the rounds that reached it). Not in ``step``.
 
 It prints, per round, each part in ms and ``step / floor`` with ``step = server + fold``
 for each kind of server; at the end the cost of one reset payload from each.
@@ -87,8 +90,9 @@ def main() -> None:
         f"k={k}, r={r}: each round's residual has rank {q}"
     )
     print("| round | server own ms | server model ms | fold ms | floor ms "
-          "| step/floor own | step/floor model | own record | model server holds |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| step/floor own | step/floor model | own record | model server holds "
+          "| checkpoint ms (model) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     ratios = {"own": [], "model": []}
     for rnd in range(1, args.rounds + 1):
         A0 = torch.randn(r, n, generator=g) / n**0.5
@@ -114,6 +118,9 @@ def main() -> None:
         t_own, _ = timed(own.aggregate, ups, effective=False)
         t_held, outcome = timed(held.aggregate, ups, effective=False)
         t_fold, _ = timed(fold_residuals, model, outcome.residuals)
+        # both engines checkpoint after every round: that read checks the model's delta
+        # against the rounds since the server dropped its copy (not part of the step)
+        t_ckpt, _ = timed(held.state_dict)
         t_floor, _ = timed(W.addmm_, Uf, Vf, alpha=2.0)
         step_own, step_held = t_own + t_fold, t_held + t_fold
         ratios["own"].append(step_own / t_floor)
@@ -128,7 +135,7 @@ def main() -> None:
         print(
             f"| {rnd} | {1e3 * t_own:.1f} | {1e3 * t_held:.1f} | {1e3 * t_fold:.1f} "
             f"| {1e3 * t_floor:.1f} | {step_own / t_floor:.2f} | {step_held / t_floor:.2f} "
-            f"| {own_held} | {model_held} |"
+            f"| {own_held} | {model_held} | {1e3 * t_ckpt:.1f} |"
         )
     for kind, rs in ratios.items():
         worst = max(rs)

@@ -51,10 +51,12 @@ def test_a_new_client_is_rebuilt_from_the_model_held_delta(tiny_bert_dir):
     server.delta_source = functools.partial(folded_delta, glob)
     ideal = _federate(glob, server)
     assert server.outgrown == set(server.layers)  # every layer's record went dense
-    assert server.nbytes()["base_delta"] == 0  # ... and lives in the model only
     assert _rel_gap(glob, ideal) <= 1e-6
     fresh, _ = _reset_client(tiny_bert_dir, server)
     assert _rel_gap(fresh, ideal) <= 1e-6  # a client from W0 holds the hand ideal
+    # that read checked the model against the rounds since the copy was dropped: from
+    # then on the delta lives in the model only
+    assert server.outgrown == set(server.layers) and server.nbytes()["base_delta"] == 0
 
 
 def test_checkpoint_of_a_model_held_server_restores_without_the_model(tiny_bert_dir):
@@ -77,13 +79,15 @@ def test_checkpoint_of_a_model_held_server_restores_without_the_model(tiny_bert_
 
 
 def test_a_source_that_does_not_hold_the_record_is_not_trusted(tiny_bert_dir):
-    """A model that did not fold the rounds (here: a fresh one) is caught where the
-    record turns dense: the server warns, keeps its own record, and stays exact."""
+    """A model that did not fold the rounds (here: a fresh one) is caught at the first
+    read after the record turned dense: the server warns, keeps its own record (the
+    factors of every round since), and stays exact."""
     glob, other = _model(tiny_bert_dir), _model(tiny_bert_dir)
     server = Server(get_state(glob), layer_info(glob), num_clients=6)
     server.delta_source = functools.partial(folded_delta, other)
     with pytest.warns(UserWarning, match="is not the server's record"):
         ideal = _federate(glob, server)
+        server.deltas()  # a read checks the model, at the latest
     assert not server.outgrown
     assert all(server.base_delta[name].dense is not None for name in server.layers)
     fresh, _ = _reset_client(tiny_bert_dir, server)

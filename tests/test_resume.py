@@ -21,7 +21,7 @@ def _cfg_file(tmp_path, tiny_bert_dir, tiny_csv):
     p = tmp_path / "cfg.toml"
     p.write_text(
         f'model = "{tiny_bert_dir}"\ntask = "{tiny_csv}"\nmethods = ["fedex"]\nrounds = 4\n'
-        "local_steps = 30\nbatch_size = 8\nnum_clients = 3\nmin_partition_size = 5\n"
+        "local_steps = 15\nbatch_size = 8\nnum_clients = 3\nmin_partition_size = 5\n"
         "max_length = 16\nlora_r = 4\nlora_dropout = 0.1\n"
         'target_modules = ["query", "value"]\nkeep_checkpoints = 2\n'
     )
@@ -62,7 +62,7 @@ def test_sigkill_in_round_3_then_resume_is_identical(tmp_path, tiny_bert_dir, ti
     while time.monotonic() < deadline and proc.poll() is None:
         done = latest_checkpoint(ckpts) if ckpts.is_dir() else None
         if done is not None and done.name == "round-0002":
-            break  # round 2 fully written: round 3 (90 local steps) starts now
+            break  # round 2 fully written: round 3 (45 local steps) starts now
         time.sleep(0.02)
     time.sleep(0.05)
     assert proc.poll() is None, "the run ended before its kill: " + proc.output()[-2000:]

@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fedexlora.bridge.adapters import _side, effective_weight, lora_layers
+from fedexlora.bridge.adapters import _side, effective_weight, folded_delta, lora_layers
 from fedexlora.bridge.models import resolve_model
 from fedexlora.config import load_config
 from fedexlora.core.aggregation import Residual
@@ -30,7 +31,7 @@ from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
 from fedexlora.run.layout import RunError, RunLayout
 from fedexlora.run.restore import load_task_for, restore_model
 
-__all__ = ["ExportResult", "export_model"]
+__all__ = ["ExportResult", "export_model", "save_adapter"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -125,12 +126,51 @@ def _as_factors(r: Residual) -> tuple[torch.Tensor, torch.Tensor]:
     return (D, eye) if n <= d else (eye, D)
 
 
-@torch.no_grad()
 def _write_adapter(cfg, model, server, dest: Path) -> str:
     """One PEFT adapter of rank ``r + q`` per layer: ``[s B | U] @ [A ; V]``, scale 1."""
+    save_adapter(model, dest, delta=server.delta, base=resolve_model(cfg.model).path)
+    return (
+        "PEFT adapter: load the base model exactly as the run did (same dtype and "
+        "quantization), then peft.PeftModel.from_pretrained(base, this directory)"
+    )
+
+
+@torch.no_grad()
+def save_adapter(
+    model: torch.nn.Module,
+    dest: str | Path,
+    *,
+    delta: Callable[[str], Residual | None] | None = None,
+    base: str | None = None,
+) -> Path:
+    """Writes a federated global model as one plain PEFT LoRA adapter, exactly.
+
+    Per layer the adapter is ``[s B | U] @ [A ; V]`` at scale 1: the global factors and the
+    factors of everything folded into the base since it was loaded, so that
+    ``peft.PeftModel.from_pretrained(base, dest)`` on the unchanged base model, loaded as
+    the run loaded it (same dtype and quantization), gives the model's effective weights.
+    For a loop of your own (``apply_outcome`` into ``model``): ``save_adapter(model, dir)``.
+
+    Args:
+        model: The global model (a peft model whose base received the folds).
+        dest: The adapter directory (created).
+        delta: Module -> what was folded into its fp32 base, in the adapter's units
+            (``Server.delta``); by default read from the model itself
+            (:func:`fedexlora.bridge.adapters.folded_delta`). Side branches (bf16/fp16 or
+            quantized bases) are always read from the model.
+        base: ``base_model_name_or_path`` written into the adapter's config (by default
+            what peft recorded).
+
+    Returns:
+        ``dest``.
+    """
     from safetensors.torch import load_file, save_file
 
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
     layers = lora_layers(model)
+    if delta is None:
+        delta = lambda name: folded_delta(model, name)  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="fedexlora-export-") as tmp:
         model.save_pretrained(tmp)  # peft's own key names and config, then widened
         tensors = load_file(str(Path(tmp) / "adapter_model.safetensors"))
@@ -144,8 +184,8 @@ def _write_adapter(cfg, model, server, dest: Path) -> str:
         if side is not None:
             extra = side.residual if side.rank else None
         else:
-            delta = server.delta(name)
-            extra = delta.scaled(scale) if delta is not None and not delta.is_zero else None
+            folded = delta(name)
+            extra = folded.scaled(scale) if folded is not None and not folded.is_zero else None
         Bs, As = [scale * B], [A]
         if extra is not None:
             U, V = _as_factors(extra)
@@ -159,7 +199,6 @@ def _write_adapter(cfg, model, server, dest: Path) -> str:
         tensors[ka], tensors[kb] = A_new.contiguous(), B_new.contiguous()
         ranks[re.escape(key)] = int(A_new.shape[0])
     config.update(
-        base_model_name_or_path=resolve_model(cfg.model).path,
         r=max(ranks.values()),
         lora_alpha=max(ranks.values()),
         rank_pattern=ranks,
@@ -167,12 +206,11 @@ def _write_adapter(cfg, model, server, dest: Path) -> str:
         use_rslora=False,
         lora_dropout=0.0,
     )
+    if base is not None:
+        config["base_model_name_or_path"] = base
     save_file(tensors, str(dest / "adapter_model.safetensors"))
     (dest / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    return (
-        "PEFT adapter: load the base model exactly as the run did (same dtype and "
-        "quantization), then peft.PeftModel.from_pretrained(base, this directory)"
-    )
+    return dest
 
 
 @torch.no_grad()

