@@ -35,6 +35,7 @@ SLOW_FIRST = [
     "test_recipes.py",
     "test_scale.py",
     "test_examples.py",
+    "test_trl_sft.py",
 ]
 
 
