@@ -320,13 +320,10 @@ class Server:
         ``d x n`` here would cost a matmul of the record's whole rank in that round and a
         dense add in every later one. The factors are kept until the model is checked
         against them (:meth:`_check`), at the first read (the engines' checkpoint after
-        the round) or at the next round at the latest.
+        the round) or at the start of the next round at the latest.
         """
         if name in self.outgrown:
-            if name in self._unchecked:  # not read since: the engine has folded them now
-                self._check(name)
-            if name in self.outgrown:
-                return  # the model holds it
+            return  # the model holds it (checked at the start of this round at the latest)
         prev = self.base_delta.get(name)
         if prev is None or prev.is_zero:
             self.base_delta[name] = r
@@ -611,10 +608,17 @@ class Server:
         self.history = parsed["history"]
         self.last_sizes = parsed["last_sizes"]
         self.base_delta = parsed["base_delta"]
-        self.outgrown = set()  # a dense record is dropped again in the next round
+        self.outgrown = set()
         self._room = {}
         self._unchecked = {}
         self._own = set()
+        if self.delta_source is not None:
+            # what the server had dropped was saved dense: drop it again, to be checked
+            # against the model (restored by then) at the first read or the next round
+            for name, r in list(self.base_delta.items()):
+                if r.dense is not None:
+                    self.outgrown.add(name)
+                    self._unchecked[name] = [self.base_delta.pop(name)]
         self.feedback = parsed["feedback"]
         self.remainder = parsed["remainder"]
         self.sent = parsed["sent"]
@@ -641,6 +645,8 @@ class Server:
                 new factors (``{}`` when off). Both engines measure it on the model
                 instead (:func:`fedexlora.bridge.steps.apply_outcome`) and turn it off.
         """
+        for name in list(self._unchecked):  # the engine has folded the last round by now
+            self._check(name)
         self.round += 1
         template = self.upload_template(self.round)
         accepted, rejected = [], {}
