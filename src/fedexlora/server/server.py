@@ -325,26 +325,28 @@ class Server:
         if name in self.outgrown:
             return  # the model holds it (checked at the start of this round at the latest)
         prev = self.base_delta.get(name)
-        if prev is None or prev.is_zero:
-            self.base_delta[name] = r
-            return
+        if prev is not None and prev.is_zero:
+            prev = None
         d, n = self.layers[name].shape
         grows_dense = (
-            prev.dense is not None or r.dense is not None or (prev.rank + r.rank) * (d + n) >= d * n
+            r.dense is not None
+            or prev is not None
+            and (prev.dense is not None or (prev.rank + r.rank) * (d + n) >= d * n)
         )
         if not grows_dense:
-            self.base_delta[name] = self._append(name, prev, r)
+            self.base_delta[name] = r if prev is None else self._append(name, prev, r)
             return
         self._room.pop(name, None)
+        parts = [r] if prev is None else [prev, r]
         if self.delta_source is not None and name not in self._own:
             # the model will hold it once the engine folds this round: drop the copy,
             # keep the factors that reach it (no product formed) until the model is
             # checked against them at the first read
             self.outgrown.add(name)
-            del self.base_delta[name]
-            self._unchecked[name] = [prev, r]
+            self.base_delta.pop(name, None)
+            self._unchecked[name] = parts
             return
-        self.base_delta[name] = Residual.concat([prev, r], reduce=False)
+        self.base_delta[name] = r if prev is None else Residual.concat(parts, reduce=False)
 
     def _append(self, name: str, prev: Residual, r: Residual) -> Residual:
         """``prev + r``, factored: ``r``'s factors written after ``prev``'s in place.
