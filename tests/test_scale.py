@@ -117,7 +117,7 @@ def test_client_absent_for_50_rounds_is_exact_and_server_state_stays_bounded(
             older = sum(
                 r[name].nbytes for v, r in server.history.items() if v != newest and name in r
             )
-            assert server._delta_bytes(name) + older <= dense[name]
+            assert server.record.nbytes(name) + older <= dense[name]
             if from_model:  # what turned dense lives in the model only
                 assert (name in server.outgrown) == (name not in server.base_delta)
                 assert name not in server.base_delta or server.base_delta[name].dense is None

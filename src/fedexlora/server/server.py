@@ -28,6 +28,7 @@ from fedexlora.core.messages import (
 )
 from fedexlora.core.methods import REGISTRY, method_names
 from fedexlora.core.state import AdapterState, LayerInfo, aggregate_states
+from fedexlora.server.record import DeltaRecord
 from fedexlora.server.snapshot import (
     ServerStateMismatch,
     _parse_state,
@@ -130,16 +131,7 @@ class Server:
         self.last_sizes: dict[str, tuple[int, int]] = {}  # latest residual: (bytes, dense)
         self.client_version: dict[int, int] = {}  # base version each client holds
         self.feedback: dict[str, Residual] = {}  # lossy mode: residual kept back
-        self.base_delta: dict[str, Residual] = {}  # sum of residuals folded so far
-        # Reads what the global model holds folded (``name -> Residual``, the base delta
-        # in the server's units): set by an engine that folds every outcome into a model
-        self.delta_source: Callable[[str], Residual] | None = None
-        self.outgrown: set[str] = set()  # layers whose base delta only the model holds
-        # a factored base delta's U and V are views into these, with room for more rounds
-        self._room: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        # the rounds since a layer's record was dropped, until the model is checked
-        self._unchecked: dict[str, list[Residual]] = {}
-        self._own: set[str] = set()  # layers whose model disagreed: the server keeps them
+        self.record = DeltaRecord(self.layers)  # everything folded since W0, per layer
         self.client_layers = {int(c): dict(v) for c, v in (client_layers or {}).items()}
         if self.client_layers and not self._has("hetero_ranks"):
             hetero = " or ".join(repr(m) for m in method_names(hetero_ranks=True))
@@ -232,7 +224,7 @@ class Server:
         """
         since = self.client_version.get(client_id)
         residuals = None if since is None else self.catch_up(since)
-        if residuals and self._delta_bytes() < _nbytes(residuals):
+        if residuals and self.record.nbytes() < _nbytes(residuals):
             residuals = None  # the whole delta is smaller than the catch-up
         reset = residuals is None
         if reset:
@@ -274,153 +266,36 @@ class Server:
         """Rounds a client waits, on average, between two samplings (1 when all are)."""
         return max(1.0, self.num_clients / self.sample_size())
 
-    def delta(self, name: str) -> Residual | None:
-        """Module ``name``'s base delta: everything folded into it since ``W0``.
+    @property
+    def base_delta(self) -> dict[str, Residual]:
+        """The base deltas the server holds itself (:attr:`record`'s ``kept``)."""
+        return self.record.kept
 
-        Read from :attr:`delta_source` for a layer the server no longer keeps itself
-        (:attr:`outgrown`). ``None`` where nothing was folded.
+    @property
+    def delta_source(self) -> Callable[[str], Residual] | None:
+        """Reads what the global model holds folded (:class:`DeltaRecord`'s ``source``).
+
+        Set by an engine that folds every outcome into a model it holds: the server then
+        keeps no dense copy of it.
         """
-        if name in self.outgrown:
-            if self.delta_source is None:
-                raise RuntimeError(
-                    f"the base delta of {name!r} lives in the engine's model, and the "
-                    "server has no `delta_source` to read it from"
-                )
-            if name not in self._unchecked:
-                return self.delta_source(name)
-            held = self._check(name)
-            if held is not None:
-                return held
-        return self.base_delta.get(name)
+        return self.record.source
+
+    @delta_source.setter
+    def delta_source(self, source: Callable[[str], Residual] | None) -> None:
+        self.record.source = source
+
+    @property
+    def outgrown(self) -> set[str]:
+        """The layers whose base delta only the model holds."""
+        return self.record.outgrown
+
+    def delta(self, name: str) -> Residual | None:
+        """Module ``name``'s base delta: everything folded into it since ``W0``, or None."""
+        return self.record.get(name)
 
     def deltas(self) -> dict[str, Residual]:
         """Every nonzero base delta (:meth:`delta`): a reset payload's residuals."""
-        out = {}
-        for name in [*self.base_delta, *sorted(self.outgrown)]:
-            r = self.delta(name)
-            if r is not None and not r.is_zero:
-                out[name] = r
-        return out
-
-    def _delta_bytes(self, name: str | None = None) -> int:
-        """Bytes of a base delta as a reset payload sends it (all layers for ``None``)."""
-        if name is None:
-            return sum(self._delta_bytes(k) for k in [*self.base_delta, *self.outgrown])
-        if name in self.outgrown:
-            return self._dense_bytes(name)  # a reset payload sends it dense, fp32
-        r = self.base_delta.get(name)
-        return 0 if r is None or r.is_zero else r.nbytes
-
-    def _record(self, name: str, r: Residual) -> None:
-        """Adds this round's residual ``r`` to module ``name``'s base delta.
-
-        Factors are appended in place (not re-factored, not concatenated anew: the round
-        copies only its own). Where the sum would turn dense and :attr:`delta_source` can
-        give it, the server drops its copy: the model holds it, and forming a dense
-        ``d x n`` here would cost a matmul of the record's whole rank in that round and a
-        dense add in every later one. The factors are kept until the model is checked
-        against them (:meth:`_check`), at the first read (the engines' checkpoint after
-        the round) or at the start of the next round at the latest.
-        """
-        if name in self.outgrown:
-            return  # the model holds it (checked at the start of this round at the latest)
-        prev = self.base_delta.get(name)
-        if prev is not None and prev.is_zero:
-            prev = None
-        d, n = self.layers[name].shape
-        grows_dense = (
-            r.dense is not None
-            or prev is not None
-            and (prev.dense is not None or (prev.rank + r.rank) * (d + n) >= d * n)
-        )
-        if not grows_dense:
-            self.base_delta[name] = r if prev is None else self._append(name, prev, r)
-            return
-        self._room.pop(name, None)
-        parts = [r] if prev is None else [prev, r]
-        if self.delta_source is not None and name not in self._own:
-            # the model will hold it once the engine folds this round: drop the copy,
-            # keep the factors that reach it (no product formed) until the model is
-            # checked against them at the first read
-            self.outgrown.add(name)
-            self.base_delta.pop(name, None)
-            self._unchecked[name] = parts
-            return
-        self.base_delta[name] = r if prev is None else Residual.concat(parts, reduce=False)
-
-    def _append(self, name: str, prev: Residual, r: Residual) -> Residual:
-        """``prev + r``, factored: ``r``'s factors written after ``prev``'s in place.
-
-        ``prev``'s ``U`` and ``V`` are views of buffers with room to spare (twice what is
-        used, up to the rank at which dense is smaller), so a round copies only its own
-        residual, not the whole record: amortized, the record costs no more than the
-        round's factors. A view handed out earlier (a reset payload) never changes.
-        """
-        d, n = prev.shape
-        q0, q1 = int(prev.U.shape[1]), int(r.U.shape[1])
-        room = self._room.get(name)
-        if (
-            room is None
-            or room[0].data_ptr() != prev.U.data_ptr()
-            or room[1].data_ptr() != prev.V.data_ptr()
-            or room[0].shape[1] < q0 + q1
-            or room[0].dtype != prev.U.dtype
-        ):
-            cap = min(max(2 * (q0 + q1), 16), -(-d * n // (d + n)))
-            U = torch.empty(d, cap, dtype=prev.U.dtype, device=prev.U.device)
-            V = torch.empty(cap, n, dtype=prev.V.dtype, device=prev.V.device)
-            U[:, :q0], V[:q0] = prev.U, prev.V
-            room = self._room[name] = (U, V)
-        U, V = room
-        U[:, q0 : q0 + q1] = r.U.to(U)
-        V[q0 : q0 + q1] = r.V.to(V)
-        return Residual((d, n), U=U[:, : q0 + q1], V=V[: q0 + q1])
-
-    def _dense_bytes(self, name: str) -> int:
-        d, n = self.layers[name].shape
-        return d * n * 4
-
-    def _check(self, name: str) -> Residual | None:
-        """Checks the model's base delta of ``name`` against the rounds that reached it.
-
-        Called at the first read after the server dropped its own record (a reset payload,
-        a checkpoint), when the engine has folded that round, or at the next round at the
-        latest. Compared on a random probe (two matrix-vector products
-        per round's factors, fp32, to 1%). Returns the model's delta; on a mismatch
-        (was every outcome folded into the model given as ``delta_source``?) it warns,
-        keeps the record itself from then on, and returns ``None``.
-        """
-        parts = self._unchecked.pop(name)
-        held = self.delta_source(name)
-        d, n = self.layers[name].shape
-        ok = tuple(held.shape) == (d, n)
-        if ok:
-            gen = torch.Generator().manual_seed(self.seed * 7_919 + self.round)
-            x = torch.randn(n, 1, generator=gen)
-
-            def probe(res: Residual) -> torch.Tensor:
-                if res.is_zero:
-                    return torch.zeros(d, 1)
-                if res.dense is not None:
-                    return res.dense.cpu().float() @ x
-                return res.U.cpu().float() @ (res.V.cpu().float() @ x)
-
-            want = sum(probe(p) for p in parts)
-            ok = bool(torch.linalg.norm(probe(held) - want) <= 1e-2 * torch.linalg.norm(want))
-        if ok:
-            return held
-        import warnings
-
-        warnings.warn(
-            f"the model's base delta of {name!r} is not the server's record: the server "
-            "keeps its own copy (was every round's residual folded into the model given "
-            "as `delta_source`?)",
-            stacklevel=3,
-        )
-        self.outgrown.discard(name)
-        self._own.add(name)
-        self.base_delta[name] = Residual.concat(parts, reduce=False)
-        return None
+        return {k: r for k, r in self.record.all().items() if r is not None and not r.is_zero}
 
     def history_reach(self) -> float:
         """About how many rounds back the history will reach (``inf`` before any round).
@@ -430,7 +305,7 @@ class Server:
         """
         reach = math.inf
         for name, (size, dense) in self.last_sizes.items():
-            room = dense - self._delta_bytes(name)
+            room = dense - self.record.nbytes(name)
             reach = min(reach, 1 + max(0, room) // max(1, size))
         return reach
 
@@ -485,7 +360,7 @@ class Server:
         oldest = min(self.client_version.values(), default=self.version)
         drop = {v for v in self.history if v < oldest}
         newest = max(self.history)
-        used = {name: self._delta_bytes(name) for name in [*self.base_delta, *self.outgrown]}
+        used = {name: self.record.nbytes(name) for name in [*self.base_delta, *self.outgrown]}
         cut = False
         for v in sorted(self.history, reverse=True):
             if v in drop:
@@ -521,8 +396,7 @@ class Server:
         """
         out = {
             "state": self.state.nbytes,
-            "base_delta": _nbytes(self.base_delta)
-            + sum(p.nbytes for v in self._unchecked.values() for p in v),
+            "base_delta": self.record.held_nbytes(),
             "history": sum(_nbytes(res) for res in self.history.values()),
             "feedback": _nbytes(self.feedback),
             "clients": sum(_nbytes(t) for t in self.remainder.values())
@@ -562,8 +436,7 @@ class Server:
         """
         flat = {f"state.{k}": v for k, v in self.state.to_flat().items()}
         # the outgrown layers' deltas are read from the model: the format does not change
-        delta = {**self.base_delta, **{k: self.delta(k) for k in sorted(self.outgrown)}}
-        flat.update(residuals_to_flat("base_delta", delta))
+        flat.update(residuals_to_flat("base_delta", self.record.all()))
         flat.update(residuals_to_flat("feedback", self.feedback))
         for v, res in self.history.items():
             flat.update(residuals_to_flat(f"history{v}", res))
@@ -609,18 +482,7 @@ class Server:
         self.client_version = parsed["client_version"]
         self.history = parsed["history"]
         self.last_sizes = parsed["last_sizes"]
-        self.base_delta = parsed["base_delta"]
-        self.outgrown = set()
-        self._room = {}
-        self._unchecked = {}
-        self._own = set()
-        if self.delta_source is not None:
-            # what the server had dropped was saved dense: drop it again, to be checked
-            # against the model (restored by then) at the first read or the next round
-            for name, r in list(self.base_delta.items()):
-                if r.dense is not None:
-                    self.outgrown.add(name)
-                    self._unchecked[name] = [self.base_delta.pop(name)]
+        self.record.load(parsed["base_delta"])
         self.feedback = parsed["feedback"]
         self.remainder = parsed["remainder"]
         self.sent = parsed["sent"]
@@ -647,8 +509,7 @@ class Server:
                 new factors (``{}`` when off). Both engines measure it on the model
                 instead (:func:`fedexlora.bridge.steps.apply_outcome`) and turn it off.
         """
-        for name in list(self._unchecked):  # the engine has folded the last round by now
-            self._check(name)
+        self.record.check_all()  # the engine has folded the last round into its model
         self.round += 1
         template = self.upload_template(self.round)
         accepted, rejected = [], {}
@@ -713,9 +574,9 @@ class Server:
             self.last_sizes = {k: (r.nbytes, self._dense_nbytes(k, r)) for k, r in nonzero.items()}
             for k, r in nonzero.items():
                 if k in capped:  # side_rank: the capped delta itself, not a growing sum
-                    self.base_delta[k] = capped[k]
+                    self.record.set(k, capped[k])
                 else:
-                    self._record(k, r)
+                    self.record.add(k, r)
             self.version += 1
             self._prune()
         return RoundOutcome(
