@@ -15,11 +15,23 @@ ALLOWED = {
     "server": {"core"},
     "bridge": {"core"},
     "tasks": {"core"},
+    "secagg": {"core"},
     "training": {"core", "bridge", "tasks"},
-    "run": {"core", "server", "bridge", "tasks", "training"},
-    "flower": {"core", "server", "bridge", "tasks", "training", "run"},
-    "experiments": {"core", "server", "bridge", "tasks", "training", "run", "flower"},
-    "cli": {"core", "server", "bridge", "tasks", "training", "run", "flower", "experiments", "api"},
+    "run": {"core", "server", "bridge", "tasks", "training", "secagg"},
+    "flower": {"core", "server", "bridge", "tasks", "training", "run", "secagg"},
+    "experiments": {"core", "server", "bridge", "tasks", "training", "run", "flower", "secagg"},
+    "cli": {
+        "core",
+        "server",
+        "bridge",
+        "tasks",
+        "training",
+        "run",
+        "flower",
+        "experiments",
+        "api",
+        "secagg",
+    },
     "leaf": {"core"},  # config.py and quiet.py: the registry is all config may ask
 }
 LEAVES = {"config", "quiet"}

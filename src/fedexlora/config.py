@@ -145,6 +145,7 @@ class RunConfig:
     side_rank: int | None = None
     gradient_checkpointing: bool = False
     save_client_adapters: bool = False
+    secure_aggregation: bool = False
     keep_checkpoints: int = 2
     export: str | None = None
     export_format: str | None = None
@@ -203,6 +204,33 @@ class RunConfig:
             if (unknown if spec is None else test(spec)) and not (unique and m in out):
                 out.append(m)
         return out
+
+    def _secure_errors(self, errs: list[str]) -> None:
+        """What ``secure_aggregation`` cannot be combined with, appended to ``errs``."""
+        from fedexlora.core.secure import secure_refusal
+
+        for m in self.methods:
+            why = secure_refusal(REGISTRY[m]) if m in REGISTRY else None
+            if why:
+                errs.append(f"`secure_aggregation`: {why}")
+        if max(1, math.floor(self.fraction * self.num_clients + 0.5)) < 2:  # Server.sample_size
+            errs.append(
+                "`secure_aggregation` needs at least 2 clients per round (one client's sum "
+                f"is its own upload); got {self.num_clients} clients at fraction {self.fraction}"
+            )
+        for key, why in (
+            ("client_ranks", "heterogeneous ranks need each client's own factors"),
+            ("max_update_norm", "the server cannot check an upload it cannot see"),
+            ("residual_rank", "the residual is formed dense from sums; it is kept exact"),
+            ("side_rank", "the residual is formed dense from sums; it is kept exact"),
+        ):
+            if getattr(self, key) is not None:
+                errs.append(f"`secure_aggregation` cannot be combined with `{key}`: {why}")
+        if importlib.util.find_spec("flwr") is None:
+            errs.append(
+                "`secure_aggregation` uses Flower's SecAgg+, and flwr is not installed; fix: "
+                "pip install 'fedex-lora[flower]'"
+            )
 
     def errors(self) -> list[str]:
         """Every problem with the values, as one message each (empty when valid)."""
@@ -402,6 +430,8 @@ class RunConfig:
             self.keep_checkpoints >= 1,
             f"`keep_checkpoints` must be >= 1, got {self.keep_checkpoints}",
         )
+        if self.secure_aggregation:
+            self._secure_errors(errs)
         if self.client_ranks is not None:
             need(
                 len(self.client_ranks) == self.num_clients,

@@ -40,6 +40,7 @@ RUN_FLAGS = {
     "max_test": "max_test",
     "residual_rank": "residual_rank",
     "max_update_norm": "max_update_norm",
+    "secure_aggregation": "secure_aggregation",
     "engine": "engine",
     "save_client_adapters": "save_client_adapters",
     "keep_checkpoints": "keep_checkpoints",
@@ -220,6 +221,13 @@ def run_cmd(
     max_update_norm: float | None = typer.Option(
         None,
         help="Reject client updates above this norm (default: off).",
+        rich_help_panel=FEDERATION,
+    ),
+    secure_aggregation: bool | None = typer.Option(
+        None,
+        "--secure-aggregation/--no-secure-aggregation",
+        help="Flower's SecAgg+: the server sees only sums of the uploads; FedEx stays "
+        "exact (docs/PRIVACY.md; default: off).",
         rich_help_panel=FEDERATION,
     ),
     engine: str | None = typer.Option(

@@ -196,6 +196,9 @@ class RoundOutcome:
         weights: Client id -> normalised weight, for the accepted uploads.
         previous: The global adapter state before this round.
         unchanged: True when no upload was accepted: the global model did not change.
+        secure: Under secure aggregation, what the server read from the sums besides the
+            model: ``clipped`` (numbers the quantization clipped, over every client) and
+            ``train_loss`` (the weighted mean); ``None`` without secure aggregation.
     """
 
     residuals: dict[str, Residual]
@@ -207,6 +210,7 @@ class RoundOutcome:
     weights: dict[int, float] = field(default_factory=dict)
     previous: AdapterState | None = None
     unchanged: bool = False
+    secure: dict | None = None
 
 
 def example_count(value) -> tuple[int | None, str]:

@@ -332,6 +332,7 @@ class _Client:
     disk: Path | None
     run_token: str
     fingerprint: str
+    settings: Any = None
 
 
 def _client_for(msg: Message, context: Context, defaults: Mapping[str, Any]) -> _Client:
@@ -359,7 +360,9 @@ def _client_for(msg: Message, context: Context, defaults: Mapping[str, Any]) -> 
     model = _client_model(
         cfg, task, method, context, pid, since, spare, disk, run_token, fingerprint
     )
-    return _Client(cfg, conf, pid, method, since, model, prep, disk, run_token, fingerprint)
+    return _Client(
+        cfg, conf, pid, method, since, model, prep, disk, run_token, fingerprint, settings
+    )
 
 
 def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:
@@ -416,11 +419,81 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     )
     if refused:  # past its budget: not trained, nothing of its data sent
         metrics["dp-refused"] = 1
+    elif str(conf.get("secagg-stage", "")) == "collect":  # masked: count and loss in the sum
+        content["config"]["secagg.masked"] = _secure_upload(context, conf, up)
+        if cfg.save_client_adapters and c.settings.run_dir:  # the client keeps its own
+            from fedexlora.run.engine import save_client_adapter
+
+            save_client_adapter(model, Path(c.settings.run_dir), rnd, pid, int(up.num_examples))
     else:
         content["arrays"] = to_array_record(up.state.to_flat())
         metrics.update({"num-examples": int(up.num_examples), "train-loss": float(up.train_loss)})
     content["metrics"] = MetricRecord(metrics)
     return Message(content, reply_to=msg)
+
+
+_SECAGG = "fedexlora.secagg"
+
+
+def secure_stage_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:
+    """One SecAgg+ stage other than the upload: ``setup``, ``share-keys`` or ``unmask``.
+
+    The client's protocol state (Flower's SecAgg+ state, and the round's setup) lives
+    in its Context between the stages' messages.
+
+    Raises:
+        ValueError: If the message is for another partition or configuration.
+    """
+    from fedexlora.secagg.protocol import ClientSession
+    from fedexlora.secagg.rounds import client_session_reply
+
+    cfg, fingerprint, _ = _resolve(defaults, context)
+    conf = msg.content["config"]
+    theirs = str(conf.get("fingerprint", ""))
+    if theirs and theirs != fingerprint:
+        raise ValueError(
+            f"this ClientApp resolved another configuration (fingerprint {fingerprint!r}) "
+            f"than the server ({theirs!r}); both must share one run config"
+        )
+    pid = _partition(context, cfg.num_clients)
+    if int(conf["partition-id"]) != pid:
+        raise ValueError(f"message for partition {conf['partition-id']}, this node holds {pid}")
+    stage = str(conf["secagg-stage"])
+    fields = {k[len("secagg.") :]: v for k, v in conf.items() if k.startswith("secagg.")}
+    saved = context.state.get(_SECAGG)
+    if stage == "setup":
+        session, setup = ClientSession(pid), {k: v for k, v in fields.items() if "." in k}
+    elif isinstance(saved, ConfigRecord):
+        state = dict(saved)
+        setup = {k[len("setup.") :]: state.pop(k) for k in list(state) if k.startswith("setup.")}
+        session = ClientSession.from_dict(state)
+    else:
+        raise ValueError(f"secure aggregation stage {stage!r} before its setup")
+    reply = client_session_reply(session, stage, fields)
+    context.state[_SECAGG] = ConfigRecord(
+        {**session.to_dict(), **{f"setup.{k}": v for k, v in setup.items()}}
+    )
+    record = {"partition-id": pid, **{f"secagg.{k}": v for k, v in reply.items()}}
+    return Message(RecordDict({"config": ConfigRecord(record)}), reply_to=msg)
+
+
+def _secure_upload(context: Context, conf, up) -> bytes:
+    """Stage 2: this client's upload as its masked vector (its SecAgg+ state updated)."""
+    from fedexlora.secagg.protocol import ClientSession
+    from fedexlora.secagg.rounds import client_reply
+
+    saved = context.state.get(_SECAGG)
+    if not isinstance(saved, ConfigRecord):
+        raise ValueError("a secure upload before the round's key exchange")
+    state = dict(saved)
+    setup = {k[len("setup.") :]: state.pop(k) for k in list(state) if k.startswith("setup.")}
+    session = ClientSession.from_dict(state)
+    fields = {k[len("secagg.") :]: v for k, v in conf.items() if k.startswith("secagg.")}
+    data = client_reply(session, setup, fields, up)
+    context.state[_SECAGG] = ConfigRecord(
+        {**session.to_dict(), **{f"setup.{k}": v for k, v in setup.items()}}
+    )
+    return data
 
 
 def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:
@@ -486,9 +559,11 @@ def make_client_app(defaults: Mapping[str, Any] | None = None) -> ClientApp:
 
     @client.train()
     def train(msg: Message, context: Context) -> Message:
-        """One round of local training on this node's partition."""
+        """One round of local training on this node's partition (or a SecAgg+ stage)."""
         restore_user_home()
         quiet_libraries()
+        if str(msg.content["config"].get("secagg-stage", "collect")) != "collect":
+            return secure_stage_step(msg, context, base)
         return train_step(msg, context, base)
 
     @client.evaluate()

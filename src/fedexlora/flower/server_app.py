@@ -103,6 +103,7 @@ def run_server(
             wait_timeout=settings.wait_timeout,
             fingerprint=run.fingerprint,
             effective=False,  # apply_round measures it on the model
+            secure=cfg.secure_aggregation,
         )
         if current.rows and current.rows[-1].get("privacy"):  # a resume: the last reports
             strategy.dp_reports = {

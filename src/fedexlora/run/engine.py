@@ -353,6 +353,10 @@ def round_row(
         row["approximation_gap"] = {
             k: v for k, v in _summ(outcome.feedback_norm).items() if k != "per_layer"
         }
+    if outcome.secure is not None:  # secure aggregation: read from the sums
+        row["secure"] = {"clipped": int(outcome.secure["clipped"])}
+        row["train_loss"] = float(outcome.secure["train_loss"])
+        row["num_examples"] = int(outcome.secure["num_examples"])
     if not outcome.accepted:
         row["note"] = "every upload was rejected; the global model is unchanged"
     return row

@@ -106,17 +106,25 @@ def run_method(
         if history:
             ledger.restore(history[-1])
     rows = []
+    secure = cfg.secure_aggregation and spec.federated
     for rnd in range(server.round + 1, cfg.rounds + 1):
         t0 = time.perf_counter()
         sampled = server.sample(rnd)
         uploads, bytes_up, bytes_down, down_max = [], 0, 0, 0
         refused = []
+        wants = {}
         for c in sampled:
             if ledger is not None:
                 want = steps if steps is not None else steps_per_round(cfg, len(client_data[c]))
                 if not ledger.allow(c, want):
                     refused.append(c)  # its budget is spent: not trained, nothing sent
                     continue
+                wants[c] = want
+        training = [c for c in sampled if c not in refused]
+        sround = _SecureRun(server, method, training, cfg.seed, rnd) if secure else None
+        for c in training:
+            if sround is not None and c not in sround.collecting:
+                continue  # dropped out before stage 2: not sent a payload
             payload = server.payload_for(c)
             bytes_down += payload.nbytes
             down_max = max(down_max, payload.nbytes)
@@ -129,14 +137,28 @@ def run_method(
                     dp=None if ledger is None else ledger.budgets[c],
                 )  # fmt: skip
             if ledger is not None:
-                ledger.record(c, want)
+                ledger.record(c, wants[c])
             if spec.personal_B:
                 own[c] = get_state(model, include_A=False).to_flat()
-            bytes_up += up.nbytes
+            if sround is not None:
+                sent = sround.reply(c, up)
+                if not sent:
+                    continue  # dropped out: its upload never arrived
+                bytes_up += sent
+            else:
+                bytes_up += up.nbytes
             uploads.append(up)
             if cfg.save_client_adapters and out_dir is not None:
                 save_client_adapter(model, out_dir, rnd, c, up.num_examples)
-        outcome = server.aggregate(uploads, effective=False)  # measured on the model
+        if sround is not None:
+            outcome = sround.aggregate()
+            uploads = [u for u in uploads if u.client_id in outcome.accepted]
+            # the engine (not the server) knows each client: the true weights, to measure
+            # the model against the ideal of the clients' own uploads
+            total = sum(int(u.num_examples) for u in uploads)
+            outcome.weights = {u.client_id: int(u.num_examples) / total for u in uploads}
+        else:
+            outcome = server.aggregate(uploads, effective=False)  # measured on the model
         if cfg.save_client_adapters and out_dir is not None:
             for c, w in outcome.weights.items():
                 meta = RunLayout(out_dir).client_adapter_meta(rnd, c)
@@ -166,6 +188,7 @@ def run_method(
             bytes_down=bytes_down,
             approximate=cfg.approximate and not centralized,
             sampled=sampled,
+            dropped=sorted(sround.dropped) if sround is not None else None,
             effective=measured,
             bytes_down_max=down_max,
             server_bytes=server.nbytes(),
@@ -186,6 +209,89 @@ def run_method(
         if after_round is not None:
             after_round(row, server, model)
     return rows, model, server
+
+
+class _SecureRun:
+    """One secure round in-process: the server's SecAgg+ side and each client's.
+
+    The server's side sees only what Flower's would: the clients' replies to each
+    stage, and their masked vectors (:mod:`fedexlora.secagg.rounds`).
+    """
+
+    def __init__(self, server: Server, method: str, clients: list[int], seed: int, rnd: int):
+        from fedexlora.secagg.protocol import ClientSession
+        from fedexlora.secagg.rounds import SecAggError, SecureRound
+
+        self.server = server
+        self.round = SecureRound(
+            server.upload_template(rnd), method, clients, seed=seed * 100_003 + rnd
+        )
+        self.sessions = {c: ClientSession(c) for c in clients}
+        self.setups = self.round.setup()
+        self.masked: dict[int, bytes] = {}
+        self.error: str | None = None
+        self.collecting: dict[int, dict] = {}
+        try:
+            self.round.keys(self._exchange)
+            self.collecting = self.round.session.collect()
+        except SecAggError as exc:
+            self.error = str(exc)
+
+    def _exchange(self, stage: str, messages: dict[int, dict]) -> dict[int, dict]:
+        from fedexlora.secagg.rounds import client_session_reply
+
+        if stage == "setup":
+            messages = self.setups
+        return {c: client_session_reply(self.sessions[c], stage, m) for c, m in messages.items()}
+
+    def reply(self, c: int, up) -> int:
+        """Client ``c``'s masked vector (through :func:`secure_reply`); its bytes."""
+        data = secure_reply(self.sessions[c], self.setups[c], self.collecting[c], up)
+        if data is None:  # dropped out after training
+            return 0
+        self.masked[c] = data
+        return len(data)
+
+    @property
+    def dropped(self) -> set[int]:
+        """Sampled clients not in the sum."""
+        return set(self.round.clients) - set(self.round.session.survivors)
+
+    def aggregate(self):
+        """Stages 2 and 3, then the server's round from the sums."""
+        from fedexlora.secagg.rounds import SecAggError
+
+        sums = None
+        if self.error is None:
+            try:
+                sums = self.round.finish(self.masked, self._exchange)
+            except SecAggError as exc:
+                self.error = str(exc)
+        if sums is None:
+            rejected = {c: f"secure aggregation failed: {self.error}" for c in self.round.clients}
+            return self.server.aggregate_secure(None, [], rejected=rejected)
+        survivors = sorted(self.round.session.survivors)
+        outcome = self.server.aggregate_secure(
+            sums, survivors, rejected=self.round.dropped_reasons()
+        )
+        if sums.clipped:
+            warnings.warn(
+                f"secure aggregation clipped {sums.clipped} numbers beyond "
+                f"±{self.round.quant.clip:g} in round {self.server.round}: the model is not "
+                "exact this round",
+                stacklevel=2,
+            )
+        return outcome
+
+
+def secure_reply(session, setup, message, upload) -> bytes | None:
+    """A client's stage-2 reply (:func:`fedexlora.secagg.rounds.client_reply`).
+
+    Looked up when called: a test wraps it to play a client that drops out (``None``).
+    """
+    from fedexlora.secagg.rounds import client_reply
+
+    return client_reply(session, setup, message, upload)
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ from fedexlora.core.messages import (
     validate_upload,
 )
 from fedexlora.core.methods import REGISTRY, method_names
+from fedexlora.core.secure import SecureSums
 from fedexlora.core.state import AdapterState, LayerInfo, aggregate_states
 from fedexlora.server.record import DeltaRecord
 from fedexlora.server.snapshot import (
@@ -546,13 +547,103 @@ class Server:
             effective=effective,
         )
         residuals = self._add_remainders(agg.residuals, accepted, agg.weights)
+        return self._commit(
+            agg.state,
+            residuals,
+            accepted=[u.client_id for u in accepted],
+            rejected=rejected,
+            deviation=agg.deviation,
+            effective_deviation=agg.effective_deviation,
+            weights={u.client_id: float(w) for u, w in zip(accepted, agg.weights)},
+        )
+
+    @_timed
+    def aggregate_secure(
+        self,
+        sums: SecureSums | None,
+        clients: Sequence[int],
+        *,
+        rejected: Mapping[int, str] | None = None,
+    ) -> RoundOutcome:
+        """One round from securely summed uploads: the server sees only sums.
+
+        ``sums`` holds the weighted means of the clients' uploads (and, for a method
+        with ``secure_products``, of their products ``B_i A_i``), read from the sum of
+        their secure vectors (:mod:`fedexlora.core.secure`, :mod:`fedexlora.secagg`).
+        A linear method's aggregate of the means equals its aggregate of the uploads;
+        FedEx-LoRA's residual is ``sum_i p_i B_i A_i - B̄ Ā``, formed here from the sums.
+        The uploads were validated by their clients (the server cannot see them), and
+        the outcome has no per-client weights.
+
+        Args:
+            sums: The means, or ``None`` when the round could not be summed (the global
+                model is unchanged).
+            clients: The clients whose vectors are in the sums.
+            rejected: Client id -> why it is not in the sums (a dropout).
+        """
+        from fedexlora.core.secure import secure_refusal
+
+        why = secure_refusal(REGISTRY[self.method])
+        if why:
+            raise ValueError(why)
+        self.record.check_all()
+        self.round += 1
+        rejected = dict(rejected or {})
+        if sums is None or not clients:
+            return RoundOutcome({}, [], rejected, {}, {}, previous=self.state, unchanged=True)
+        generator = None
+        if self._has("fresh_adapter"):
+            generator = torch.Generator().manual_seed(self.seed * 7919 + self.round)
+        agg = aggregate_states(
+            [sums.state], None, self.method, global_state=self.state, generator=generator,
+            effective=False,
+        )  # fmt: skip
+        residuals = dict(agg.residuals)
+        deviation: dict[str, float] = {}
+        for name, ideal in sums.products.items():
+            A, B = agg.state.factors[name]
+            dense = ideal - B.double() @ A.double()
+            shape = (int(dense.shape[0]), int(dense.shape[1]))
+            residuals[name] = Residual(
+                shape=shape, dense=dense.to(torch.float32), stored_rank=min(shape)
+            )
+            den = float(ideal.norm())
+            deviation[name] = float(dense.norm()) / den if den > 0 else 0.0
+        outcome = self._commit(
+            agg.state,
+            residuals,
+            accepted=sorted(int(c) for c in clients),
+            rejected=rejected,
+            deviation=deviation,
+            effective_deviation={},
+            weights={},
+        )
+        outcome.secure = {
+            "clipped": int(sums.clipped),
+            "train_loss": sums.loss,
+            "num_examples": int(sums.examples),
+        }
+        return outcome
+
+    def _commit(
+        self,
+        state: AdapterState,
+        residuals: dict[str, Residual],
+        *,
+        accepted: list[int],
+        rejected: dict[int, str],
+        deviation: dict[str, float],
+        effective_deviation: dict[str, float],
+        weights: dict[int, float],
+    ) -> RoundOutcome:
+        """Takes the round's new state and residuals (truncated or capped as configured)."""
         feedback_norm = {}
         capped: dict[str, Residual] = {}
         if self.residual_rank is not None:
             residuals, feedback_norm = self._truncate(residuals)
         elif self.side_rank is not None:
             residuals, capped, feedback_norm = self._cap_side(residuals)
-        new_state = agg.state
+        new_state = state
         train_A, train_B = self._uploaded(self.round)
         if not (train_A and train_B) and not self._has("refactors_A"):
             # keep the frozen global factor bit for bit (latent, Fed-SB: A = I; RoLoRA;
@@ -581,12 +672,12 @@ class Server:
             self._prune()
         return RoundOutcome(
             residuals=nonzero,
-            accepted=[u.client_id for u in accepted],
+            accepted=accepted,
             rejected=rejected,
-            deviation=agg.deviation,
-            effective_deviation=agg.effective_deviation,
+            deviation=deviation,
+            effective_deviation=effective_deviation,
             feedback_norm=feedback_norm,
-            weights={u.client_id: float(w) for u, w in zip(accepted, agg.weights)},
+            weights=weights,
             previous=previous,
         )
 

@@ -31,5 +31,6 @@ SPEC = MethodSpec(
     aggregate=aggregate,
     hetero_ranks=True,
     residual_rank=True,
+    secure_products=True,
     baseline="fedit",
 )

@@ -35,6 +35,10 @@ class MethodSpec:
         exact: Whether the global model equals the ideal average of the client updates.
         linear: Whether the aggregation is a weighted sum of the clients' uploads (secure
             aggregation can then compute it from sums alone).
+        secure_products: Under secure aggregation each client also sends its weighted
+            product ``w_i B_i A_i`` per layer, so that the server forms ``sum_i p_i B_i A_i``
+            from sums alone (FedEx-LoRA). A method that is neither ``linear`` nor this
+            cannot run under secure aggregation.
         bytes_per_round: Bytes sent in one round as a formula of ``d`` and ``n`` (a layer's
             output and input sizes), ``r`` (the rank) and ``k`` (clients), fp32 numbers.
         aggregate: The server math (:data:`Aggregate`); ``None`` for a method without one.
@@ -100,6 +104,7 @@ class MethodSpec:
     residual_rank: bool = False
     fresh_adapter: bool = False
     restarts: bool = False
+    secure_products: bool = False
     lora_init: str | None = None
     flower: bool = True
     effective_is_deviation: bool = False
@@ -121,6 +126,8 @@ class MethodSpec:
             raise ValueError(f"method {self.name!r}: `personal_B` trains A and B at one rank")
         if (self.hetero_slices or self.prunes_rank) and not self.hetero_ranks:
             raise ValueError(f"method {self.name!r}: rank slicing and pruning need `hetero_ranks`")
+        if self.secure_products and self.linear:
+            raise ValueError(f"method {self.name!r}: a linear method needs no products")
         if self.hetero_drops_tail and not self.hetero_ranks:
             raise ValueError(f"method {self.name!r}: `hetero_drops_tail` needs `hetero_ranks`")
 

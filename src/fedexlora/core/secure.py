@@ -1,0 +1,173 @@
+"""What a client uploads under secure aggregation, and what the server reads from the sums.
+
+Under secure aggregation (:mod:`fedexlora.secagg`) the server sees only the sum of the
+clients' vectors, never one client's. Each client therefore sends one flat vector whose
+sum over the clients holds everything the server needs:
+
+- ``w_i``, its weight (its example count over a public bound), and ``w_i * loss_i``;
+- ``w_i`` times every tensor it uploads (the method's factors and the task head);
+- for FedEx-LoRA (a method whose spec has ``secure_products``), ``w_i * B_i A_i`` for
+  each adapted layer: the server then forms ``sum_i p_i B_i A_i`` and the residual
+  ``sum_i p_i B_i A_i - B̄ Ā`` from sums alone.
+
+:class:`SecureLayout` is that vector's layout, computed alike by the clients and the
+server from the round's upload template; :func:`client_vector` builds one client's
+vector and :func:`read_sums` turns the sum back into means. Pure torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fedexlora.core.state import AdapterState
+
+__all__ = ["SecureLayout", "SecureSums", "client_vector", "read_sums", "secure_refusal"]
+
+_WEIGHT, _LOSS = "__weight__", "__loss__"
+
+
+def secure_refusal(spec) -> str | None:
+    """Why ``spec``'s method cannot run under secure aggregation, or ``None`` if it can."""
+    if not spec.federated:
+        return f"{spec.name!r} ({spec.title}) has no clients: there is nothing to aggregate"
+    if spec.linear or spec.secure_products:
+        return None
+    from fedexlora.core.methods import REGISTRY
+
+    able = [n for n, s in REGISTRY.items() if s.federated and (s.linear or s.secure_products)]
+    return (
+        f"{spec.name!r} ({spec.title}) cannot run under secure aggregation: its server "
+        "math needs each client's own factors (it is not a weighted sum of the uploads), "
+        f"and secure aggregation shows the server only sums. Methods that can: {', '.join(able)}"
+    )
+
+
+@dataclass(frozen=True)
+class SecureLayout:
+    """The order and shapes of the entries of a client's secure vector.
+
+    Attributes:
+        entries: ``(key, shape)`` in vector order: the weight, the weighted loss, every
+            uploaded tensor (:meth:`AdapterState.to_flat` keys) and, with products,
+            ``product.<module>`` of shape ``(d, n)``.
+    """
+
+    entries: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @classmethod
+    def for_template(cls, template: AdapterState, *, products: bool) -> SecureLayout:
+        """The layout for uploads shaped like ``template`` (the round's upload template)."""
+        entries: list[tuple[str, tuple[int, ...]]] = [(_WEIGHT, ()), (_LOSS, ())]
+        flat = template.to_flat()
+        entries += [(k, tuple(flat[k].shape)) for k in sorted(flat)]
+        if products:
+            for name in sorted(template.factors):
+                A, B = template.factors[name]
+                if A is None or B is None:
+                    raise ValueError(f"{name!r}: a product upload needs both A and B")
+                entries.append((f"product.{name}", (B.shape[0], A.shape[1])))
+        return cls(tuple(entries))
+
+    @property
+    def size(self) -> int:
+        """Numbers in the vector."""
+        return sum(_numel(s) for _, s in self.entries)
+
+    @property
+    def products(self) -> bool:
+        """Whether the vector carries the layers' products."""
+        return any(k.startswith("product.") for k, _ in self.entries)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def client_vector(
+    layout: SecureLayout, upload: AdapterState, weight: float, loss: float = 0.0
+) -> torch.Tensor:
+    """One client's fp64 vector: ``weight`` times each entry of ``layout``.
+
+    Raises:
+        ValueError: If the upload lacks an entry of the layout or has another shape.
+    """
+    flat = upload.to_flat()
+    parts = []
+    for key, shape in layout.entries:
+        if key == _WEIGHT:
+            t = torch.tensor([1.0], dtype=torch.float64)
+        elif key == _LOSS:
+            t = torch.tensor([float(loss) if loss == loss else 0.0], dtype=torch.float64)
+        elif key.startswith("product."):
+            A, B = upload.factors[key[len("product.") :]]
+            t = B.detach().double() @ A.detach().double()
+        else:
+            if key not in flat:
+                raise ValueError(f"the upload lacks {key!r}")
+            t = flat[key].detach().double()
+        if tuple(t.shape) != shape and not (shape == () and t.numel() == 1):
+            raise ValueError(f"{key}: shape {tuple(t.shape)}, expected {shape}")
+        parts.append(t.reshape(-1).cpu())
+    return torch.cat(parts) * float(weight)
+
+
+@dataclass
+class SecureSums:
+    """The means the server reads from the clients' summed vectors.
+
+    Attributes:
+        weight: ``sum_i w_i`` over the clients whose vectors were summed.
+        loss: The weighted mean training loss.
+        state: The weighted mean of every uploaded tensor, as an adapter state.
+        products: Module -> ``sum_i p_i B_i A_i`` (fp64, ``(d, n)``), with products.
+        clipped: Numbers clipped by the quantization, over every client.
+        examples: The clients' example counts, summed (``weight`` over its unit).
+    """
+
+    weight: float
+    loss: float
+    state: AdapterState
+    products: dict[str, torch.Tensor]
+    clipped: int = 0
+    examples: int = 0
+
+
+def read_sums(
+    layout: SecureLayout,
+    summed: torch.Tensor,
+    template: AdapterState,
+    *,
+    clipped: int = 0,
+) -> SecureSums:
+    """The means in ``summed`` (the sum of the clients' :func:`client_vector`).
+
+    Each tensor is cast to the template's dtype; products stay fp64.
+
+    Raises:
+        ValueError: If ``summed`` does not have the layout's size or its weight is not
+            positive.
+    """
+    if summed.numel() != layout.size:
+        raise ValueError(f"the summed vector has {summed.numel()} numbers, expected {layout.size}")
+    summed = summed.double()
+    out: dict[str, torch.Tensor] = {}
+    at = 0
+    for key, shape in layout.entries:
+        n = _numel(shape)
+        out[key] = summed[at : at + n].reshape(shape)
+        at += n
+    weight = float(out.pop(_WEIGHT))
+    if not weight > 0:
+        raise ValueError(f"the summed weight is {weight}: no client's vector is in the sum")
+    loss = float(out.pop(_LOSS)) / weight
+    ref = template.to_flat()
+    flat = {k: (v / weight).to(ref[k].dtype) for k, v in out.items() if not k.startswith("prod")}
+    products = {
+        k[len("product.") :]: v / weight for k, v in out.items() if k.startswith("product.")
+    }
+    return SecureSums(weight, loss, AdapterState.from_flat(flat), products, clipped)

@@ -1,0 +1,372 @@
+r"""SecAgg+ (Bell et al., CCS 2020) as Flower implements it, for any transport.
+
+The client side is Flower's own: its SecAgg+ mod's key setup, key sharing and unmasking
+(``flwr.client.mod.secure_aggregation.secaggplus_mod``), and its masking with Flower's
+pseudo-random generator, key agreement and symmetric encryption. The server side follows
+Flower's ``SecAggPlusWorkflow`` stage by stage, with Flower's Shamir secret sharing. No
+cryptography is written here: this module only routes Flower's messages.
+
+Why not Flower's workflow and mod as they are: they run only under Flower's legacy
+``Strategy`` (``LegacyContext``) and average ``FitRes.parameters``, with the example count
+in the clear. fedex-lora's strategy is a message-API one, its in-process engine has no
+Flower messages at all, and the example counts are summed securely. So the protocol's
+messages are plain dicts (ConfigRecord values), and each engine moves them: the
+in-process engine by calling :class:`ClientSession` directly, the Flower engine in
+``ConfigRecord``\\ s. The four stages, each one exchange of messages:
+
+0. ``setup``: the sampled clients get the protocol's parameters and send two public keys.
+1. ``share-keys``: each client gets its neighbours' public keys and sends Shamir shares of
+   its mask seed and private key, encrypted for each neighbour.
+2. ``collect``: each client gets the shares addressed to it (and, from the engine, its
+   payload), trains, and sends its quantized vector under a private mask and pairwise
+   masks that cancel in the sum.
+3. ``unmask``: each survivor sends the shares that remove the survivors' private masks
+   and the pairwise masks of the clients that dropped out after sharing keys.
+
+A client that drops out after stage 1 does not stop the round: its pairwise masks are
+rebuilt from its neighbours' shares, and the sum is over the survivors.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from fedexlora.secagg.encoding import MOD_RANGE
+
+__all__ = ["ClientSession", "SecAggError", "ServerSession", "STAGES"]
+
+STAGES = ("setup", "share-keys", "collect", "unmask")
+
+
+class SecAggError(RuntimeError):
+    """The round cannot be completed securely (too few clients, or too few shares)."""
+
+
+def _flwr():
+    """Flower's SecAgg+ pieces, imported on first use (flwr is the ``flower`` extra)."""
+    try:
+        import importlib
+
+        mod = importlib.import_module("flwr.client.mod.secure_aggregation.secaggplus_mod")
+        from flwr.common.secure_aggregation.crypto import shamir, symmetric_encryption
+        from flwr.common.secure_aggregation.secaggplus_constants import Key
+        from flwr.common.secure_aggregation.secaggplus_utils import (
+            pseudo_rand_gen,
+            share_keys_plaintext_separate,
+        )
+        from flwr.supercore.primitives import asymmetric
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise ImportError(
+            "secure aggregation uses Flower's SecAgg+: pip install 'fedex-lora[flower]'"
+        ) from exc
+    return (
+        mod,
+        shamir,
+        symmetric_encryption,
+        Key,
+        pseudo_rand_gen,
+        share_keys_plaintext_separate,
+        asymmetric,
+    )
+
+
+def _mask(seed: bytes, size: int) -> np.ndarray:
+    """Flower's pseudo-random mask of ``size`` numbers in ``[0, MOD_RANGE - 1)``."""
+    gen = _flwr()[4]
+    return gen(seed, MOD_RANGE, [(size,)])[0]
+
+
+class ServerSession:
+    """The server's side of one round of SecAgg+ over the sampled clients.
+
+    Args:
+        clients: The sampled client ids (at least two).
+        size: Numbers in each client's integer vector.
+        num_shares: Shares of each client's secrets (each client and its neighbours);
+            a float is a fraction of the sampled clients (Flower's rule).
+        threshold: Shares needed to rebuild a secret; a float is a fraction of
+            ``num_shares`` (at least 2).
+        seed: Seeds the neighbour graph (Flower shuffles with Python's ``random``).
+
+    Raises:
+        SecAggError: With fewer than two clients.
+    """
+
+    def __init__(
+        self,
+        clients: list[int],
+        size: int,
+        *,
+        num_shares: int | float = 1.0,
+        threshold: int | float = 0.5,
+        seed: int = 0,
+    ):
+        if len(clients) < 2:
+            raise SecAggError(
+                f"secure aggregation needs at least 2 clients in a round, got {len(clients)}: "
+                "one client's sum is its own upload"
+            )
+        k = len(clients)
+        if isinstance(num_shares, float):  # Flower's SecAggPlusWorkflow.setup_stage
+            shares = round(num_shares * k)
+            if shares < k and shares % 2 == 0:
+                shares += 1
+            if shares <= 2:
+                shares = k
+        else:
+            shares = min(int(num_shares), k)
+        if isinstance(threshold, float):
+            thr = max(round(threshold * shares), 2)
+        else:
+            thr = int(threshold)
+        if not 2 <= thr <= shares:
+            raise SecAggError(f"threshold {thr} must be within 2..{shares} shares")
+        self.clients = sorted(clients)
+        self.size = int(size)
+        self.num_shares, self.threshold = shares, thr
+        order = list(self.clients)
+        random.Random(seed).shuffle(order)
+        half = shares >> 1
+        self.neighbours = {
+            c: {order[(i + off) % k] for off in range(-half, half + 1)} for i, c in enumerate(order)
+        }
+        self.public_keys: dict[int, list[bytes]] = {}
+        self.keyed: set[int] = set()  # sent their public keys (stage 0)
+        self.shared: set[int] = set()  # sent their key shares (stage 1): masks with them
+        self.survivors: set[int] = set()  # sent a masked vector (stage 2)
+        self._forward: dict[int, tuple[list[int], list[bytes]]] = {}
+        self._masked: np.ndarray | None = None
+
+    # -- stage 0 ---------------------------------------------------------------------
+    def setup(self, extra: Mapping | None = None) -> dict[int, dict]:
+        """Stage 0's message to each client (Flower's setup keys, plus ``extra``)."""
+        Key = _flwr()[3]
+        conf = {
+            Key.SAMPLE_NUMBER: len(self.clients),
+            Key.SHARE_NUMBER: self.num_shares,
+            Key.THRESHOLD: self.threshold,
+            Key.CLIPPING_RANGE: 0.0,  # quantization is ours (fedexlora.secagg.encoding)
+            Key.TARGET_RANGE: 0,
+            Key.MOD_RANGE: MOD_RANGE,
+            Key.MAX_WEIGHT: 1.0,
+            **dict(extra or {}),
+        }
+        return {c: dict(conf) for c in self.clients}
+
+    def take_keys(self, replies: Mapping[int, Mapping]) -> None:
+        """Stage 0's replies: each client's two public keys."""
+        Key = _flwr()[3]
+        for c, rep in replies.items():
+            if c in self.neighbours:
+                self.public_keys[c] = [bytes(rep[Key.PUBLIC_KEY_1]), bytes(rep[Key.PUBLIC_KEY_2])]
+        self.keyed = set(self.public_keys)
+        self._check(self.keyed, "sent their public keys")
+
+    # -- stage 1 ---------------------------------------------------------------------
+    def share_keys(self) -> dict[int, dict]:
+        """Stage 1's message to each keyed client: its keyed neighbours' public keys."""
+        return {
+            c: {str(n): self.public_keys[n] for n in sorted(self.neighbours[c] & self.keyed)}
+            for c in sorted(self.keyed)
+        }
+
+    def take_shares(self, replies: Mapping[int, Mapping]) -> None:
+        """Stage 1's replies: encrypted shares, to forward to their destinations."""
+        Key = _flwr()[3]
+        fwd: dict[int, tuple[list[int], list[bytes]]] = {}
+        for c, rep in replies.items():
+            if c not in self.keyed:
+                continue
+            self.shared.add(c)
+            for dst, ct in zip(rep[Key.DESTINATION_LIST], rep[Key.CIPHERTEXT_LIST], strict=True):
+                srcs, cts = fwd.setdefault(int(dst), ([], []))
+                srcs.append(c)
+                cts.append(bytes(ct))
+        self._forward = fwd
+        self._check(self.shared, "shared their keys")
+
+    # -- stage 2 ---------------------------------------------------------------------
+    def collect(self) -> dict[int, dict]:
+        """Stage 2's message to each client that shared keys: the shares addressed to it."""
+        Key = _flwr()[3]
+        out = {}
+        for c in sorted(self.shared):
+            srcs, cts = self._forward.get(c, ([], []))
+            keep = [i for i, s in enumerate(srcs) if s in self.shared]
+            out[c] = {
+                Key.SOURCE_LIST: [srcs[i] for i in keep],
+                Key.CIPHERTEXT_LIST: [cts[i] for i in keep],
+            }
+        return out
+
+    def take_masked(self, replies: Mapping[int, bytes]) -> None:
+        """Stage 2's replies: each survivor's masked vector (``uint32`` bytes).
+
+        Raises:
+            SecAggError: If fewer clients than the threshold sent one.
+        """
+        total = np.zeros(self.size, dtype=np.int64)
+        for c, data in replies.items():
+            if c not in self.shared:
+                continue
+            vec = np.frombuffer(bytes(data), dtype=np.uint32)
+            if vec.size != self.size:
+                raise SecAggError(f"client {c} sent {vec.size} numbers, expected {self.size}")
+            total += vec
+            self.survivors.add(c)
+        self._masked = total % MOD_RANGE
+        self._check(self.survivors, "sent their masked vectors")
+
+    # -- stage 3 ---------------------------------------------------------------------
+    @property
+    def dropped(self) -> set[int]:
+        """Clients that shared keys but sent no masked vector."""
+        return self.shared - self.survivors
+
+    def unmask(self) -> dict[int, dict]:
+        """Stage 3's message to each survivor: which neighbours survived and which not."""
+        Key = _flwr()[3]
+        return {
+            c: {
+                Key.ACTIVE_NODE_ID_LIST: sorted(self.neighbours[c] & self.survivors),
+                Key.DEAD_NODE_ID_LIST: sorted(self.neighbours[c] & self.dropped),
+            }
+            for c in sorted(self.survivors)
+        }
+
+    def take_unmask(self, replies: Mapping[int, Mapping]) -> np.ndarray:
+        """Stage 3's replies: rebuilds the secrets and returns the survivors' integer sum.
+
+        Raises:
+            SecAggError: If some secret has fewer shares than the threshold.
+        """
+        _, shamir, sym, Key, _, _, asym = _flwr()
+        shares: dict[int, list[bytes]] = {c: [] for c in self.survivors | self.dropped}
+        for c, rep in replies.items():
+            if c not in self.survivors:
+                continue
+            for owner, share in zip(rep[Key.NODE_ID_LIST], rep[Key.SHARE_LIST], strict=True):
+                if int(owner) in shares:
+                    shares[int(owner)].append(bytes(share))
+        if self._masked is None:
+            raise SecAggError("no masked vectors were collected")
+        total = self._masked.copy()
+        for c, got in sorted(shares.items()):
+            if len(got) < self.threshold:
+                raise SecAggError(
+                    f"only {len(got)} of the {self.threshold} shares needed to unmask client "
+                    f"{c} arrived"
+                )
+            secret = shamir.combine_shares(got)
+            if c in self.survivors:  # its private mask
+                total -= _mask(secret, self.size)
+                continue
+            # a client that dropped: the survivors' pairwise masks with it
+            private = asym.bytes_to_private_key(secret)
+            for n in sorted(self.neighbours[c] & self.survivors):
+                key = sym.generate_shared_key(
+                    private, asym.bytes_to_public_key(self.public_keys[n][0])
+                )
+                pair = _mask(key, self.size)
+                total = total + pair if c > n else total - pair
+            total %= MOD_RANGE
+        return total % MOD_RANGE
+
+    def _check(self, alive: set[int], what: str) -> None:
+        """Flower's rule: every client keeps at least ``threshold`` live neighbours."""
+        short = [c for c in sorted(alive) if len(self.neighbours[c] & alive) < self.threshold]
+        if len(alive) < 2 or short:
+            raise SecAggError(
+                f"only {len(alive)} of {len(self.clients)} clients {what}; SecAgg+ needs "
+                f"{self.threshold} live neighbours per client (clients {short or sorted(alive)})"
+            )
+
+
+class ClientSession:
+    """One client's side of SecAgg+ for one round (Flower's mod functions and state).
+
+    ``to_dict()`` / ``from_dict()`` keep it in a Flower node's ``Context.state`` between
+    the stages' messages.
+    """
+
+    def __init__(self, client: int, state=None):
+        mod = _flwr()[0]
+        self.client = int(client)
+        self.state = state if state is not None else mod.SecAggPlusState()
+        self.state.nid = self.client
+
+    def to_dict(self) -> dict:
+        """The state as ConfigRecord values."""
+        return {"client": self.client, **self.state.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> ClientSession:
+        """Inverse of :meth:`to_dict`."""
+        mod = _flwr()[0]
+        d = dict(d)
+        client = int(d.pop("client"))
+        return cls(client, mod.SecAggPlusState(**d))
+
+    def setup(self, msg: Mapping) -> dict:
+        """Stage 0: two fresh key pairs (Flower's ``_setup``); returns the public keys."""
+        mod = _flwr()[0]
+        self.state.current_stage = "setup"
+        return mod._setup(self.state, dict(msg))
+
+    def share_keys(self, msg: Mapping) -> dict:
+        """Stage 1: Shamir shares of the mask seed and key (Flower's ``_share_keys``)."""
+        mod = _flwr()[0]
+        keys = {str(k): [bytes(b) for b in v] for k, v in msg.items()}
+        return mod._share_keys(self.state, keys)
+
+    def masked(self, msg: Mapping, ints: np.ndarray) -> bytes:
+        """Stage 2: ``ints`` under the private and pairwise masks, as ``uint32`` bytes.
+
+        Flower's ``_collect_masked_vectors`` after its quantization (ours is
+        :class:`fedexlora.secagg.encoding.Quantization`): decrypt and keep the shares,
+        add the private mask and the pairwise masks, reduce modulo ``2**32``.
+        """
+        _, _, sym, Key, _, separate, asym = _flwr()
+        st = self.state
+        srcs = [int(s) for s in msg[Key.SOURCE_LIST]]
+        cts = [bytes(c) for c in msg[Key.CIPHERTEXT_LIST]]
+        if len(cts) + 1 < st.threshold:
+            raise ValueError("Not enough available neighbour clients.")
+        for src, ct in zip(srcs, cts, strict=True):
+            plain = sym.decrypt(st.ss2_dict[src], ct)
+            actual, dst, seed_share, sk1_share = separate(plain)
+            if actual != src or dst != st.nid:
+                raise ValueError(f"client {st.nid}: a share from {actual} for {dst} came as {src}")
+            st.rd_seed_share_dict[src] = seed_share
+            st.sk1_share_dict[src] = sk1_share
+        vec = np.asarray(ints, dtype=np.int64).reshape(-1) + _mask(st.rd_seed, np.size(ints))
+        own = asym.bytes_to_private_key(st.sk1)
+        for n in srcs:
+            key = sym.generate_shared_key(own, asym.bytes_to_public_key(st.public_keys_dict[n][0]))
+            pair = _mask(key, vec.size)
+            vec = vec + pair if st.nid > n else vec - pair
+        return (vec % MOD_RANGE).astype(np.uint32).tobytes()
+
+    def unmask(self, msg: Mapping) -> dict:
+        """Stage 3: the shares the server asks for (Flower's ``_unmask``)."""
+        mod = _flwr()[0]
+        return mod._unmask(self.state, dict(msg))
+
+
+def run_round(
+    server: ServerSession,
+    exchange: Callable[[str, dict[int, dict]], dict[int, Mapping]],
+    collect: Callable[[dict[int, dict]], dict[int, bytes]],
+) -> np.ndarray:
+    """Drives the four stages of one round; returns the survivors' integer sum.
+
+    ``exchange(stage, messages) -> replies`` carries stages 0, 1 and 3, and
+    ``collect(messages) -> masked vectors`` stage 2.
+    """
+    server.take_keys(exchange("setup", server.setup()))
+    server.take_shares(exchange("share-keys", server.share_keys()))
+    server.take_masked(collect(server.collect()))
+    return server.take_unmask(exchange("unmask", server.unmask()))

@@ -1,0 +1,170 @@
+"""One securely aggregated round, as both engines run it.
+
+The server side (:class:`SecureRound`) builds the round's vector layout and quantization
+from the server's upload template, runs SecAgg+ (:mod:`fedexlora.secagg.protocol`) over
+whatever transport the engine gives it, and hands the server the means read from the
+survivors' sum (:meth:`fedexlora.server.Server.aggregate_secure`). The client side
+(:func:`client_reply`) turns one client's upload into its masked vector. What travels:
+
+- stage 0 (``setup``) also carries ``fedex.clip``, ``fedex.target``, ``fedex.limbs`` and
+  ``fedex.products``, from which a client builds the same layout and quantization;
+- stage 2 (``collect``) carries, besides the forwarded shares, the client's payload (the
+  engine adds it); the reply is the masked vector, ``uint32`` bytes, and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fedexlora.core.messages import ClientUpload, example_count
+from fedexlora.core.methods import get_method
+from fedexlora.core.secure import SecureLayout, SecureSums, client_vector, read_sums
+from fedexlora.core.state import AdapterState
+from fedexlora.secagg.encoding import Quantization
+from fedexlora.secagg.protocol import ClientSession, SecAggError, ServerSession
+
+__all__ = [
+    "MAX_EXAMPLES",
+    "SecAggError",
+    "SecureRound",
+    "client_reply",
+    "client_session_reply",
+    "upload_bytes",
+]
+
+MAX_EXAMPLES = 2**20
+"""The public bound on a client's example count: its weight is ``n_i / MAX_EXAMPLES``."""
+
+
+def upload_bytes(layout: SecureLayout, quant: Quantization) -> int:
+    """Bytes of one client's masked vector (``uint32`` limbs, plus the clip count)."""
+    return 4 * (layout.size * quant.limbs + 1)
+
+
+@dataclass
+class SecureRound:
+    """The server's side of one secure round.
+
+    Args:
+        template: The round's upload template (:meth:`Server.upload_template`).
+        method: The method (its spec says whether products travel).
+        clients: The clients sampled and sent a payload.
+        seed: Seeds the SecAgg+ neighbour graph.
+        clip: The clipping range of the quantization.
+    """
+
+    template: AdapterState
+    method: str
+    clients: list[int]
+    seed: int = 0
+    clip: float = 256.0
+    layout: SecureLayout = field(init=False)
+    quant: Quantization = field(init=False)
+    session: ServerSession = field(init=False)
+
+    def __post_init__(self) -> None:
+        products = get_method(self.method).secure_products
+        self.layout = SecureLayout.for_template(self.template, products=products)
+        self.quant = Quantization.for_clients(max(len(self.clients), 1), clip=self.clip)
+        self.session = ServerSession(
+            list(self.clients), self.layout.size * self.quant.limbs + 1, seed=self.seed
+        )
+
+    @property
+    def upload_bytes(self) -> int:
+        """Bytes of one client's masked vector."""
+        return upload_bytes(self.layout, self.quant)
+
+    def setup(self) -> dict[int, dict]:
+        """Stage 0's messages, with the layout and quantization the clients need."""
+        return self.session.setup(
+            {
+                "fedex.clip": self.quant.clip,
+                "fedex.target": self.quant.target_range,
+                "fedex.limbs": self.quant.limbs,
+                "fedex.products": int(self.layout.products),
+            }
+        )
+
+    def keys(self, exchange: Callable[[str, dict[int, dict]], Mapping[int, Mapping]]) -> None:
+        """Stages 0 and 1 over ``exchange(stage, messages) -> replies``."""
+        self.session.take_keys(exchange("setup", self.setup()))
+        self.session.take_shares(exchange("share-keys", self.session.share_keys()))
+
+    def finish(
+        self,
+        masked: Mapping[int, bytes],
+        exchange: Callable[[str, dict[int, dict]], Mapping[int, Mapping]],
+    ) -> SecureSums:
+        """Stage 2's replies, then stage 3: the means of the survivors' uploads."""
+        self.session.take_masked(masked)
+        total = self.session.take_unmask(exchange("unmask", self.session.unmask()))
+        count = len(self.session.survivors)
+        values = self.quant.decode(total[:-1], count)
+        sums = read_sums(
+            self.layout, torch.from_numpy(values), self.template, clipped=int(total[-1])
+        )
+        sums.examples = round(sums.weight * MAX_EXAMPLES)
+        return sums
+
+    def dropped_reasons(self) -> dict[int, str]:
+        """Why each sampled client is not in the sum."""
+        s = self.session
+        out = {}
+        for c in self.clients:
+            if c in s.survivors:
+                continue
+            if c not in s.keyed:
+                out[c] = "dropped out before sending its public keys"
+            elif c not in s.shared:
+                out[c] = "dropped out before sharing its keys"
+            else:
+                out[c] = "dropped out after sharing its keys (its masks were removed)"
+        return out
+
+
+def client_session_reply(session: ClientSession, stage: str, msg: Mapping) -> dict:
+    """A client's reply to stage ``setup``, ``share-keys`` or ``unmask``."""
+    if stage == "setup":
+        return session.setup(msg)
+    if stage == "share-keys":
+        return session.share_keys(msg)
+    if stage == "unmask":
+        return session.unmask(msg)
+    raise ValueError(f"unknown secure aggregation stage {stage!r}")
+
+
+def client_reply(
+    session: ClientSession, setup: Mapping, msg: Mapping, upload: ClientUpload
+) -> bytes:
+    """One client's stage-2 reply: its upload as a masked vector.
+
+    Args:
+        session: The client's SecAgg+ session (after stages 0 and 1).
+        setup: The stage-0 message it got (the layout's and quantization's keys).
+        msg: The stage-2 message (the shares forwarded to it).
+        upload: What it would have uploaded in the clear.
+
+    Raises:
+        ValueError: If its example count exceeds :data:`MAX_EXAMPLES` or is invalid.
+    """
+    n, why = example_count(upload.num_examples)
+    if n is None:
+        raise ValueError(why)
+    if n > MAX_EXAMPLES:
+        raise ValueError(
+            f"client {upload.client_id}: {n} examples exceed the {MAX_EXAMPLES} that secure "
+            "aggregation's weights allow"
+        )
+    products = bool(int(setup["fedex.products"]))
+    layout = SecureLayout.for_template(upload.state, products=products)
+    quant = Quantization(
+        float(setup["fedex.clip"]), int(setup["fedex.target"]), int(setup["fedex.limbs"]), 0
+    )
+    vec = client_vector(layout, upload.state, n / MAX_EXAMPLES, upload.train_loss)
+    ints, clipped = quant.encode(vec.numpy())
+    return session.masked(msg, np.concatenate([ints, np.array([clipped], dtype=np.int64)]))
