@@ -26,7 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-LOAD_ONLY = "from fedexlora.bridge.models import load_model; load_model('minilm', causal=False, num_labels=5, r=8)"
+LOAD_ONLY = (
+    "from fedexlora.bridge.models import load_model; "
+    "load_model('minilm', causal=False, num_labels=5, r=8)"
+)
 
 
 def child_peak(cmd: list[str], log: Path) -> tuple[int, float]:

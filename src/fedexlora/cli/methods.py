@@ -10,12 +10,13 @@ from rich.table import Table
 def methods() -> None:
     """Every method: its paper, whether it is exact and linear, what travels, bytes per round."""
     from fedexlora.core.methods import REGISTRY
+    from fedexlora.core.secure import secure_refusal
 
     table = Table(
         title="fedexlora run --method NAME (bytes per round: d x n layer, rank r, k clients)"
     )
-    for h in ("name", "method", "paper", "exact", "linear", "clients train", "up", "down",
-              "bytes per round"):  # fmt: skip
+    for h in ("name", "method", "paper", "exact", "linear", "secure agg.", "clients train",
+              "up", "down", "bytes per round"):  # fmt: skip
         table.add_column(h, overflow="fold")
     for spec in REGISTRY.values():
         cells = [
@@ -24,6 +25,9 @@ def methods() -> None:
             spec.paper,
             "yes" if spec.exact else "no",
             "yes" if spec.linear else "no",
+            ("yes, + products" if spec.secure_products else "yes")
+            if secure_refusal(spec) is None
+            else "no",
             spec.trains,
             spec.uploads,
             spec.downloads,

@@ -47,7 +47,7 @@ class Quantization:
     clients: int
 
     @classmethod
-    def for_clients(cls, clients: int, *, clip: float = 256.0, bits: int = 58) -> Quantization:
+    def for_clients(cls, clients: int, *, clip: float = 256.0, bits: int = 52) -> Quantization:
         """The quantization for ``clients`` summed vectors, with ``bits`` bits in all.
 
         ``T`` is the largest power of two with ``clients * T < 2**32`` (at most ``2**30``),

@@ -29,6 +29,7 @@ rebuilt from its neighbours' shares, and the sum is over the survivors.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Mapping
 
@@ -86,7 +87,8 @@ class ServerSession:
         clients: The sampled client ids (at least two).
         size: Numbers in each client's integer vector.
         num_shares: Shares of each client's secrets (each client and its neighbours);
-            a float is a fraction of the sampled clients (Flower's rule).
+            a float is a fraction of the sampled clients (Flower's rule). ``None``: every
+            client up to 11, else ``2 ceil(log2 k) + 1`` (SecAgg+'s logarithmic graph).
         threshold: Shares needed to rebuild a secret; a float is a fraction of
             ``num_shares`` (at least 2).
         seed: Seeds the neighbour graph (Flower shuffles with Python's ``random``).
@@ -100,7 +102,7 @@ class ServerSession:
         clients: list[int],
         size: int,
         *,
-        num_shares: int | float = 1.0,
+        num_shares: int | float | None = None,
         threshold: int | float = 0.5,
         seed: int = 0,
     ):
@@ -110,6 +112,8 @@ class ServerSession:
                 "one client's sum is its own upload"
             )
         k = len(clients)
+        if num_shares is None:
+            num_shares = k if k <= 11 else 2 * math.ceil(math.log2(k)) + 1
         if isinstance(num_shares, float):  # Flower's SecAggPlusWorkflow.setup_stage
             shares = round(num_shares * k)
             if shares < k and shares % 2 == 0:
