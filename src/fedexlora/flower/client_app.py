@@ -335,14 +335,12 @@ class _Client:
     settings: Any = None
 
 
-def _client_for(msg: Message, context: Context, defaults: Mapping[str, Any]) -> _Client:
-    """The client a train or evaluate message is for, its model holding ``base-version``.
+def _check_message(msg: Message, context: Context, cfg, fingerprint: str) -> int:
+    """This node's partition, checked against the message's; and the configuration's.
 
     Raises:
-        ValueError: If the client's configuration or partition does not match the
-            server's, or it does not hold the base version the message builds on.
+        ValueError: If the message is for another partition or configuration.
     """
-    cfg, fingerprint, settings = _resolve(defaults, context)
     conf = msg.content["config"]
     theirs = str(conf.get("fingerprint", ""))
     if theirs and theirs != fingerprint:
@@ -353,6 +351,18 @@ def _client_for(msg: Message, context: Context, defaults: Mapping[str, Any]) -> 
     pid = _partition(context, cfg.num_clients)
     if int(conf["partition-id"]) != pid:
         raise ValueError(f"message for partition {conf['partition-id']}, this node holds {pid}")
+    return pid
+
+
+def _client_for(msg: Message, context: Context, defaults: Mapping[str, Any]) -> _Client:
+    """The client a train or evaluate message is for, its model holding ``base-version``.
+
+    Raises:
+        ValueError: If the client's configuration or partition does not match the
+            server's, or it does not hold the base version the message builds on.
+    """
+    cfg, fingerprint, settings = _resolve(defaults, context)
+    conf, pid = msg.content["config"], _check_message(msg, context, cfg, fingerprint)
     method, since = str(conf["method"]), int(conf["base-version"])
     run_token = str(conf.get("run-token", ""))
     disk = _disk(context, settings, run_token, method, pid)
@@ -448,52 +458,47 @@ def secure_stage_step(msg: Message, context: Context, defaults: Mapping[str, Any
     from fedexlora.secagg.rounds import client_session_reply
 
     cfg, fingerprint, _ = _resolve(defaults, context)
-    conf = msg.content["config"]
-    theirs = str(conf.get("fingerprint", ""))
-    if theirs and theirs != fingerprint:
-        raise ValueError(
-            f"this ClientApp resolved another configuration (fingerprint {fingerprint!r}) "
-            f"than the server ({theirs!r}); both must share one run config"
-        )
-    pid = _partition(context, cfg.num_clients)
-    if int(conf["partition-id"]) != pid:
-        raise ValueError(f"message for partition {conf['partition-id']}, this node holds {pid}")
+    conf, pid = msg.content["config"], _check_message(msg, context, cfg, fingerprint)
     stage = str(conf["secagg-stage"])
     fields = {k[len("secagg.") :]: v for k, v in conf.items() if k.startswith("secagg.")}
-    saved = context.state.get(_SECAGG)
     if stage == "setup":
         session, setup = ClientSession(pid), {k: v for k, v in fields.items() if "." in k}
-    elif isinstance(saved, ConfigRecord):
-        state = dict(saved)
-        setup = {k[len("setup.") :]: state.pop(k) for k in list(state) if k.startswith("setup.")}
-        session = ClientSession.from_dict(state)
     else:
-        raise ValueError(f"secure aggregation stage {stage!r} before its setup")
+        session, setup = _load_session(context, stage)
     reply = client_session_reply(session, stage, fields)
-    context.state[_SECAGG] = ConfigRecord(
-        {**session.to_dict(), **{f"setup.{k}": v for k, v in setup.items()}}
-    )
+    _save_session(context, session, setup)
     record = {"partition-id": pid, **{f"secagg.{k}": v for k, v in reply.items()}}
     return Message(RecordDict({"config": ConfigRecord(record)}), reply_to=msg)
 
 
 def _secure_upload(context: Context, conf, up) -> bytes:
     """Stage 2: this client's upload as its masked vector (its SecAgg+ state updated)."""
-    from fedexlora.secagg.protocol import ClientSession
     from fedexlora.secagg.rounds import client_reply
+
+    session, setup = _load_session(context, "collect")
+    fields = {k[len("secagg.") :]: v for k, v in conf.items() if k.startswith("secagg.")}
+    data = client_reply(session, setup, fields, up)
+    _save_session(context, session, setup)
+    return data
+
+
+def _load_session(context: Context, stage: str):
+    """``(session, setup)``: this client's SecAgg+ state of the round, from its Context."""
+    from fedexlora.secagg.protocol import ClientSession
 
     saved = context.state.get(_SECAGG)
     if not isinstance(saved, ConfigRecord):
-        raise ValueError("a secure upload before the round's key exchange")
+        raise ValueError(f"secure aggregation stage {stage!r} before the round's key setup")
     state = dict(saved)
     setup = {k[len("setup.") :]: state.pop(k) for k in list(state) if k.startswith("setup.")}
-    session = ClientSession.from_dict(state)
-    fields = {k[len("secagg.") :]: v for k, v in conf.items() if k.startswith("secagg.")}
-    data = client_reply(session, setup, fields, up)
+    return ClientSession.from_dict(state), setup
+
+
+def _save_session(context: Context, session, setup: Mapping) -> None:
+    """Keeps the SecAgg+ state in the Context until the round's next stage."""
     context.state[_SECAGG] = ConfigRecord(
         {**session.to_dict(), **{f"setup.{k}": v for k, v in setup.items()}}
     )
-    return data
 
 
 def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:
