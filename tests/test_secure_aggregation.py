@@ -350,6 +350,9 @@ def test_flower_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dr
     assert [r["accepted"] for r in rows] == [[0, 1, 2], [0, 2], [0, 1, 2]]
     assert rows[1]["dropped"] == [1]
     assert all(r["secure"]["clipped"] == 0 for r in rows)
+    # FedEx's deviation comes from the sums; the model's cannot (no upload is seen): n/a
+    assert all(r["deviation"]["max"] > 1e-3 for r in rows)
+    assert all(r["effective_deviation"]["max"] is None for r in rows)
     # the trained adapter of the lost reply is in no ideal: it never reached the server
     shutil.rmtree(run_dir / "clients" / "round-2" / "client-1")
     assert _model_vs_ideal(cfg, run_dir) <= 1e-5

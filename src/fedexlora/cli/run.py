@@ -226,8 +226,8 @@ def run_cmd(
     secure_aggregation: bool | None = typer.Option(
         None,
         "--secure-aggregation/--no-secure-aggregation",
-        help="Flower's SecAgg+: the server sees only sums of the uploads; FedEx stays "
-        "exact (docs/PRIVACY.md; default: off).",
+        help="Flower's SecAgg+: the server sees only sums of the uploads, and FedEx stays "
+        "exact; see docs/PRIVACY.md (default: off).",
         rich_help_panel=FEDERATION,
     ),
     engine: str | None = typer.Option(

@@ -357,6 +357,12 @@ def round_row(
         row["secure"] = {"clipped": int(outcome.secure["clipped"])}
         row["train_loss"] = float(outcome.secure["train_loss"])
         row["num_examples"] = int(outcome.secure["num_examples"])
+        # what the sums cannot tell is not measured (None), never reported as 0:
+        # FedIT's loss needs the products; the model's deviation needs the uploads
+        if not outcome.deviation:
+            row["deviation"] = {"mean": None, "max": None, "per_layer": {}}
+        if not effective:
+            row["effective_deviation"] = {"mean": None, "max": None}
     if not outcome.accepted:
         row["note"] = "every upload was rejected; the global model is unchanged"
     return row
