@@ -31,6 +31,7 @@ SLOW_FIRST = [
     "test_fedsa.py",
     "test_hetlora.py",
     "test_paper_tasks.py",
+    "test_secure_aggregation.py",
     "test_flower_parity.py",
     "test_recipes.py",
     "test_scale.py",

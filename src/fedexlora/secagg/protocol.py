@@ -29,6 +29,8 @@ rebuilt from its neighbours' shares, and the sum is over the survivors.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import random
 from collections.abc import Callable, Mapping
@@ -72,6 +74,21 @@ def _flwr():
         share_keys_plaintext_separate,
         asymmetric,
     )
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Keeps Flower's per-stage DEBUG lines ("Node 3: starting stage 1...") out of the log.
+
+    Its warnings and errors still come through.
+    """
+    logger = logging.getLogger("flwr")
+    level = logger.level
+    logger.setLevel(max(level, logging.INFO))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _mask(seed: bytes, size: int) -> np.ndarray:
@@ -318,13 +335,15 @@ class ClientSession:
         """Stage 0: two fresh key pairs (Flower's ``_setup``); returns the public keys."""
         mod = _flwr()[0]
         self.state.current_stage = "setup"
-        return mod._setup(self.state, dict(msg))
+        with _quiet():
+            return mod._setup(self.state, dict(msg))
 
     def share_keys(self, msg: Mapping) -> dict:
         """Stage 1: Shamir shares of the mask seed and key (Flower's ``_share_keys``)."""
         mod = _flwr()[0]
         keys = {str(k): [bytes(b) for b in v] for k, v in msg.items()}
-        return mod._share_keys(self.state, keys)
+        with _quiet():
+            return mod._share_keys(self.state, keys)
 
     def masked(self, msg: Mapping, ints: np.ndarray) -> bytes:
         """Stage 2: ``ints`` under the private and pairwise masks, as ``uint32`` bytes.
@@ -357,7 +376,8 @@ class ClientSession:
     def unmask(self, msg: Mapping) -> dict:
         """Stage 3: the shares the server asks for (Flower's ``_unmask``)."""
         mod = _flwr()[0]
-        return mod._unmask(self.state, dict(msg))
+        with _quiet():
+            return mod._unmask(self.state, dict(msg))
 
 
 def run_round(
