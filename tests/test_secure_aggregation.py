@@ -81,6 +81,22 @@ def test_secagg_plus_sums_the_survivors_and_hides_each_vector():
     total, server, _ = _protocol(k, vectors, drop=(2,))
     assert server.dropped == {2} and server.survivors == {0, 1, 3}
     assert np.array_equal(total, np.sum([vectors[c] for c in (0, 1, 3)], axis=0) % 2**32)
+    # a vector of the wrong size: left out, its masks removed as a dropout's
+    server = ServerSession(list(range(k)), n, seed=3)
+    clients = {c: ClientSession(c) for c in range(k)}
+    run = {"setup": "setup", "share-keys": "share_keys", "unmask": "unmask"}
+
+    def exchange(stage, msgs):
+        return {c: getattr(clients[c], run[stage])(m) for c, m in msgs.items()}
+
+    def collect(msgs):
+        out = {c: clients[c].masked(m, vectors[c]) for c, m in msgs.items()}
+        out[3] = out[3][:-4]
+        return out
+
+    total = run_round(server, exchange, collect)
+    assert server.survivors == {0, 1, 2} and "expected" in server.malformed[3]
+    assert np.array_equal(total, np.sum(vectors[:3], axis=0) % 2**32)
     # too few survivors to rebuild the secrets: refused, never a wrong sum
     with pytest.raises(SecAggError, match="masked vectors"):
         _protocol(k, vectors, drop=(0, 1, 2), threshold=1.0)

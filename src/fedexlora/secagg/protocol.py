@@ -158,6 +158,7 @@ class ServerSession:
         self.keyed: set[int] = set()  # sent their public keys (stage 0)
         self.shared: set[int] = set()  # sent their key shares (stage 1): masks with them
         self.survivors: set[int] = set()  # sent a masked vector (stage 2)
+        self.malformed: dict[int, str] = {}  # sent one of the wrong size: left out
         self._forward: dict[int, tuple[list[int], list[bytes]]] = {}
         self._masked: np.ndarray | None = None
 
@@ -226,6 +227,9 @@ class ServerSession:
     def take_masked(self, replies: Mapping[int, bytes]) -> None:
         """Stage 2's replies: each survivor's masked vector (``uint32`` bytes).
 
+        A vector of the wrong size is left out (:attr:`malformed`), and its client's
+        masks are removed as a dropout's.
+
         Raises:
             SecAggError: If fewer clients than the threshold sent one.
         """
@@ -233,10 +237,11 @@ class ServerSession:
         for c, data in replies.items():
             if c not in self.shared:
                 continue
-            vec = np.frombuffer(bytes(data), dtype=np.uint32)
-            if vec.size != self.size:
-                raise SecAggError(f"client {c} sent {vec.size} numbers, expected {self.size}")
-            total += vec
+            data = bytes(data)
+            if len(data) != 4 * self.size:  # left out, and unmasked as a dropout
+                self.malformed[c] = f"sent {len(data)} bytes, expected {4 * self.size}"
+                continue
+            total += np.frombuffer(data, dtype=np.uint32)
             self.survivors.add(c)
         self._masked = total % MOD_RANGE
         self._check(self.survivors, "sent their masked vectors")

@@ -118,7 +118,9 @@ class SecureRound:
         for c in self.clients:
             if c in s.survivors:
                 continue
-            if c not in s.keyed:
+            if c in s.malformed:
+                out[c] = f"its masked vector was malformed ({s.malformed[c]}); left out"
+            elif c not in s.keyed:
                 out[c] = "dropped out before sending its public keys"
             elif c not in s.shared:
                 out[c] = "dropped out before sharing its keys"
