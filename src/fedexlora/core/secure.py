@@ -126,7 +126,8 @@ class SecureSums:
         state: The weighted mean of every uploaded tensor, as an adapter state.
         products: Module -> ``sum_i p_i B_i A_i`` (fp64, ``(d, n)``), with products.
         clipped: Numbers clipped by the quantization, over every client.
-        examples: The clients' example counts, summed (``weight`` over its unit).
+        examples: The clients' example counts, summed (``weight`` over its unit);
+            ``None`` when the clients weigh the same and send no count.
     """
 
     weight: float
@@ -134,7 +135,7 @@ class SecureSums:
     state: AdapterState
     products: dict[str, torch.Tensor]
     clipped: int = 0
-    examples: int = 0
+    examples: int | None = 0
 
 
 def read_sums(

@@ -254,8 +254,9 @@ class FedExLoRA(FedAvg):
             off: it measures the deviation on the global model it folds into.
         secure: Secure aggregation (SecAgg+, :mod:`fedexlora.secagg`): every round runs
             its four stages, the uploads arrive masked, and the server aggregates their
-            sum alone (``Server.aggregate_secure``). Every reply the server receives in
-            those stages is kept in :attr:`received` (stage, partition, content).
+            sum alone (``Server.aggregate_secure``). The replies the server receives in
+            the round's stages are kept in :attr:`received` (stage, partition, content)
+            until the next round.
 
     A ``server`` restored from a checkpoint continues after its round: Flower's round 1
     is then the server's round ``server.round + 1``. Before its first round the strategy
@@ -431,12 +432,14 @@ class FedExLoRA(FedAvg):
         from fedexlora.secagg.rounds import SecAggError, SecureRound
 
         by_pid = {int(m.content["config"]["partition-id"]): m for m in messages}
+        self.received = []  # this round's only: a masked vector is large
         try:
             rec.secure = SecureRound(
                 self.server.upload_template(rec.round),
                 self.method,
                 sorted(by_pid),
                 seed=self.server.seed * 100_003 + rec.round,
+                uniform=self.server.weighting == "uniform",
             )
             rec.secure.keys(lambda stage, msgs: self._secure_exchange(grid, rec, stage, msgs))
         except SecAggError as exc:
@@ -528,12 +531,18 @@ class FedExLoRA(FedAvg):
                 continue
             rec.dropped.append(c)
             rec.errors.setdefault(c, reasons.get(c) or f"secure aggregation: {rec.secure_error}")
-            if sums is not None:
-                self.server.forget_client(c)  # its base is unknown: re-sync it from W0
+            # its base is unknown (it may never have got its payload): re-sync it from W0
+            self.server.forget_client(c)
         rec.dropped.sort()
         for c, why in sorted(rec.errors.items()):
             warnings.warn(
                 f"{self.method} round {rec.round}: client {c} dropped: {why}", stacklevel=1
+            )
+        if sums is not None and sums.clipped:
+            warnings.warn(
+                f"{self.method} round {rec.round}: secure aggregation clipped {sums.clipped} "
+                f"numbers beyond ±{rec.secure.quant.clip:g}: the model is not exact this round",
+                stacklevel=1,
             )
         rejected = {c: rec.errors.get(c, "not in the secure sum") for c in rec.dropped}
         return self.server.aggregate_secure(sums, survivors, rejected=rejected)

@@ -356,7 +356,7 @@ def round_row(
     if outcome.secure is not None:  # secure aggregation: read from the sums
         row["secure"] = {"clipped": int(outcome.secure["clipped"])}
         row["train_loss"] = float(outcome.secure["train_loss"])
-        row["num_examples"] = int(outcome.secure["num_examples"])
+        row["num_examples"] = outcome.secure["num_examples"]  # None: uniform weights
         # what the sums cannot tell is not measured (None), never reported as 0:
         # FedIT's loss needs the products; the model's deviation needs the uploads
         if not outcome.deviation:

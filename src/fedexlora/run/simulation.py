@@ -155,8 +155,11 @@ def run_method(
             uploads = [u for u in uploads if u.client_id in outcome.accepted]
             # the engine (not the server) knows each client: the true weights, to measure
             # the model against the ideal of the clients' own uploads
-            total = sum(int(u.num_examples) for u in uploads)
-            outcome.weights = {u.client_id: int(u.num_examples) / total for u in uploads}
+            n = {
+                u.client_id: 1 if cfg.weighting == "uniform" else int(u.num_examples)
+                for u in uploads
+            }
+            outcome.weights = {c: v / sum(n.values()) for c, v in n.items()}
         else:
             outcome = server.aggregate(uploads, effective=False)  # measured on the model
         if cfg.save_client_adapters and out_dir is not None:
@@ -223,15 +226,22 @@ class _SecureRun:
         from fedexlora.secagg.rounds import SecAggError, SecureRound
 
         self.server = server
-        self.round = SecureRound(
-            server.upload_template(rnd), method, clients, seed=seed * 100_003 + rnd
-        )
+        self.clients = list(clients)
         self.sessions = {c: ClientSession(c) for c in clients}
-        self.setups = self.round.setup()
         self.masked: dict[int, bytes] = {}
+        self.refused: dict[int, str] = {}
         self.error: str | None = None
         self.collecting: dict[int, dict] = {}
-        try:
+        self.round = None
+        try:  # fewer than 2 clients (DP budgets spent) fail here: an unchanged round
+            self.round = SecureRound(
+                server.upload_template(rnd),
+                method,
+                clients,
+                seed=seed * 100_003 + rnd,
+                uniform=server.weighting == "uniform",
+            )
+            self.setups = self.round.setup()
             self.round.keys(self._exchange)
             self.collecting = self.round.session.collect()
         except SecAggError as exc:
@@ -246,7 +256,11 @@ class _SecureRun:
 
     def reply(self, c: int, up) -> int:
         """Client ``c``'s masked vector (through :func:`secure_reply`); its bytes."""
-        data = secure_reply(self.sessions[c], self.setups[c], self.collecting[c], up)
+        try:
+            data = secure_reply(self.sessions[c], self.setups[c], self.collecting[c], up)
+        except ValueError as exc:  # a client refuses to send what it must not (NaN)
+            self.refused[c] = str(exc)
+            data = None
         if data is None:  # dropped out after training
             return 0
         self.masked[c] = data
@@ -255,7 +269,9 @@ class _SecureRun:
     @property
     def dropped(self) -> set[int]:
         """Sampled clients not in the sum."""
-        return set(self.round.clients) - set(self.round.session.survivors)
+        if self.round is None:
+            return set(self.clients)
+        return set(self.clients) - set(self.round.session.survivors)
 
     def aggregate(self):
         """Stages 2 and 3, then the server's round from the sums."""
@@ -268,12 +284,11 @@ class _SecureRun:
             except SecAggError as exc:
                 self.error = str(exc)
         if sums is None:
-            rejected = {c: f"secure aggregation failed: {self.error}" for c in self.round.clients}
+            rejected = {c: f"secure aggregation failed: {self.error}" for c in self.clients}
             return self.server.aggregate_secure(None, [], rejected=rejected)
         survivors = sorted(self.round.session.survivors)
-        outcome = self.server.aggregate_secure(
-            sums, survivors, rejected=self.round.dropped_reasons()
-        )
+        rejected = {**self.round.dropped_reasons(), **self.refused}
+        outcome = self.server.aggregate_secure(sums, survivors, rejected=rejected)
         if sums.clipped:
             warnings.warn(
                 f"secure aggregation clipped {sums.clipped} numbers beyond "

@@ -11,10 +11,11 @@ So each number goes as ``L`` limbs: limb 0 is Flower's quantization of the value
 ``[-C, C]``; limb ``l`` is Flower's quantization, over ``[-step_{l-1}, step_{l-1}]``, of
 what the limbs before it left (always within one step, since stochastic rounding moves
 a value by less than one step). Every limb is summed on its own, and the server adds the
-dequantized limb sums. With ``L`` limbs of ``b`` bits the error per client and number
-is below ``2 C / 2**(L b)`` (about 1e-15 for ``C = 256``, ``b = 30``, ``L = 2``): exact
-within float rounding, and still unbiased. A value beyond ``[-C, C]`` is clipped, counted,
-and the count is summed securely with the rest and reported.
+dequantized limb sums. With ``L`` limbs over ``T = 2**b`` values the error per client and
+number is below ``2**L C / T**L`` (8.9e-16 for ``C = 256``, ``b = 30``, ``L = 2``): exact
+within float rounding, and still unbiased. A value beyond ``[-C, C]`` (or not finite) is
+clipped (a non-finite one to 0), counted, and the count is summed securely with the rest
+and reported.
 """
 
 from __future__ import annotations
@@ -90,14 +91,15 @@ class Quantization:
         from flwr.common.secure_aggregation.quantization import dequantize, quantize
 
         x = np.asarray(x, dtype=np.float64).reshape(-1)
-        clipped = int(np.count_nonzero(np.abs(x) > self.clip))
-        rest = np.clip(x, -self.clip, self.clip)
+        finite = np.isfinite(x)
+        clipped = int(np.count_nonzero(~finite | (np.abs(np.where(finite, x, 0.0)) > self.clip)))
+        rest = np.clip(np.where(finite, x, 0.0), -self.clip, self.clip)  # NaN, inf: counted
         out = []
         for c in self.steps:
             (q,) = quantize([rest], c, self.target_range)
             out.append(q.astype(np.int64))
             (back,) = dequantize([q], c, self.target_range)
-            rest = rest - back  # exact: both are multiples of this limb's step
+            rest = rest - back  # within one step (exact, or within 2**-53 of a step)
         return np.concatenate(out), clipped
 
     def decode(self, summed: np.ndarray, count: int) -> np.ndarray:

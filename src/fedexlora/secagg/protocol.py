@@ -139,6 +139,8 @@ class ServerSession:
                 shares = k
         else:
             shares = min(int(num_shares), k)
+            if shares < k and shares % 2 == 0:  # Flower's rule: an odd number of shares
+                shares += 1
         if isinstance(threshold, float):
             thr = max(round(threshold * shares), 2)
         else:
@@ -336,6 +338,15 @@ class ClientSession:
         client = int(d.pop("client"))
         return cls(client, mod.SecAggPlusState(**d))
 
+    def _advance(self, want: str, to: str) -> None:
+        """Flower's mod's stage check: each stage follows the one before, once."""
+        if self.state.current_stage != want:
+            raise ValueError(
+                f"client {self.client}: secure aggregation stage {to!r} after "
+                f"{self.state.current_stage!r}, expected after {want!r}"
+            )
+        self.state.current_stage = to
+
     def setup(self, msg: Mapping) -> dict:
         """Stage 0: two fresh key pairs (Flower's ``_setup``); returns the public keys."""
         mod = _flwr()[0]
@@ -346,6 +357,7 @@ class ClientSession:
     def share_keys(self, msg: Mapping) -> dict:
         """Stage 1: Shamir shares of the mask seed and key (Flower's ``_share_keys``)."""
         mod = _flwr()[0]
+        self._advance("setup", "share-keys")
         keys = {str(k): [bytes(b) for b in v] for k, v in msg.items()}
         with _quiet():
             return mod._share_keys(self.state, keys)
@@ -358,6 +370,7 @@ class ClientSession:
         add the private mask and the pairwise masks, reduce modulo ``2**32``.
         """
         _, _, sym, Key, _, separate, asym = _flwr()
+        self._advance("share-keys", "collect")
         st = self.state
         srcs = [int(s) for s in msg[Key.SOURCE_LIST]]
         cts = [bytes(c) for c in msg[Key.CIPHERTEXT_LIST]]
@@ -380,7 +393,12 @@ class ClientSession:
 
     def unmask(self, msg: Mapping) -> dict:
         """Stage 3: the shares the server asks for (Flower's ``_unmask``)."""
-        mod = _flwr()[0]
+        mod, Key = _flwr()[0], _flwr()[3]
+        self._advance("collect", "unmask")
+        active, dead = set(msg[Key.ACTIVE_NODE_ID_LIST]), set(msg[Key.DEAD_NODE_ID_LIST])
+        if active & dead:  # both shares of one client would reveal its upload
+            raise ValueError(f"client {self.client}: clients {sorted(active & dead)} both "
+                             "active and dropped")  # fmt: skip
         with _quiet():
             return mod._unmask(self.state, dict(msg))
 

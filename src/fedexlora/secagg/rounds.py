@@ -55,6 +55,8 @@ class SecureRound:
         clients: The clients sampled and sent a payload.
         seed: Seeds the SecAgg+ neighbour graph.
         clip: The clipping range of the quantization.
+        uniform: Every client weighs the same (``weighting = "uniform"``); otherwise
+            by its examples.
     """
 
     template: AdapterState
@@ -62,6 +64,7 @@ class SecureRound:
     clients: list[int]
     seed: int = 0
     clip: float = 256.0
+    uniform: bool = False
     layout: SecureLayout = field(init=False)
     quant: Quantization = field(init=False)
     session: ServerSession = field(init=False)
@@ -87,6 +90,7 @@ class SecureRound:
                 "fedex.target": self.quant.target_range,
                 "fedex.limbs": self.quant.limbs,
                 "fedex.products": int(self.layout.products),
+                "fedex.uniform": int(self.uniform),
             }
         )
 
@@ -108,7 +112,7 @@ class SecureRound:
         sums = read_sums(
             self.layout, torch.from_numpy(values), self.template, clipped=int(total[-1])
         )
-        sums.examples = round(sums.weight * MAX_EXAMPLES)
+        sums.examples = None if self.uniform else round(sums.weight * MAX_EXAMPLES)
         return sums
 
     def dropped_reasons(self) -> dict[int, str]:
@@ -152,7 +156,8 @@ def client_reply(
         upload: What it would have uploaded in the clear.
 
     Raises:
-        ValueError: If its example count exceeds :data:`MAX_EXAMPLES` or is invalid.
+        ValueError: If its example count exceeds :data:`MAX_EXAMPLES` or is invalid, or
+            its upload is not finite (it then drops out of the round).
     """
     n, why = example_count(upload.num_examples)
     if n is None:
@@ -167,6 +172,9 @@ def client_reply(
     quant = Quantization(
         float(setup["fedex.clip"]), int(setup["fedex.target"]), int(setup["fedex.limbs"]), 0
     )
-    vec = client_vector(layout, upload.state, n / MAX_EXAMPLES, upload.train_loss)
+    weight = 1.0 if int(setup.get("fedex.uniform", 0)) else n / MAX_EXAMPLES
+    vec = client_vector(layout, upload.state, weight, upload.train_loss)
+    if not torch.isfinite(vec).all():  # the clear path's validation, done by the client
+        raise ValueError(f"client {upload.client_id}: its upload contains NaN or Inf")
     ints, clipped = quant.encode(vec.numpy())
     return session.masked(msg, np.concatenate([ints, np.array([clipped], dtype=np.int64)]))

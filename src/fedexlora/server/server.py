@@ -604,9 +604,8 @@ class Server:
             A, B = agg.state.factors[name]
             dense = ideal - B.double() @ A.double()
             shape = (int(dense.shape[0]), int(dense.shape[1]))
-            residuals[name] = Residual(
-                shape=shape, dense=dense.to(torch.float32), stored_rank=min(shape)
-            )
+            out = torch.float64 if A.dtype == torch.float64 else torch.float32
+            residuals[name] = Residual(shape=shape, dense=dense.to(out), stored_rank=min(shape))
             den = float(ideal.norm())
             deviation[name] = float(dense.norm()) / den if den > 0 else 0.0
         outcome = self._commit(
@@ -621,7 +620,7 @@ class Server:
         outcome.secure = {
             "clipped": int(sums.clipped),
             "train_loss": sums.loss,
-            "num_examples": int(sums.examples),
+            "num_examples": sums.examples,
         }
         return outcome
 
