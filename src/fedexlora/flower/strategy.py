@@ -21,7 +21,7 @@ import json
 import logging
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
@@ -416,8 +416,10 @@ class FedExLoRA(FedAvg):
             )
         self.current = rec
         if self.secure:
+            from fedexlora.flower.secure import secure_keys
+
             self._grid = grid
-            messages = self._secure_keys(grid, rec, messages)
+            messages = secure_keys(self, grid, rec, messages)
         log(
             INFO,
             "configure_train: %d of %d sampled partitions sent",
@@ -425,127 +427,6 @@ class FedExLoRA(FedAvg):
             len(rec.sampled),
         )
         return messages
-
-    # -- secure aggregation ------------------------------------------------------
-    def _secure_keys(self, grid: Grid, rec: RoundRecord, messages: list[Message]) -> list[Message]:
-        """SecAgg+ stages 0 and 1; the payload messages, with stage 2's shares added."""
-        from fedexlora.secagg.rounds import SecAggError, SecureRound
-
-        by_pid = {int(m.content["config"]["partition-id"]): m for m in messages}
-        self.received = []  # this round's only: a masked vector is large
-        try:
-            rec.secure = SecureRound(
-                self.server.upload_template(rec.round),
-                self.method,
-                sorted(by_pid),
-                seed=self.server.seed * 100_003 + rec.round,
-                uniform=self.server.weighting == "uniform",
-            )
-            rec.secure.keys(lambda stage, msgs: self._secure_exchange(grid, rec, stage, msgs))
-        except SecAggError as exc:
-            rec.secure_error = str(exc)
-            return []
-        out = []
-        for c, fields in rec.secure.session.collect().items():
-            conf = by_pid[c].content["config"]
-            conf["secagg-stage"] = "collect"
-            for k, v in fields.items():
-                conf[f"secagg.{k}"] = v
-            out.append(by_pid[c])
-        return out
-
-    def _secure_exchange(
-        self, grid: Grid, rec: RoundRecord, stage: str, msgs: Mapping[int, Mapping]
-    ) -> dict[int, dict]:
-        """One SecAgg+ stage: a message to each client, its reply's ``secagg.`` fields."""
-        by_partition = self.nodes.refresh(grid)
-        out_msgs = []
-        for c, fields in msgs.items():
-            node = by_partition.get(c)
-            if node is None:
-                continue
-            conf = ConfigRecord(
-                {
-                    "secagg-stage": stage,
-                    "server-round": rec.round,
-                    "method": self.method,
-                    "partition-id": c,
-                    "fingerprint": self.fingerprint,
-                    "run-token": self.nodes.run_token,
-                    **{f"secagg.{k}": v for k, v in fields.items()},
-                }
-            )
-            out_msgs.append(
-                Message(
-                    RecordDict({"config": conf}),
-                    message_type=MessageType.TRAIN,
-                    dst_node_id=node,
-                    group_id=f"{rec.round}-{stage}",
-                )
-            )
-        replies = {}
-        for reply in grid.send_and_receive(out_msgs, timeout=self._timeout):
-            c = self.nodes.partition_of.get(reply.metadata.src_node_id)
-            if c is None or reply.has_error():
-                if c is not None:
-                    rec.errors[c] = f"{stage}: {reply.error.reason}"
-                continue
-            conf = reply.content["config"]
-            got = {k[len("secagg.") :]: v for k, v in conf.items() if k.startswith("secagg.")}
-            self.received.append((stage, c, got))
-            replies[c] = got
-        return replies
-
-    def _aggregate_secure(self, replies: Iterable[Message], rec: RoundRecord) -> RoundOutcome:
-        """Stage 2's masked vectors, then stage 3, then the server's round from the sums."""
-        from fedexlora.secagg.rounds import SecAggError
-
-        valid, failed = self._check_and_log_replies(replies, is_train=True, validate=False)
-        for msg in failed:
-            c = self.nodes.partition_of.get(msg.metadata.src_node_id)
-            if c is not None:
-                rec.errors[c] = msg.error.reason
-        masked: dict[int, bytes] = {}
-        for msg in valid:
-            self._stop_on_check_failure(msg, rec)
-            if self._dp_report(msg, rec):
-                continue  # refused by its own budget: its masks are removed as a dropout's
-            c = self.nodes.partition_of.get(msg.metadata.src_node_id)
-            data = msg.content["config"].get("secagg.masked")
-            if c in rec.sent and isinstance(data, bytes):
-                masked[c] = data
-                self.received.append(("collect", c, data))
-        rec.bytes_up = sum(len(v) for v in masked.values())
-        sums = None
-        if rec.secure is not None and rec.secure_error is None:
-            try:
-                sums = rec.secure.finish(
-                    masked, lambda stage, msgs: self._secure_exchange(self._grid, rec, stage, msgs)
-                )
-            except SecAggError as exc:
-                rec.secure_error = str(exc)
-        survivors = sorted(rec.secure.session.survivors) if sums is not None else []
-        reasons = rec.secure.dropped_reasons() if rec.secure is not None else {}
-        for c in rec.sent:
-            if c in survivors or c in rec.refused:
-                continue
-            rec.dropped.append(c)
-            rec.errors.setdefault(c, reasons.get(c) or f"secure aggregation: {rec.secure_error}")
-            # its base is unknown (it may never have got its payload): re-sync it from W0
-            self.server.forget_client(c)
-        rec.dropped.sort()
-        for c, why in sorted(rec.errors.items()):
-            warnings.warn(
-                f"{self.method} round {rec.round}: client {c} dropped: {why}", stacklevel=1
-            )
-        if sums is not None and sums.clipped:
-            warnings.warn(
-                f"{self.method} round {rec.round}: secure aggregation clipped {sums.clipped} "
-                f"numbers beyond ±{rec.secure.quant.clip:g}: the model is not exact this round",
-                stacklevel=1,
-            )
-        rejected = {c: rec.errors.get(c, "not in the secure sum") for c in rec.dropped}
-        return self.server.aggregate_secure(sums, survivors, rejected=rejected)
 
     # -- personalized evaluation -------------------------------------------------
     def evaluate_personal(
@@ -684,7 +565,9 @@ class FedExLoRA(FedAvg):
         if rec is None or rec.round != server_round + self.offset:
             raise RuntimeError(f"aggregate_train for round {server_round} was not configured")
         if self.secure:
-            rec.outcome = outcome = self._aggregate_secure(replies, rec)
+            from fedexlora.flower.secure import aggregate_secure
+
+            rec.outcome = outcome = aggregate_secure(self, replies, rec)
             secure = outcome.secure or {}
             metrics = MetricRecord(
                 {
