@@ -30,7 +30,8 @@ def _cfg(tiny_cfg, **kw):
     # lr 2e-2: an fp32 base rounds the folded residual at ~6e-8 of the *weight*; a large
     # enough update keeps that under the 1e-5-of-the-update bound. The side branch of
     # half-precision and quantized bases does not depend on it (docs/BENCHMARKS.md).
-    return tiny_cfg.replace(methods=["fedex"], save_client_adapters=True, lr=2e-2, **kw)
+    kw = {"lr": 2e-2, **kw}
+    return tiny_cfg.replace(methods=["fedex"], save_client_adapters=True, **kw)
 
 
 PRECISIONS = [
@@ -39,10 +40,15 @@ PRECISIONS = [
     dict(dtype="fp16"),
     dict(quantization="nf4"),
     dict(quantization="int8"),
+    # an fp32 base with its residuals beside it: exact at a learning rate where folding
+    # into W is not (tests/test_fp32_side_branch.py shows the difference)
+    dict(fp32_side_branch=True, lr=1e-4),
 ]
 
 
-@pytest.mark.parametrize("prec", PRECISIONS, ids=lambda p: next(iter(p.values())))
+@pytest.mark.parametrize(
+    "prec", PRECISIONS, ids=lambda p: "fp32-side" if "lr" in p else next(iter(p.values()))
+)
 def test_local_engine_model_equals_hand_computed_ideal(tiny_cfg, tmp_path, prec):
     cfg = _cfg(tiny_cfg, **prec)
     rows = run_experiment(cfg, tmp_path, progress=False)

@@ -143,6 +143,7 @@ class RunConfig:
     quantization: str | None = None
     double_quant: bool = False
     side_rank: int | None = None
+    fp32_side_branch: bool = False
     gradient_checkpointing: bool = False
     save_client_adapters: bool = False
     secure_aggregation: bool = False
@@ -175,7 +176,13 @@ class RunConfig:
 
     @property
     def side_branch(self) -> bool:
-        """Whether residuals live in an fp32 side branch (half-precision or quantized base)."""
+        """Whether residuals live in an fp32 side branch (a half-precision or quantized
+        base, or an fp32 base with ``fp32_side_branch``)."""
+        return self.low_precision or self.fp32_side_branch
+
+    @property
+    def low_precision(self) -> bool:
+        """Whether the base is bf16/fp16 or quantized."""
         return self.dtype != "fp32" or self.quantization is not None
 
     @property
@@ -343,7 +350,8 @@ class RunConfig:
         need(
             self.side_rank is None or self.side_branch,
             "`side_rank` caps the side branch, which only bf16/fp16 and quantized bases "
-            "have; fix: add --dtype bf16 or --quantization nf4, or drop --side-rank",
+            "have (or fp32 ones with --fp32-side-branch); fix: add --dtype bf16, "
+            "--quantization nf4 or --fp32-side-branch, or drop --side-rank",
         )
         need(
             self.export_format is None or self.export_format in _EXPORT_FORMATS,
@@ -415,9 +423,13 @@ class RunConfig:
                 )
             if self.gradient_checkpointing:
                 cannot.append("--gradient-checkpointing (per-sample gradients need the hooks)")
-            if self.side_branch:
+            if self.low_precision:
                 cannot.append(
                     "a bf16/fp16 or quantized base (per-sample gradients are checked in fp32 only)"
+                )
+            elif self.fp32_side_branch:
+                cannot.append(
+                    "--fp32-side-branch (the DP-SGD checks are made for layers without one)"
                 )
             if cannot:
                 errs.append("`dp_epsilon`: DP-SGD cannot be combined with " + "; ".join(cannot))

@@ -7,7 +7,10 @@ factored or dense, whichever is smaller) that the forward pass applies, so no pr
 lost. An fp32 (or fp64) weight takes each residual in place, with one ``addmm_``, and an
 :class:`~fedexlora.core.side.Accumulator` records them (factored, while smaller than the
 weight) so that the weight can be rebuilt from ``W0`` bit for bit: the model is a function
-of the residuals it received, in the order it received them.
+of the residuals it received, in the order it received them. That costs nothing in the
+forward pass but rounds ``W`` each time (``~6e-8 |W|``: about 1e-5 of a small update);
+:func:`use_side_branch` keeps an fp32 model's residuals in a side branch too, exact to
+fp32's rounding of the residual itself.
 Orientation (``fan_in_fan_out``) and scale are always taken from the peft layer itself,
 never recomputed: ``nn.Linear`` stores its weight ``(out, in)``, GPT-2's ``Conv1D``
 stores ``(in, out)``.
@@ -47,10 +50,12 @@ __all__ = [
     "side_state",
     "side_weight",
     "snapshot_base",
+    "use_side_branch",
 ]
 
 _SIDE = "fedex_side"  # child module of a LoraLayer holding its SideBranch (forward hook)
 _ACC = "fedex_folded"  # the same for an fp32 layer: not hooked, materialized in the weight
+_BESIDE = "_fedex_beside"  # set on a LoRA layer by use_side_branch: fp32 folds go beside
 _LORA_PARAM_TAGS = (".lora_A.", ".lora_B.", ".lora_embedding_", ".lora_magnitude_vector")
 
 
@@ -232,9 +237,38 @@ def set_state(model: torch.nn.Module, state: AdapterState, adapter: str | None =
 
 
 def _holds_in_weight(layer: LoraLayer) -> bool:
-    """Whether the residual is folded into the base weight (fp32/fp64, not quantized)."""
+    """Whether the residual is folded into the base weight (fp32/fp64, not quantized,
+    and not switched to the side branch by :func:`use_side_branch`)."""
     base = layer.get_base_layer()
-    return not _is_bnb(base) and base.weight.dtype in (torch.float32, torch.float64)
+    if _is_bnb(base) or getattr(layer, _BESIDE, False):
+        return False
+    return base.weight.dtype in (torch.float32, torch.float64)
+
+
+def use_side_branch(model: torch.nn.Module) -> torch.nn.Module:
+    """Keeps every residual of ``model`` in an fp32 side branch, fp32 bases included.
+
+    By default an fp32 layer takes each residual into its weight in place (one
+    ``addmm_``, nothing added to the forward pass), which rounds the weight to fp32 each
+    time: about ``6e-8 |W|``, so 1e-5 to 1e-4 of a small update (a low learning rate, a
+    few steps). With the side branch the base stays ``W0`` and the sum of the residuals
+    is held beside it (factored while smaller, else dense; fp64 for an fp64 base), exact
+    to fp32's rounding of that sum, at the cost of one more (low-rank or dense) matmul
+    per LoRA layer in the forward pass. Call it before the first fold, on every copy of
+    the model (server and clients) alike. Returns ``model``.
+
+    Raises:
+        ValueError: If a residual was already folded into one of the model's weights.
+    """
+    for name, layer in lora_layers(model).items():
+        acc = _acc(layer)
+        if acc is not None and acc.rank:
+            raise ValueError(
+                f"module {name!r} already holds folded residuals in its weight; call "
+                "use_side_branch on the freshly loaded model, before the first round"
+            )
+        setattr(layer, _BESIDE, True)
+    return model
 
 
 def _side(layer: LoraLayer, create: bool = False) -> SideBranch | None:
@@ -242,7 +276,9 @@ def _side(layer: LoraLayer, create: bool = False) -> SideBranch | None:
     side = getattr(layer, _SIDE, None)
     if side is None and create:
         A, B = next(iter(layer.lora_A.values())).weight, next(iter(layer.lora_B.values())).weight
-        side = SideBranch(int(B.shape[0]), int(A.shape[1]), device=A.device)
+        f64 = getattr(layer.get_base_layer().weight, "dtype", None) == torch.float64
+        dtype = torch.float64 if f64 else torch.float32  # an fp64 base's sum stays fp64
+        side = SideBranch(int(B.shape[0]), int(A.shape[1]), device=A.device, dtype=dtype)
         layer.add_module(_SIDE, side)
         layer.register_forward_hook(_apply_side)
     return side

@@ -59,6 +59,7 @@ RUN_FLAGS = {
     "quantization": "quantization",
     "double_quant": "double_quant",
     "side_rank": "side_rank",
+    "fp32_side_branch": "fp32_side_branch",
     "export_format": "export_format",
     "export_dtype": "export_dtype",
     "allow_inexact": "allow_inexact",
@@ -299,6 +300,13 @@ def run_cmd(
     side_rank: int | None = typer.Option(
         None,
         help="Cap the fp32 side branch at this rank, lossy with error feedback (default: exact).",
+        rich_help_panel=PRECISION,
+    ),
+    fp32_side_branch: bool | None = typer.Option(
+        None,
+        "--fp32-side-branch/--no-fp32-side-branch",
+        help="Keep an fp32 base's residuals beside it, not rounded into W: exact at any "
+        "learning rate, one more matmul per LoRA layer (default: off).",
         rich_help_panel=PRECISION,
     ),
     gradient_checkpointing: bool | None = typer.Option(

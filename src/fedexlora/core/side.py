@@ -8,7 +8,9 @@ whichever is smaller, and added to the layer's output in the forward pass:
 ``y = base(x) + lora(x) + x @ (U V)^T``.
 
 An fp32 (or fp64) weight holds its update itself: an :class:`Accumulator` keeps the sum of
-what was folded, and the weight is rebuilt as ``W0 + sum``.
+what was folded, and the weight is rebuilt as ``W0 + sum``. (Or, where exactness below
+fp32's rounding of ``W`` matters, an fp32 layer keeps a side branch as well:
+:func:`fedexlora.bridge.adapters.use_side_branch`.)
 
 Pure torch: no peft. :mod:`fedexlora.bridge.adapters` attaches one to each LoRA layer that
 needs it.
@@ -128,16 +130,18 @@ class SideBranch(torch.nn.Module):
         return self.U.double() @ self.V.double()
 
     def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out + x @ delta.T`` in fp32, rounded once to ``out.dtype``."""
+        """``out + x @ delta.T`` in fp32 (fp64 when stored so), rounded once to ``out.dtype``."""
         if self.dense is None and self.U.shape[1] == 0:
             return out
+        held = self.dense if self.dense is not None else self.U
+        work = torch.float64 if held.dtype == torch.float64 else torch.float32  # model.double()
         with torch.autocast(device_type=x.device.type, enabled=False):
-            x32 = x.to(torch.float32)
+            x32 = x.to(work)
             if self.dense is not None:
                 delta = x32 @ self.dense.T
             else:
                 delta = (x32 @ self.V.T) @ self.U.T
-            return (out.to(torch.float32) + delta).to(out.dtype)
+            return (out.to(work) + delta).to(out.dtype)
 
 
 class Accumulator(torch.nn.Module):

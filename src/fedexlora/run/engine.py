@@ -87,7 +87,8 @@ def new_model(cfg: RunConfig, task, method: str):
     With ``dtype`` bf16/fp16 the frozen base weights are stored in that dtype while the
     adapters stay fp32 (peft's adapter autocast); with ``quantization`` the base is
     quantized by bitsandbytes. Either way residuals go to an fp32 side branch, never into
-    the base weights (:func:`fedexlora.bridge.adapters.fold_residuals`).
+    the base weights (:func:`fedexlora.bridge.adapters.fold_residuals`); so they do on an
+    fp32 base with ``fp32_side_branch``.
     """
     from fedexlora.bridge.models import load_model
 
@@ -111,6 +112,10 @@ def new_model(cfg: RunConfig, task, method: str):
         init=spec.lora_init,  # FRLoRA: the principal components of the pretrained weight
     )
     check_max_length(cfg, model)
+    if cfg.fp32_side_branch:
+        from fedexlora.bridge.adapters import use_side_branch
+
+        use_side_branch(model)
     if latent:
         _install_fedsb(cfg, task, model, tokenizer)
     for r in sorted(set(cfg.client_ranks or [])):
