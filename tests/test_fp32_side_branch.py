@@ -66,7 +66,11 @@ def _federate(path, *, beside: bool, rounds: int = 3, size: float = 2e-3):
         p = [u.num_examples / sum(u.num_examples for u in uploads) for u in uploads]
         for name in ideal:  # W_t = W_{t-1} - s B̄ Ā (the previous adapter) + Σ p_i s B_i A_i
             lay = lora_layers(glob)[name]
-            prev = SCALE * lay.lora_B["default"].weight.double() @ lay.lora_A["default"].weight.double()
+            prev = (
+                SCALE
+                * lay.lora_B["default"].weight.double()
+                @ lay.lora_A["default"].weight.double()
+            )
             new = sum(
                 pi * SCALE * u.state.factors[name][1].double() @ u.state.factors[name][0].double()
                 for pi, u in zip(p, uploads)
@@ -97,4 +101,3 @@ def test_use_side_branch_refuses_a_model_that_already_folded(tiny_llama_dir):
     fold_residuals(model, {name: Residual((d, n), U=torch.ones(d, 1), V=torch.ones(1, n))})
     with pytest.raises(ValueError, match="before the first round"):
         use_side_branch(model)
-

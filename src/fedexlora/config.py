@@ -176,8 +176,7 @@ class RunConfig:
 
     @property
     def side_branch(self) -> bool:
-        """Whether residuals live in an fp32 side branch (a half-precision or quantized
-        base, or an fp32 base with ``fp32_side_branch``)."""
+        """Whether residuals live in an fp32 side branch (fp32 ones: ``fp32_side_branch``)."""
         return self.low_precision or self.fp32_side_branch
 
     @property
