@@ -237,8 +237,9 @@ def set_state(model: torch.nn.Module, state: AdapterState, adapter: str | None =
 
 
 def _holds_in_weight(layer: LoraLayer) -> bool:
-    """Whether the residual is folded into the base weight (fp32/fp64, not quantized,
-    and not switched to the side branch by :func:`use_side_branch`).
+    """Whether the residual is folded into the base weight (fp32/fp64, unquantized).
+
+    Not when :func:`use_side_branch` switched the layer to a side branch.
     """
     base = layer.get_base_layer()
     if _is_bnb(base) or getattr(layer, _BESIDE, False):
