@@ -10,7 +10,8 @@ import pytest
 import torch
 from peft import PeftModel
 
-from test_examples import _load, _weights, hand_ideal
+from test_examples import _load, hand_ideal
+from test_fp32_side_branch import _forward_weights as _weights  # W0 + side branch + s B A
 
 # The chat template SmolLM2-135M-Instruct ships (ChatML), given to the test's tokenizer
 # as data: TRL applies it, nothing here formats a conversation.

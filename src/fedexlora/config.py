@@ -39,6 +39,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("fp32", "bf16", "fp16")
 _QUANTIZATIONS = ("nf4", "fp4", "int8")
 _EXPORT_FORMATS = ("adapter", "merged")
+_TRAINERS = ("builtin", "trl")
 RESUME_SAFE = (
     "rounds",
     "data_dir",
@@ -114,6 +115,7 @@ class RunConfig:
     rounds: int = 3
     local_epochs: float = 1.0
     local_steps: int | None = None
+    trainer: str = "builtin"
     batch_size: int = 16
     eval_batch_size: int = 64
     lr: float = 1e-3
@@ -315,6 +317,23 @@ class RunConfig:
             f"`max_update_norm` must be > 0, got {self.max_update_norm}",
         )
         need(self.engine in _ENGINES, f"`engine` must be one of {_ENGINES}, got {self.engine!r}")
+        need(
+            self.trainer in _TRAINERS,
+            f"`trainer` must be one of {_TRAINERS}, got {self.trainer!r}",
+        )
+        if self.trainer == "trl":
+            need(
+                importlib.util.find_spec("trl") is not None,
+                "`trainer` 'trl' needs TRL, which is not installed; fix: pip install "
+                "'fedex-lora[trl]'",
+            )
+            need(not self.dp, "`trainer` 'trl' cannot train with DP-SGD; fix: drop --dp-epsilon "
+                 "(DP-SGD runs on the builtin trainer)")  # fmt: skip
+            for m in self._methods_where(lambda s: s.prunes_rank):
+                errs.append(
+                    f"`trainer` 'trl' cannot train method {m!r} (its rank-pruning "
+                    "regularizer is part of the builtin trainer's loss); fix: --trainer builtin"
+                )
         need(self.device in _DEVICES, f"`device` must be one of {_DEVICES}, got {self.device!r}")
         need(self.dtype in _DTYPES, f"`dtype` must be one of {_DTYPES}, got {self.dtype!r}")
         if self.quantization is not None:

@@ -42,6 +42,7 @@ RUN_FLAGS = {
     "max_update_norm": "max_update_norm",
     "secure_aggregation": "secure_aggregation",
     "engine": "engine",
+    "trainer": "trainer",
     "save_client_adapters": "save_client_adapters",
     "keep_checkpoints": "keep_checkpoints",
     "export": "export",
@@ -237,6 +238,12 @@ def run_cmd(
         rich_help_panel=FEDERATION,
     ),
     # Training
+    trainer: str | None = typer.Option(
+        None,
+        help="builtin, or trl: each client trains with TRL's SFTTrainer (causal-LM tasks; "
+        "pip install 'fedex-lora[trl]') (default: builtin).",
+        rich_help_panel=TRAINING,
+    ),
     local_epochs: float | None = typer.Option(
         None, help="Local epochs per round (default: 1).", rich_help_panel=TRAINING
     ),

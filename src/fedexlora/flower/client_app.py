@@ -410,7 +410,9 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     up = None
     if not refused:
         try:
-            up = local_update(cfg, method, model, data, rnd, pid, dp=budget)
+            up = local_update(
+                cfg, method, model, data, rnd, pid, dp=budget, tokenizer=prep.tokenizer
+            )
         except DPCheckError as exc:
             # a round that would train nothing: the server stops the run with this message
             fields = {"partition-id": pid, "server-round": rnd, "method": method}

@@ -237,6 +237,11 @@ def check_max_length(cfg: RunConfig, model) -> None:
 
 def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
     """Partitions a loaded task and tokenizes both splits."""
+    if cfg.trainer == "trl" and task.kind != "causal_lm":
+        raise ValueError(
+            f"`trainer` 'trl' (TRL's SFTTrainer) trains causal-LM tasks; task {cfg.task!r} is "
+            f"{task.kind}; fix: --trainer builtin, or a causal-LM task such as gsm8k"
+        )
     from fedexlora.tasks.partition import describe_partitions, partition, partition_like
 
     scheme, note = effective_partition(cfg, task)
@@ -384,6 +389,7 @@ def local_update(
     steps: int | None = None,
     progress: bool = False,
     dp=None,
+    tokenizer=None,
 ) -> ClientUpload:
     """One client's local step, shared by every engine: train, then read the upload back.
 
@@ -401,6 +407,7 @@ def local_update(
         steps: Local steps; ``None`` takes ``cfg.local_steps``.
         progress: Whether to show a progress bar.
         dp: This client's DP-SGD budget (:class:`fedexlora.training.privacy.Budget`), or None.
+        tokenizer: The model's tokenizer (``cfg.trainer == "trl"`` needs it).
     """
     spec = get_method(method)
     train_A, train_B = spec.trained(rnd)  # latent (Fed-SB): A is I in its coordinates
@@ -409,24 +416,39 @@ def local_update(
 
         set_trainable(model, train_A=train_A, train_B=train_B)
     penalty, prune = _rank_pruning(model) if spec.prunes_rank else (None, None)
-    res = train_local(
-        model,
-        data,
-        epochs=cfg.local_epochs,
-        steps=cfg.local_steps if steps is None else steps,
-        batch_size=cfg.batch_size,
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        warmup_ratio=cfg.warmup_ratio,
-        max_grad_norm=cfg.max_grad_norm,
-        seed=client_seed(cfg.seed, rnd, client),
-        desc=f"{method} r{rnd} client {client}",
-        progress=progress,
-        device=next(model.parameters()).device,
-        autocast=autocast_dtype(cfg),
-        dp=dp,
-        penalty=penalty,
-    )
+    if cfg.trainer == "trl":  # TRL's SFTTrainer: the same steps, batch, schedule and seed
+        from fedexlora.training.sft import train_encoded
+
+        if tokenizer is None:
+            raise ValueError("`trainer` 'trl' needs the tokenizer: local_update(..., tokenizer=)")
+        steps = cfg.local_steps if steps is None else steps
+        res = train_encoded(
+            model, tokenizer, data, steps=steps, seed=client_seed(cfg.seed, rnd, client),
+            lr=cfg.lr, batch_size=cfg.batch_size, epochs=cfg.local_epochs,
+            device=next(model.parameters()).device, dtype=autocast_dtype(cfg),
+            gradient_checkpointing=cfg.gradient_checkpointing,
+            weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_ratio,
+            max_grad_norm=cfg.max_grad_norm,
+        )  # fmt: skip
+    else:
+        res = train_local(
+            model,
+            data,
+            epochs=cfg.local_epochs,
+            steps=cfg.local_steps if steps is None else steps,
+            batch_size=cfg.batch_size,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            warmup_ratio=cfg.warmup_ratio,
+            max_grad_norm=cfg.max_grad_norm,
+            seed=client_seed(cfg.seed, rnd, client),
+            desc=f"{method} r{rnd} client {client}",
+            progress=progress,
+            device=next(model.parameters()).device,
+            autocast=autocast_dtype(cfg),
+            dp=dp,
+            penalty=penalty,
+        )
     if prune is not None:
         prune()
     up_A, up_B = spec.uploaded(rnd)  # FedSA-LoRA: B is trained but kept

@@ -134,7 +134,7 @@ def run_method(
             with _client_view(model, server, c, client_adapter(cfg, method, c)):
                 up = local_update(
                     cfg, method, model, client_data[c], rnd, c, steps=steps, progress=progress,
-                    dp=None if ledger is None else ledger.budgets[c],
+                    dp=None if ledger is None else ledger.budgets[c], tokenizer=prep.tokenizer,
                 )  # fmt: skip
             if ledger is not None:
                 ledger.record(c, wants[c])
