@@ -241,7 +241,7 @@ def run_cmd(
     trainer: str | None = typer.Option(
         None,
         help="builtin, or trl: each client trains with TRL's SFTTrainer (causal-LM tasks; "
-        "pip install 'fedex-lora[trl]') (default: builtin).",
+        "needs the trl extra) (default: builtin).",
         rich_help_panel=TRAINING,
     ),
     local_epochs: float | None = typer.Option(

@@ -124,10 +124,9 @@ def train_sft(model: torch.nn.Module, tokenizer, dataset, args) -> TrainResult:
         args: An ``SFTConfig`` (:func:`sft_config`).
     """
     require_trl()
-    from trl import SFTTrainer
-
     import datasets
     from transformers import PrinterCallback, ProgressCallback
+    from trl import SFTTrainer
 
     was_training = model.training
     bars = datasets.is_progress_bar_enabled()
