@@ -17,6 +17,7 @@ __all__ = [
     "QUANTIZATIONS",
     "ModelSpec",
     "default_target_modules",
+    "load_base",
     "load_model",
     "resolve_model",
 ]
@@ -165,33 +166,13 @@ def load_model(
         ValueError: If the model cannot be found, cannot be quantized, or has no
             matching target modules.
     """
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-    )
-
     spec = resolve_model(name)
     config = _load_config(spec)
-    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(spec.path, **kwargs)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    torch.manual_seed(seed)
-    if causal:
-        cls, extra = AutoModelForCausalLM, {}
-        task_type, save = "CAUSAL_LM", None
-    else:
-        cls, extra = AutoModelForSequenceClassification, {"num_labels": num_labels}
-        extra["ignore_mismatched_sizes"] = True
-        task_type, save = "SEQ_CLS", None  # peft's SEQ_CLS adds the classifier head itself
-    if quantization is None:
-        model = cls.from_pretrained(spec.path, dtype=dtype, **kwargs, **extra)
-    else:
-        model = _load_quantized(cls, spec, name, quantization, double_quant, dtype, seed, extra)
-    if not causal:
-        if model.config.pad_token_id is None:
-            model.config.pad_token_id = tokenizer.pad_token_id
+    model, tokenizer = load_base(
+        name, causal=causal, num_labels=num_labels, dtype=dtype, quantization=quantization,
+        double_quant=double_quant, seed=seed,
+    )  # fmt: skip
+    task_type, save = ("CAUSAL_LM", None) if causal else ("SEQ_CLS", None)  # SEQ_CLS: the head
     targets = target_modules or default_target_modules(config.model_type, causal)
     lora = LoraConfig(
         r=r,
@@ -222,6 +203,58 @@ def load_model(
 
         set_trainable(peft_model, train_A=False)
     return peft_model, tokenizer
+
+
+def load_base(
+    name: str,
+    *,
+    causal: bool = True,
+    num_labels: int = 2,
+    dtype: torch.dtype = torch.float32,
+    quantization: str | None = None,
+    double_quant: bool = False,
+    seed: int = 0,
+):
+    """The pretrained model without LoRA, loaded as :func:`load_model` loads it.
+
+    The base a saved adapter goes onto (``peft.PeftModel.from_pretrained(base, dir)``):
+    the same dtype and quantization as the run's (a GGUF file dequantized first).
+
+    Returns:
+        ``(model, tokenizer)``.
+
+    Raises:
+        ValueError: If the model cannot be found or cannot be quantized.
+    """
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
+
+    spec = resolve_model(name)
+    _load_config(spec)  # a clear error for a name that does not load
+    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(spec.path, **kwargs)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(seed)
+    if causal:
+        cls, extra = AutoModelForCausalLM, {}
+    else:
+        cls, extra = AutoModelForSequenceClassification, {"num_labels": num_labels}
+        extra["ignore_mismatched_sizes"] = True
+    if quantization is None:
+        model = cls.from_pretrained(spec.path, dtype=dtype, **kwargs, **extra)
+        if spec.gguf_file:  # plain tensors now: not marked GGUF-quantized (Trainer refuses it)
+            model.hf_quantizer, model.is_quantized = None, False
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+    else:
+        model = _load_quantized(cls, spec, name, quantization, double_quant, dtype, seed, extra)
+    if not causal and model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
 
 
 def quantization_config(quantization: str, *, double_quant: bool, dtype: torch.dtype):
