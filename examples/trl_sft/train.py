@@ -42,30 +42,16 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTTrainer
 
 from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_info, make_upload
 from fedexlora.bridge.adapters import use_side_branch
+from fedexlora.bridge.models import load_base  # fp32; a GGUF file dequantized
 from fedexlora.run.export import save_adapter
-from fedexlora.tasks.metrics import extract_final_number
-from fedexlora.training.sft import conversations, sft_config
+from fedexlora.tasks.metrics import exact_match
+from fedexlora.training.sft import chat_generate, conversations, sft_config
 
 LORA = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-
-
-def load_base(path: str, gguf_file: str | None = None):
-    """The base model and its tokenizer, in fp32 (a GGUF file is dequantized)."""
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
-    if gguf_file:
-        # The GGUF blocks are unpacked into plain fp32 tensors at load, but transformers
-        # keeps the model marked as GGUF-quantized, and its Trainer refuses to train that.
-        model.hf_quantizer, model.is_quantized = None, False
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-    return model, tok
 
 
 def lora_model(base):
@@ -121,32 +107,7 @@ def federate(
     return glob, server, clients, history
 
 
-@torch.no_grad()
-def generate(model, tok, prompts: list[str], max_new_tokens: int = 160) -> list[str]:
-    """Greedy completions of ``prompts`` (each as one user turn, through the chat template)."""
-    model.eval()
-    outs = []
-    for p in prompts:
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt"
-        )
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        gen = model.generate(
-            input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-        )  # fmt: skip
-        outs.append(tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True))
-    return outs
-
-
-def exact_match(generations: list[str], answers: list[str]) -> float:
-    """Share of generations whose final number is the reference answer."""
-    hits = sum(extract_final_number(g) == a for g, a in zip(generations, answers))
-    return hits / max(1, len(answers))
-
-
 def main() -> None:
-    from fedexlora.bridge.models import resolve_model
     from fedexlora.tasks.data import load_task
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -156,8 +117,7 @@ def main() -> None:
     ap.add_argument("--packing", action="store_true", help="TRL's packing (best-fit)")
     ap.add_argument("--out", default="runs/trl_sft")
     args = ap.parse_args()
-    spec = resolve_model("smollm2-135m")
-    base, tok = load_base(spec.path, spec.gguf_file)
+    base, tok = load_base("smollm2-135m")
     task = load_task("gsm8k", seed=0, test_fraction=0.2)
     train = conversations(task.train)
     shards = [train.shard(3, i) for i in range(3)]
@@ -169,9 +129,9 @@ def main() -> None:
     print(f"global adapter: {adapter} (plain peft: PeftModel.from_pretrained(base, that dir))")
     test = task.test.select(range(min(args.eval_items, len(task.test))))
     prompts, answers = list(test["prompt"]), list(test["answer"])
-    ours = generate(glob, tok, prompts)
-    reloaded = PeftModel.from_pretrained(load_base(spec.path, spec.gguf_file)[0], str(adapter))
-    theirs = generate(reloaded, tok, prompts)
+    ours = chat_generate(glob, tok, prompts)
+    reloaded = PeftModel.from_pretrained(load_base("smollm2-135m")[0], str(adapter))
+    theirs = chat_generate(reloaded, tok, prompts)
     print(
         f"exact match on {len(answers)} held-out items: the run's model "
         f"{exact_match(ours, answers):.3f}, the adapter reloaded with plain peft "

@@ -18,7 +18,14 @@ import torch
 
 from fedexlora.training.local import Encoded, TrainResult
 
-__all__ = ["conversations", "encoded_dataset", "require_trl", "sft_config", "train_sft"]
+__all__ = [
+    "chat_generate",
+    "conversations",
+    "encoded_dataset",
+    "require_trl",
+    "sft_config",
+    "train_sft",
+]
 
 
 def require_trl() -> None:
@@ -173,3 +180,28 @@ def train_encoded(
             gradient_checkpointing=gradient_checkpointing, progress=progress, **overrides,
         )  # fmt: skip
         return train_sft(model, tokenizer, encoded_dataset(data), args)
+
+
+@torch.no_grad()
+def chat_generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 160) -> list[str]:
+    """Greedy completions of ``prompts``, each one user turn through the chat template.
+
+    The prompt is formatted as TRL formatted it in training (``add_generation_prompt``).
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    outs = []
+    for p in prompts:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt"
+        )
+        ids = (ids["input_ids"] if hasattr(ids, "keys") else ids).to(device)
+        gen = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=pad,
+        )  # fmt: skip
+        outs.append(tokenizer.decode(gen[0, ids.shape[1] :], skip_special_tokens=True))
+    model.train(was_training)
+    return outs
