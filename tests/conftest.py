@@ -24,6 +24,7 @@ SLOW_FIRST = [
     "test_flower_simulation.py",
     "test_resume.py",
     "test_flower.py",
+    "test_smollm2_integration.py",
     "test_precision.py",
     "test_privacy.py",
     "test_compare.py",
@@ -37,6 +38,9 @@ SLOW_FIRST = [
     "test_scale.py",
     "test_examples.py",
     "test_trl_sft.py",
+    "test_flowertune_app.py",
+    "test_trainer_trl.py",
+    "test_fp32_side_branch.py",
 ]
 
 

@@ -17,6 +17,7 @@ __all__ = [
     "QUANTIZATIONS",
     "ModelSpec",
     "default_target_modules",
+    "gguf_cache_dir",
     "load_base",
     "load_model",
     "resolve_model",
@@ -234,6 +235,10 @@ def load_base(
 
     spec = resolve_model(name)
     _load_config(spec)  # a clear error for a name that does not load
+    if spec.gguf_file and causal:  # dequantized once, then read as safetensors
+        cached = _gguf_cache(spec)
+        if cached is not None:
+            spec = ModelSpec(spec.name, cached)
     kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(spec.path, **kwargs)
     if tokenizer.pad_token is None:
@@ -254,7 +259,68 @@ def load_base(
         model = _load_quantized(cls, spec, name, quantization, double_quant, dtype, seed, extra)
     if not causal and model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    if spec.path != resolve_model(name).path:  # the GGUF cache: name the model as asked
+        model.name_or_path = model.config._name_or_path = resolve_model(name).path
     return model, tokenizer
+
+
+def gguf_cache_dir() -> Path:
+    """Where dequantized GGUF models are kept (``gguf/`` under the cache root).
+
+    The root is ``$FEDEXLORA_CACHE``, else ``$XDG_CACHE_HOME/fedexlora`` (by default
+    ``~/.cache/fedexlora``).
+    """
+    root = os.environ.get("FEDEXLORA_CACHE")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(xdg, "fedexlora")
+    return Path(root) / "gguf"
+
+
+def _gguf_cache(spec: ModelSpec) -> str | None:
+    """A causal LM's GGUF file dequantized to fp32 safetensors (and its tokenizer), once.
+
+    transformers dequantizes a GGUF file in Python at every load (about 18 s for
+    SmolLM2-135M here); the copy loads in about a second, with the same fp32 values.
+    Keyed by the file's size and modification time, and transformers' version. Returns
+    ``None`` (load the GGUF file itself) where the cache cannot be written.
+    """
+    import shutil
+    import tempfile
+
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(spec.path) / spec.gguf_file
+    try:
+        st = gguf.stat()
+    except OSError:
+        return None  # a hub name: transformers downloads and dequantizes it
+    key = f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-tf{transformers.__version__}"
+    dest = gguf_cache_dir() / key
+    if (dest / "config.json").exists():
+        return str(dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{key}-", dir=dest.parent)
+    except OSError:
+        return None
+    try:
+        kw = {"gguf_file": spec.gguf_file}
+        model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32, **kw)
+        model.hf_quantizer = None  # plain tensors now: drop the GGUF marker so they save
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(spec.path, **kw).save_pretrained(tmp)
+        try:
+            os.rename(tmp, dest)  # atomic; another process may have won the race
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return str(dest) if (dest / "config.json").exists() else None
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
 
 
 def quantization_config(quantization: str, *, double_quant: bool, dtype: torch.dtype):

@@ -1,0 +1,106 @@
+"""#34 on the real model: SmolLM2-135M-Instruct (GGUF from PyPI), GSM8K items, 3 clients.
+
+- The FlowerTune-style app with a 4-bit (nf4) base, TRL's ``SFTTrainer`` on each client,
+  over the in-process grid; the global model against the ideal computed by hand from the
+  clients' uploads, and the saved adapter reloaded with plain peft onto the 4-bit base.
+- ``examples/trl_sft``'s loop on the fp32 base (residuals beside the weights), against
+  the same hand-computed ideal, read off the model's forward pass in fp64.
+
+SmolLM2's own chat template, tokenizer and weights; one local step per round, to keep it
+to about a minute or two of CPU.
+"""
+
+import json
+
+import pytest
+import torch
+
+from test_examples import _load, hand_ideal
+
+pytestmark = pytest.mark.integration
+
+
+def _rel(got, want, w0) -> float:
+    return max(
+        float(torch.linalg.norm(got[n] - want[n]) / torch.linalg.norm(want[n] - w0[n]))
+        for n in want
+    )
+
+
+def test_flowertune_app_on_smollm2_4bit(monkeypatch, tmp_path, task_identity):
+    from flwr.app import Context, RecordDict
+    from peft import PeftModel
+
+    from test_flower import InProcessGrid
+    from test_flowertune_app import APP, _weights, app_settings
+
+    settings = app_settings(**{
+        "num-server-rounds": 2, "train.training-arguments.max-steps": 1,
+        "train.seq-length": 192, "eval.items": 1, "eval.max-new-tokens": 12,
+        "results-dir": str(tmp_path / "results"),
+    })  # fmt: skip
+    assert settings["model.name"] == "smollm2-135m" and settings["model.quantization"] == 4
+    monkeypatch.setenv("FLOWERTUNE_CONFIG", json.dumps(settings))
+    monkeypatch.syspath_prepend(str(APP))
+    from flowertune_fedex import client_app, dataset, models, server_app
+
+    monkeypatch.setattr(client_app, "_MODEL", {})
+    cfg = dataset.app_config({})
+    w0 = _weights(models.get_model(cfg.model)[0])
+    ctx = Context(run_id=7, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    server_app.app(InProcessGrid(client_app.app, 3), ctx)
+    run = server_app.LAST_RUN
+    assert [sorted(o.accepted) for o, _ in run["rounds"]] == [[0, 1, 2]] * 2
+    want = hand_ideal(w0, run["rounds"], scale=16 / 8)
+    err = _rel(_weights(run["model"]), want, w0)
+    print(f"SmolLM2 4-bit, FlowerTune-style app: {err:.2e} of the total update")
+    assert err < 1e-5, err
+    base, tok = models.get_base(cfg.model)
+    reloaded = PeftModel.from_pretrained(base, str(run["save_path"] / "peft_2")).eval()
+    ids = tok("Natalia sold clips to 48 of her friends.", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        a, b = run["model"].eval()(input_ids=ids).logits, reloaded(input_ids=ids).logits
+    assert torch.allclose(a, b, rtol=0, atol=1e-4 * float(a.abs().max())), (a - b).abs().max()
+    again = server_app.evaluate(reloaded, tok, cfg)
+    assert again["generations"] == run["scores"]["generations"]
+
+
+def test_trl_sft_example_on_smollm2_fp32(tmp_path):
+    from fedexlora.tasks.data import load_task
+    from test_fp32_side_branch import _forward_weights
+
+    ex = _load("examples/trl_sft/train.py")
+    base, tok = ex.load_base("smollm2-135m")
+    task = load_task("gsm8k", seed=0, test_fraction=0.2)
+    data = ex.conversations(task.train.select(range(12)))
+    shards = [data.shard(3, i) for i in range(3)]
+    w0 = _forward_weights(ex.lora_model(base))
+    glob, _, _, history = ex.federate(
+        base, tok, shards, rounds=2, steps=1, out=str(tmp_path / "out"), max_length=192
+    )
+    want = hand_ideal(w0, [(o, u) for o, u, _ in history], scale=ex.LORA["lora_alpha"] / 8)
+    err = _rel(_forward_weights(glob), want, w0)
+    print(f"SmolLM2 fp32, TRL SFTTrainer loop: {err:.2e} of the total update")
+    assert err < 1e-5, err
+
+
+def test_gguf_cache_holds_the_gguf_values(monkeypatch, tmp_path):
+    """The dequantized copy that loads in seconds has the GGUF file's very values."""
+    from transformers import AutoModelForCausalLM
+
+    from fedexlora.bridge.models import gguf_cache_dir, load_base, resolve_model
+
+    monkeypatch.setenv("FEDEXLORA_CACHE", str(tmp_path / "cache"))
+    first, _ = load_base("smollm2-135m")  # writes the cache
+    assert len(list(gguf_cache_dir().iterdir())) == 1
+    again, tok = load_base("smollm2-135m")  # reads it
+    spec = resolve_model("smollm2-135m")
+    ref = AutoModelForCausalLM.from_pretrained(
+        spec.path, gguf_file=spec.gguf_file, dtype=torch.float32
+    )
+    want = ref.state_dict()
+    for model in (first, again):
+        got = model.state_dict()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert again.name_or_path == spec.path and tok.chat_template  # as asked; SmolLM2's template
