@@ -98,3 +98,16 @@ def test_trainer_choice_is_validated(tiny_llama_dir, tiny_qa_jsonl, tmp_path, ex
     assert message in res.output and "Traceback" not in res.output
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
     json.dumps(res.output)  # printable
+
+
+def test_trl_clients_under_flower_match_the_in_process_engine(trl_cfg, tmp_path, task_identity):
+    """The Flower engine's ClientApp trains with TRL too: the same rows, the same model."""
+    from test_flower_parity import _close, _flower
+
+    cfg = trl_cfg.replace(save_client_adapters=False)
+    local = run_experiment(cfg, tmp_path / "local", progress=False)
+    flower, grid = _flower(cfg.replace(engine="flower"), tmp_path / "flower")
+    assert grid.trained == [(r, c) for r in (1, 2) for c in (0, 1, 2)]
+    _close(local, flower)
+    assert all(r["effective_deviation"]["max"] <= 1e-5 for r in flower)
+    assert [r["train_loss"] for r in flower] == pytest.approx([r["train_loss"] for r in local])
