@@ -101,3 +101,18 @@ def test_use_side_branch_refuses_a_model_that_already_folded(tiny_llama_dir):
     fold_residuals(model, {name: Residual((d, n), U=torch.ones(d, 1), V=torch.ones(1, n))})
     with pytest.raises(ValueError, match="before the first round"):
         use_side_branch(model)
+
+
+@pytest.mark.parametrize("beside", [False, True])
+def test_a_run_says_once_when_fp32_rounding_exceeds_1e_5(tiny_cfg, tmp_path, capsys, beside):
+    """A small update on an fp32 base: the run names the rounding and the fix, once."""
+    from fedexlora.run.pipeline import run_experiment
+
+    cfg = tiny_cfg.replace(methods=["fedex"], lr=1e-4, fp32_side_branch=beside)
+    rows = run_experiment(cfg, tmp_path, progress=False)
+    worst = max(r["effective_deviation"]["max"] for r in rows)
+    said = capsys.readouterr().out.count("--fp32-side-branch keeps them beside the weights")
+    if beside:
+        assert worst < 1e-6 and said == 0
+    else:
+        assert worst > 1e-5 and said == 1, (worst, said)

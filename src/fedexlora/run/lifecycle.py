@@ -132,6 +132,7 @@ class Run:
             layout.metrics.write_text("")
         self.trackers = open_trackers(cfg, layout.root, resume)
         self.all_rows: list[dict] = []
+        self._hinted = False  # the fp32 rounding hint, said once per run
 
     # -- the methods ------------------------------------------------------------------
     def methods(self) -> Iterator[MethodRun]:
@@ -167,6 +168,7 @@ class Run:
     def record(self, current: MethodRun, row: dict) -> None:
         """After a round: the row appended and fsynced, logged, and the checkpoint written."""
         current.rows.append(row)
+        self._hint_fp32(current.method, row)
         append_row(self.layout.metrics, row)
         self.trackers.log_row(row)
         save_checkpoint(
@@ -181,6 +183,27 @@ class Run:
             keep=self.cfg.keep_checkpoints,
             base=base_deltas(current.model),
             clients={f"{c}.{k}": t for c, own in current.personal.items() for k, t in own.items()},
+        )
+
+    def _hint_fp32(self, method: str, row: dict) -> None:
+        """Says once when an exact method's fp32 model is over 1e-5 from the ideal.
+
+        Folding each residual into an fp32 weight rounds it at 6e-8 of the weight, which
+        is 1e-5 to 1e-3 of a small update; the side branch keeps it exact (to ~1e-7).
+        """
+        from fedexlora.core.methods import get_method
+
+        worst = (row.get("effective_deviation") or {}).get("max")
+        if self._hinted or worst is None or worst <= 1e-5 or self.cfg.side_branch:
+            return
+        if not get_method(method).exact or self.cfg.approximate:
+            return
+        self._hinted = True
+        self.say(
+            f"note: {method} round {row['round']}: the model is {worst:.1e} of the round's "
+            "update from the ideal: fp32's rounding of the residuals folded into the "
+            "weights (6e-8 of a weight). --fp32-side-branch keeps them beside the weights "
+            "instead, exact to ~1e-7 (docs/LARGE_MODELS.md)"
         )
 
     def run_token(self) -> str:
