@@ -105,6 +105,21 @@ def test_flowertune_app_is_exact_on_a_4bit_base_and_its_adapter_reloads(flowertu
     print(f"max relative error {err:.2e} of the total update")
     assert err < 1e-5, err
     assert min(float(torch.linalg.norm(want[n] - w0[n])) for n in want) > 0  # it trained
+    # every client, given its next payload, holds that global model: its own state on the
+    # process's model (the one TRL trained), fp32 factors and all
+    from fedexlora import apply_payload
+    from fedexlora.bridge.steps import load_client_state
+    from fedexlora.flower.records import from_array_record
+
+    shared = client_app._MODEL["model"][0]
+    for node, ctx in grid.contexts.items():
+        load_client_state(shared, from_array_record(ctx.state["fedexlora"]))
+        apply_payload(shared, run["server"].payload_for(node - 1000))
+        assert all(p.dtype == torch.float32 for p in shared.parameters() if p.requires_grad)
+        mine = _weights(shared)
+        gap = max(float(torch.linalg.norm(mine[n] - got[n]) / torch.linalg.norm(want[n] - w0[n]))
+                  for n in got)  # fmt: skip
+        assert gap < 1e-6, (node, gap)
     # the global PEFT adapter of every round, as FlowerTune saves it
     save = run["save_path"]
     assert (save / "peft_1" / "adapter_config.json").exists()
@@ -117,6 +132,8 @@ def test_flowertune_app_is_exact_on_a_4bit_base_and_its_adapter_reloads(flowertu
         a, b = model.eval()(input_ids=ids).logits, reloaded(input_ids=ids).logits
     assert torch.allclose(a, b, rtol=0, atol=1e-5 * float(a.abs().max())), (a - b).abs().max()
     # ... and scores what the run reported: the same generations, the same exact match
+    config = json.loads((save / "peft_2" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == cfg.model.name  # a path peft can open
     scores = json.loads((save / "eval.json").read_text())
     assert scores == {"round": 2, **run["scores"]}
     again = server_app.evaluate(reloaded, tok, cfg)

@@ -30,8 +30,15 @@ def trl_cfg(tiny_llama_dir, tiny_qa_jsonl):
     )  # fmt: skip
 
 
-def test_trl_clients_reach_the_hand_computed_ideal(trl_cfg, tmp_path, monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "nf4"])
+def test_trl_clients_reach_the_hand_computed_ideal(trl_cfg, tmp_path, monkeypatch, quantization):
+    """fp32 (residuals beside the weights) and nf4: TRL casts a quantized model's adapter
+    to bf16, which ``train_sft`` undoes, or every client would start from a rounded model.
+    """
     from fedexlora.training import sft
+
+    if quantization:
+        trl_cfg = trl_cfg.replace(quantization=quantization, fp32_side_branch=False)
 
     calls = []
     real = sft.train_sft
@@ -50,6 +57,7 @@ def test_trl_clients_reach_the_hand_computed_ideal(trl_cfg, tmp_path, monkeypatc
     assert _rel(got, ideal, w0) <= 1e-5
     assert all(r["effective_deviation"]["max"] <= 1e-5 for r in rows)
     assert all(r["train_loss"] > 0 for r in rows)
+    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
 
 
 def test_trl_labels_are_the_completion_only(trl_cfg):
@@ -86,6 +94,7 @@ def test_trl_refuses_a_classification_task_by_name(tiny_bert_dir, tiny_csv, tmp_
     [
         (["--trainer", "keras"], "`trainer` must be one of"),
         (["--trainer", "trl", "--method", "hetlora", "--client-ranks", "2,4,4"], "hetlora"),
+        (["--trainer", "trl", "--dtype", "fp16"], "cannot train in fp16 on a CPU"),
     ],
 )
 def test_trainer_choice_is_validated(tiny_llama_dir, tiny_qa_jsonl, tmp_path, extra, message):
@@ -111,3 +120,33 @@ def test_trl_clients_under_flower_match_the_in_process_engine(trl_cfg, tmp_path,
     _close(local, flower)
     assert all(r["effective_deviation"]["max"] <= 1e-5 for r in flower)
     assert [r["train_loss"] for r in flower] == pytest.approx([r["train_loss"] for r in local])
+
+
+def test_a_run_from_before_the_new_settings_still_resumes_and_exports(tiny_cfg, tmp_path):
+    """A run written before ``trainer`` and ``fp32_side_branch`` existed (its stored
+    config lacks them; its fingerprint counted ``secure_aggregation``'s default, as the
+    code of then did) resumes and exports at their defaults; another setting does not."""
+    import hashlib
+
+    from fedexlora.config import RESUME_SAFE
+    from fedexlora.run.checkpoint import ADDED_LATER
+    from fedexlora.run.export import export_model
+
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=1)
+    run_experiment(cfg, tmp_path, progress=False)
+    then = {k: v for k, v in cfg.to_dict().items() if k not in ("trainer", "fp32_side_branch")}
+    stable = {k: v for k, v in sorted(then.items()) if k not in RESUME_SAFE}
+    del stable["double_quant"]  # the rule of then
+    old = hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
+    assert old != config_fingerprint(cfg.to_dict())  # the hash did change
+    for meta in (tmp_path / "checkpoints" / "fedex").glob("*/meta.json"):
+        info = json.loads(meta.read_text())
+        info.update(fingerprint=old, config=then)
+        meta.write_text(json.dumps(info))
+    (tmp_path / "config.toml").write_text(cfg.replace(rounds=2).to_toml())
+    rows = run_experiment(cfg.replace(rounds=2), tmp_path, resume=True, progress=False)
+    assert [r["round"] for r in rows] == [1, 2]
+    assert export_model(tmp_path, tmp_path / "export").format == "merged"
+    assert set(ADDED_LATER) >= {"trainer", "fp32_side_branch", "secure_aggregation"}
+    with pytest.raises(Exception, match="another configuration"):
+        run_experiment(cfg.replace(rounds=3, lr=1.0), tmp_path, resume=True, progress=False)

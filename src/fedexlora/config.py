@@ -194,7 +194,7 @@ class RunConfig:
     @property
     def resolved_export_format(self) -> str:
         """``export_format``, or its default: ``merged`` for fp32 bases, else ``adapter``."""
-        return self.export_format or ("adapter" if self.side_branch else "merged")
+        return self.export_format or ("adapter" if self.low_precision else "merged")
 
     def _methods_where(
         self, test: Callable[[MethodSpec], bool], *, unknown: bool = False, unique: bool = True
@@ -329,6 +329,11 @@ class RunConfig:
             )
             need(not self.dp, "`trainer` 'trl' cannot train with DP-SGD; fix: drop --dp-epsilon "
                  "(DP-SGD runs on the builtin trainer)")  # fmt: skip
+            need(
+                not (self.dtype == "fp16" and self.device == "cpu"),
+                "`trainer` 'trl' cannot train in fp16 on a CPU (transformers' Trainer mixes "
+                "fp16 on a GPU only); fix: --dtype bf16 or fp32, or --device cuda",
+            )
             for m in self._methods_where(lambda s: s.prunes_rank):
                 errs.append(
                     f"`trainer` 'trl' cannot train method {m!r} (its rank-pruning "

@@ -60,7 +60,7 @@ def get_model(model_cfg: SimpleNamespace):
     )
     torch.manual_seed(0)  # every party starts from the same adapter
     model = get_peft_model(base, lora)
-    for p in model.parameters():  # the adapter trains in fp32
-        if p.requires_grad and p.dtype != torch.float32:
+    for p in model.parameters():  # the adapter trains in fp32 (fedexlora.training.sft's
+        if p.requires_grad and p.dtype != torch.float32:  # train_sft keeps it so under TRL)
             p.data = p.data.float()
     return use_side_branch(model), tokenizer

@@ -10,6 +10,7 @@ from flwr.app import Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
 from fedexlora import Server, apply_outcome, get_state, layer_info
+from fedexlora.bridge.models import resolve_model
 from fedexlora.flower.records import to_array_record
 from fedexlora.flower.strategy import FedExLoRA, NodeDirectory
 from fedexlora.run.export import save_adapter
@@ -52,6 +53,7 @@ def main(grid: Grid, context: Context) -> None:
     LAST_RUN.clear()
     LAST_RUN["save_path"] = save_path
     model, tokenizer = get_model(cfg.model)  # the server's copy of the global model
+    base_name = resolve_model(str(cfg.model.name)).path  # what peft's loaders can open
     server = Server(get_state(model), layer_info(model), method=method, num_clients=parts)
     strategy = FedExLoRA(
         server, NodeDirectory(parts), fraction_train=float(cfg.strategy.fraction_train)
@@ -65,7 +67,7 @@ def main(grid: Grid, context: Context) -> None:
         worst = max(deviation.values(), default=0.0)
         LAST_RUN.setdefault("rounds", []).append((rec.outcome, rec.uploads))
         if rnd % every == 0 or rnd == rounds:  # the global PEFT adapter, as FlowerTune
-            save_adapter(model, save_path / f"peft_{rnd}", base=str(cfg.model.name))
+            save_adapter(model, save_path / f"peft_{rnd}", base=base_name)
         line = {"round": rnd, "accepted": rec.outcome.accepted, "max-deviation": worst}
         print(json.dumps(line), flush=True)
         return MetricRecord({"max-deviation": worst})

@@ -27,6 +27,7 @@ ALIASES = ("minilm", "smollm2-135m")
 QUANTIZATIONS = ("nf4", "fp4", "int8")
 _SMOLLM2_HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_DONE = "fedexlora-complete"  # written last into a GGUF cache entry
 
 # Attention and MLP projections of common decoders, as in the paper's LLM runs.
 _DECODER_TARGETS = {
@@ -227,18 +228,38 @@ def load_base(
     Raises:
         ValueError: If the model cannot be found or cannot be quantized.
     """
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-    )
+    from safetensors import SafetensorError
 
     spec = resolve_model(name)
     _load_config(spec)  # a clear error for a name that does not load
     if spec.gguf_file and causal:  # dequantized once, then read as safetensors
         cached = _gguf_cache(spec)
         if cached is not None:
-            spec = ModelSpec(spec.name, cached)
+            try:
+                return _load_base(ModelSpec(spec.name, cached), name, causal, num_labels,
+                                  dtype, quantization, double_quant, seed)  # fmt: skip
+            except (OSError, SafetensorError) as exc:  # damaged since: read the GGUF file
+                import shutil
+                import warnings
+
+                warnings.warn(
+                    f"the dequantized copy of {spec.gguf_file} in {cached} does not load "
+                    f"({type(exc).__name__}: {str(exc)[:200]}); removed, reading the GGUF "
+                    "file itself",
+                    stacklevel=2,
+                )
+                shutil.rmtree(cached, ignore_errors=True)
+    return _load_base(spec, name, causal, num_labels, dtype, quantization, double_quant, seed)
+
+
+def _load_base(spec, name, causal, num_labels, dtype, quantization, double_quant, seed):
+    """:func:`load_base` from ``spec`` (a GGUF file, or a directory such as its copy)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
+
     kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(spec.path, **kwargs)
     if tokenizer.pad_token is None:
@@ -298,7 +319,7 @@ def _gguf_cache(spec: ModelSpec) -> str | None:
         return None  # a hub name: transformers downloads and dequantizes it
     key = f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-tf{transformers.__version__}"
     dest = gguf_cache_dir() / key
-    if (dest / "config.json").exists():
+    if (dest / _GGUF_DONE).exists():
         return str(dest)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -313,14 +334,31 @@ def _gguf_cache(spec: ModelSpec) -> str | None:
             del model.config.quantization_config
         model.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(spec.path, **kw).save_pretrained(tmp)
+        for f in Path(tmp).iterdir():  # on disk before the marker says the copy is whole
+            _fsync(f)
+        (Path(tmp) / _GGUF_DONE).write_text(key)
+        _fsync(Path(tmp) / _GGUF_DONE)
+        _fsync(Path(tmp))
+        if dest.exists():  # an incomplete copy (a crash before its marker): replace it
+            shutil.rmtree(dest, ignore_errors=True)
         try:
             os.rename(tmp, dest)  # atomic; another process may have won the race
+            _fsync(dest.parent)
         except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return str(dest) if (dest / "config.json").exists() else None
+            pass
+        return str(dest) if (dest / _GGUF_DONE).exists() else None
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
         return None
+    finally:  # an error or an interrupt leaves no partial copy behind
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def quantization_config(quantization: str, *, double_quant: bool, dtype: torch.dtype):

@@ -57,14 +57,37 @@ class CheckpointError(ValueError):
         self.corrupt = corrupt
 
 
+ADDED_LATER = {
+    "double_quant": False,
+    "secure_aggregation": False,
+    "trainer": "builtin",
+    "fp32_side_branch": False,
+}
+"""Settings added after runs existed, with the default those runs had: left out of the
+fingerprint at that default, so that a run from before still resumes and exports."""
+
+
 def config_fingerprint(cfg_dict: dict) -> str:
     """Hash of the settings that must not change across a resume."""
     from fedexlora.config import RESUME_SAFE
 
     stable = {k: v for k, v in sorted(cfg_dict.items()) if k not in RESUME_SAFE}
-    if stable.get("double_quant") is False:  # added later: runs from before still resume
-        del stable["double_quant"]
+    for key, default in ADDED_LATER.items():  # at its default: runs from before still resume
+        if key in stable and stable[key] == default:
+            del stable[key]
     return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _same_config(info: dict, fingerprint: str) -> bool:
+    """Whether a checkpoint's meta is of this configuration.
+
+    Its fingerprint, or that of the configuration it stored, hashed as today: a run from
+    before a setting was added stored a fingerprint that still counted its default.
+    """
+    if info.get("fingerprint") == fingerprint:
+        return True
+    stored = info.get("config")
+    return isinstance(stored, dict) and config_fingerprint(stored) == fingerprint
 
 
 def _fsync_dir(path: Path) -> None:
@@ -204,7 +227,7 @@ def load_checkpoint(path: str | Path, server: Server, *, fingerprint: str | None
         raise CheckpointError(f"checkpoint {str(p)!r} has unknown format {got!r}", corrupt=True)
     if not _complete(p):
         raise corrupt("a file it lists is missing or has the wrong size")
-    if fingerprint is not None and info.get("fingerprint") != fingerprint:
+    if fingerprint is not None and not _same_config(info, fingerprint):
         raise CheckpointError(
             f"checkpoint {str(p)!r} was written with another configuration or model "
             f"(fingerprint {info.get('fingerprint')!r}, this run {fingerprint!r})"

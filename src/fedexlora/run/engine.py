@@ -427,7 +427,7 @@ def local_update(
             lr=cfg.lr, batch_size=cfg.batch_size, epochs=cfg.local_epochs,
             device=next(model.parameters()).device, dtype=autocast_dtype(cfg),
             gradient_checkpointing=cfg.gradient_checkpointing,
-            weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_ratio,
+            weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio,
             max_grad_norm=cfg.max_grad_norm,
         )  # fmt: skip
     else:

@@ -231,8 +231,8 @@ def _write_merged(cfg, task, method, model, dest: Path, dtype: torch.dtype) -> s
         eff = effective_weight(layer).float()
         base = dst_layers[name].get_base_layer()
         base.weight.copy_(eff.T if isinstance(base, Conv1D) else eff)
-    # adapters dropped, not merged: the weights already hold them (an fp32 model never
-    # has side branches, so nothing else is left)
+    # adapters dropped, not merged: the weights already hold them, side branches included
+    # (an fp32 model's --fp32-side-branch goes with the LoRA layer that carries it)
     merged = plain.unload().to(dtype)
     merged.save_pretrained(str(dest))
     what = "dequantized fp32 weights" if quantized else f"{cfg.dtype} base upcast to fp32"

@@ -10,6 +10,7 @@ packing where asked. Nothing here formats a conversation or masks a label by han
 from __future__ import annotations
 
 import importlib.util
+import math
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -84,9 +85,10 @@ def sft_config(
 ):
     """One client's round of TRL SFT: the loss on the completion only.
 
-    TRL's bf16 and gradient-checkpointing defaults are set from the arguments instead: on
-    a CPU without AVX512-BF16 or AMX, bf16 matmuls are about 19x slower than fp32
-    (docs/BENCHMARKS.md, "bf16 on a CPU"), and a small model needs no checkpointing.
+    TRL's bf16 and gradient-checkpointing defaults are set from the arguments instead:
+    mixed precision only where ``dtype`` asks for it (on a CPU without AVX512-BF16 or AMX,
+    bf16 matmuls are about 19x slower than fp32: docs/BENCHMARKS.md, "bf16 on a CPU"),
+    and a small model needs no checkpointing.
 
     Args:
         output_dir: TRL's output directory (nothing is saved there: ``save_strategy="no"``).
@@ -98,7 +100,7 @@ def sft_config(
         max_length: Tokens per example (or per packed sequence).
         packing: TRL's packing (best-fit; padding-free, meant for FlashAttention).
         device: Where the model trains (``cpu`` sets TRL's ``use_cpu``).
-        dtype: Mixed precision on a GPU (bf16 or fp16); ``None`` trains in fp32.
+        dtype: Mixed precision (bf16, or fp16 on a GPU); ``None`` trains in fp32.
         gradient_checkpointing: Trade compute for memory.
         progress: Whether TRL shows its progress bar.
         **overrides: Any other ``SFTConfig`` field (FlowerTune's training arguments).
@@ -111,8 +113,8 @@ def sft_config(
         output_dir=output_dir, max_steps=-1 if steps is None else steps,
         num_train_epochs=epochs, per_device_train_batch_size=batch_size, learning_rate=lr,
         seed=seed, data_seed=seed, report_to=[], save_strategy="no", logging_strategy="no",
-        use_cpu=not gpu, bf16=gpu and dtype == torch.bfloat16,
-        fp16=gpu and dtype == torch.float16, gradient_checkpointing=gradient_checkpointing,
+        use_cpu=not gpu, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        gradient_checkpointing=gradient_checkpointing,
         disable_tqdm=not progress, max_length=max_length, packing=packing,
         completion_only_loss=True, dataset_num_proc=None,
     )  # fmt: skip
@@ -138,10 +140,17 @@ def train_sft(model: torch.nn.Module, tokenizer, dataset, args) -> TrainResult:
     was_training = model.training
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()  # TRL's dataset preparation, every round: quiet
+    # TRL casts a quantized model's trainable weights to bf16 (QLoRA's recipe). The
+    # adapter must stay as it is: the global factors it was given, in fp32, or the client
+    # would start from a rounded global model. The very tensors are put back.
+    kept = {n: p.data for n, p in model.named_parameters() if p.requires_grad}
     try:
         trainer = SFTTrainer(
             model=model, args=args, train_dataset=dataset, processing_class=tokenizer
         )
+        for n, p in model.named_parameters():
+            if n in kept and p.data is not kept[n]:
+                p.data = kept[n]
         if args.disable_tqdm:  # no bar, and no dict of metrics printed at the end either
             trainer.remove_callback(PrinterCallback)
             trainer.remove_callback(ProgressCallback)
@@ -170,9 +179,17 @@ def train_encoded(
     dtype: torch.dtype | None = None,
     gradient_checkpointing: bool = False,
     progress: bool = False,
+    warmup_ratio: float = 0.0,
     **overrides: Any,
 ) -> TrainResult:
-    """:func:`train_sft` on a tokenized causal-LM split (``fedexlora run --trainer trl``)."""
+    """:func:`train_sft` on a tokenized causal-LM split (``fedexlora run --trainer trl``).
+
+    ``warmup_ratio`` becomes a whole number of warm-up steps, as the builtin trainer counts
+    them (``int(ratio * total steps)``).
+    """
+    if warmup_ratio:
+        total = steps or math.ceil(math.ceil(len(data) / batch_size) * epochs)
+        overrides["warmup_steps"] = int(warmup_ratio * total)
     with tempfile.TemporaryDirectory(prefix="fedexlora-sft-") as out:
         args = sft_config(
             out, steps=steps, seed=seed, lr=lr, batch_size=batch_size, epochs=epochs,
