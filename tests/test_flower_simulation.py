@@ -73,7 +73,7 @@ def killed_and_resumed(tmp_path_factory, tiny_bert_dir, tiny_csv):
     cfg.write_text(
         f'model = "{tiny_bert_dir}"\ntask = "{tiny_csv}"\n'
         f"methods = {json.dumps(METHODS)}\nrounds = {ROUNDS}\n"
-        'engine = "flower"\nlocal_steps = 20\nbatch_size = 8\nnum_clients = 2\n'
+        'engine = "flower"\nlocal_steps = 80\nbatch_size = 8\nnum_clients = 2\n'
         'min_partition_size = 5\nmax_length = 16\nlora_r = 4\ntarget_modules = ["query", "value"]\n'
         'keep_checkpoints = 1\nreport_to = ["tensorboard"]\n'
     )
@@ -98,7 +98,8 @@ def killed_and_resumed(tmp_path_factory, tiny_bert_dir, tiny_csv):
         if done is not None and done.name == "round-0001":
             break
         time.sleep(0.05)
-    time.sleep(0.3)  # into round 2: its clients are training
+    time.sleep(0.3)  # into round 2: its clients are training (80 local steps each: a round
+    # lasts well over 0.3 s even in the machine's fast phases; at 20 it did not always)
     tree = set(_descendants(proc.pid))
     assert proc.poll() is None, "the run ended before it could be killed: " + proc.output()[-3000:]
     os.killpg(proc.pid, signal.SIGKILL)

@@ -64,7 +64,8 @@ def test_local_engine_model_equals_hand_computed_ideal(tiny_cfg, tmp_path, prec)
     if cfg.side_branch:  # the residual never went into the half-precision/quantized weight
         for n, layer in layers.items():
             assert torch.equal(_w0(layer), w0[n]), n
-    # the default export (merged for fp32, adapter otherwise), applied with plain peft
+    # the default export (merged for fp32 without a side branch, else adapter: merging
+    # would round the side branch into fp32 weights), applied with plain peft
     res = export_model(tmp_path, tmp_path / "export")
     assert res.format == ("adapter" if cfg.side_branch else "merged")
     assert _rel(_exported(res.path, cfg), ideal, w0) <= 1e-5

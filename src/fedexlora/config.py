@@ -193,8 +193,9 @@ class RunConfig:
 
     @property
     def resolved_export_format(self) -> str:
-        """``export_format``, or its default: ``merged`` for fp32 bases, else ``adapter``."""
-        return self.export_format or ("adapter" if self.low_precision else "merged")
+        """``export_format``, or its default: ``merged``, or ``adapter`` with a side branch."""
+        # a side branch (fp32 ones too) would be rounded into a merged fp32 model
+        return self.export_format or ("adapter" if self.side_branch else "merged")
 
     def _methods_where(
         self, test: Callable[[MethodSpec], bool], *, unknown: bool = False, unique: bool = True

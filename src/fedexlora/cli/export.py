@@ -21,7 +21,8 @@ def export_cmd(
         None,
         "--format",
         help="adapter (PEFT, exact on the unchanged base) or merged, a Hugging Face model "
-        "(default: merged for fp32 bases, adapter for bf16/fp16/quantized).",
+        "(default: merged for fp32 bases, adapter for bf16/fp16/quantized bases and "
+        "--fp32-side-branch runs).",
     ),
     dtype: str | None = typer.Option(None, "--dtype", help="Merged model dtype (default: fp32)."),
     allow_inexact: bool = typer.Option(

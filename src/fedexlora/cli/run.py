@@ -370,7 +370,8 @@ def run_cmd(
     ),
     export_format: str | None = typer.Option(
         None,
-        help="adapter or merged (default: merged for fp32 bases, else adapter).",
+        help="adapter or merged (default: merged for fp32 bases, adapter with a side "
+        "branch: bf16/fp16, quantized, --fp32-side-branch).",
         rich_help_panel=EXPORT,
     ),
     export_dtype: str | None = typer.Option(
