@@ -104,3 +104,16 @@ def test_gguf_cache_holds_the_gguf_values(monkeypatch, tmp_path):
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in want)
     assert again.name_or_path == spec.path and tok.chat_template  # as asked; SmolLM2's template
+
+
+def test_gguf_without_a_writable_cache_still_loads_quantized(monkeypatch, tmp_path):
+    """No cache (its root is a file): the GGUF file is read, then quantized, as before."""
+    from fedexlora.bridge.models import load_base, resolve_model
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("FEDEXLORA_CACHE", str(blocker))
+    model, _ = load_base("smollm2-135m", quantization="nf4")
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert "Linear4bit" in kinds and not (tmp_path / "not-a-dir").is_dir()
+    assert model.name_or_path == resolve_model("smollm2-135m").path

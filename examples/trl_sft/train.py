@@ -16,8 +16,11 @@ TRL does the rest as usual: the tokenizer's chat template on conversational
 prompt-completion data, the loss on the completion only, and packing (``--packing``;
 with TRL's default best-fit strategy it is padding-free, meant for FlashAttention).
 ``conversations`` and ``sft_config`` (``fedexlora.training.sft``) only build TRL's
-conversational data and its ``SFTConfig``; ``fedexlora run --trainer trl`` trains the
-same way inside fedex-lora's own engines.
+conversational data and its ``SFTConfig``. On a 4-bit or 8-bit base, TRL casts the adapter
+to bf16 when the trainer is built, so a client would start from a rounded global model:
+there, train with ``fedexlora.training.sft.train_sft``, which keeps the adapter's fp32
+tensors (the FlowerTune-style app in ``examples/flowertune_llm`` does). ``fedexlora run
+--trainer trl`` trains the same way inside fedex-lora's own engines.
 
 Offline, step by step (SmolLM2-135M-Instruct from PyPI as GGUF, 100 GSM8K items):
 

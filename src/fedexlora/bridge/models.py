@@ -236,8 +236,11 @@ def load_base(
         cached = _gguf_cache(spec)
         if cached is not None:
             try:
-                return _load_base(ModelSpec(spec.name, cached), name, causal, num_labels,
-                                  dtype, quantization, double_quant, seed)  # fmt: skip
+                model, tokenizer = _load_base(ModelSpec(spec.name, cached), name, causal,
+                                              num_labels, dtype, quantization, double_quant,
+                                              seed)  # fmt: skip
+                model.name_or_path = model.config._name_or_path = spec.path  # as asked
+                return model, tokenizer
             except (OSError, SafetensorError) as exc:  # damaged since: read the GGUF file
                 import shutil
                 import warnings
@@ -270,19 +273,28 @@ def _load_base(spec, name, causal, num_labels, dtype, quantization, double_quant
     else:
         cls, extra = AutoModelForSequenceClassification, {"num_labels": num_labels}
         extra["ignore_mismatched_sizes"] = True
-    if quantization is None:
-        model = cls.from_pretrained(spec.path, dtype=dtype, **kwargs, **extra)
-        if spec.gguf_file:  # plain tensors now: not marked GGUF-quantized (Trainer refuses it)
-            model.hf_quantizer, model.is_quantized = None, False
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
+    if quantization is None and spec.gguf_file:
+        model = _from_gguf(cls, spec, dtype, extra)
+    elif quantization is None:
+        model = cls.from_pretrained(spec.path, dtype=dtype, **extra)
     else:
         model = _load_quantized(cls, spec, name, quantization, double_quant, dtype, seed, extra)
     if not causal and model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
-    if spec.path != resolve_model(name).path:  # the GGUF cache: name the model as asked
-        model.name_or_path = model.config._name_or_path = resolve_model(name).path
     return model, tokenizer
+
+
+def _from_gguf(cls, spec: ModelSpec, dtype: torch.dtype, extra: dict):
+    """``cls`` read from the GGUF file: dequantized to plain ``dtype`` tensors, unmarked.
+
+    transformers keeps such a model marked GGUF-quantized, which its Trainer refuses to
+    train and ``save_pretrained`` refuses to write; the tensors are plain, so the mark goes.
+    """
+    model = cls.from_pretrained(spec.path, dtype=dtype, gguf_file=spec.gguf_file, **extra)
+    model.hf_quantizer, model.is_quantized = None, False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model
 
 
 def gguf_cache_dir() -> Path:
@@ -327,13 +339,8 @@ def _gguf_cache(spec: ModelSpec) -> str | None:
     except OSError:
         return None
     try:
-        kw = {"gguf_file": spec.gguf_file}
-        model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32, **kw)
-        model.hf_quantizer = None  # plain tensors now: drop the GGUF marker so they save
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(spec.path, **kw).save_pretrained(tmp)
+        _from_gguf(AutoModelForCausalLM, spec, torch.float32, {}).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(spec.path, gguf_file=spec.gguf_file).save_pretrained(tmp)
         for f in Path(tmp).iterdir():  # on disk before the marker says the copy is whole
             _fsync(f)
         (Path(tmp) / _GGUF_DONE).write_text(key)
@@ -405,14 +412,7 @@ def _load_quantized(cls, spec: ModelSpec, name, quantization, double_quant, dtyp
     try:
         if spec.gguf_file:
             with tempfile.TemporaryDirectory(prefix="fedexlora-gguf-") as tmp:
-                gguf = {"gguf_file": spec.gguf_file}
-                full = cls.from_pretrained(spec.path, dtype=dtype, **gguf, **extra)
-                # the weights are plain tensors now; drop the GGUF marker so they save
-                full.hf_quantizer = None
-                if hasattr(full.config, "quantization_config"):
-                    del full.config.quantization_config
-                full.save_pretrained(tmp)
-                del full
+                _from_gguf(cls, spec, dtype, extra).save_pretrained(tmp)
                 torch.manual_seed(seed)
                 model = cls.from_pretrained(tmp, dtype=dtype, quantization_config=qcfg, **extra)
                 model.name_or_path = model.config._name_or_path = spec.path  # not the tmp

@@ -416,16 +416,17 @@ def local_update(
 
         set_trainable(model, train_A=train_A, train_B=train_B)
     penalty, prune = _rank_pruning(model) if spec.prunes_rank else (None, None)
+    steps = cfg.local_steps if steps is None else steps
+    seed, device = client_seed(cfg.seed, rnd, client), next(model.parameters()).device
     if cfg.trainer == "trl":  # TRL's SFTTrainer: the same steps, batch, schedule and seed
         from fedexlora.training.sft import train_encoded
 
         if tokenizer is None:
             raise ValueError("`trainer` 'trl' needs the tokenizer: local_update(..., tokenizer=)")
-        steps = cfg.local_steps if steps is None else steps
         res = train_encoded(
-            model, tokenizer, data, steps=steps, seed=client_seed(cfg.seed, rnd, client),
+            model, tokenizer, data, steps=steps, seed=seed,
             lr=cfg.lr, batch_size=cfg.batch_size, epochs=cfg.local_epochs,
-            device=next(model.parameters()).device, dtype=autocast_dtype(cfg),
+            device=device, dtype=autocast_dtype(cfg),
             gradient_checkpointing=cfg.gradient_checkpointing,
             weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio,
             max_grad_norm=cfg.max_grad_norm,
@@ -435,16 +436,16 @@ def local_update(
             model,
             data,
             epochs=cfg.local_epochs,
-            steps=cfg.local_steps if steps is None else steps,
+            steps=steps,
             batch_size=cfg.batch_size,
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
             warmup_ratio=cfg.warmup_ratio,
             max_grad_norm=cfg.max_grad_norm,
-            seed=client_seed(cfg.seed, rnd, client),
+            seed=seed,
             desc=f"{method} r{rnd} client {client}",
             progress=progress,
-            device=next(model.parameters()).device,
+            device=device,
             autocast=autocast_dtype(cfg),
             dp=dp,
             penalty=penalty,
