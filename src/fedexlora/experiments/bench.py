@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import typer
 
 from fedexlora.core.methods import REGISTRY
+from fedexlora.core.units import format_bytes
 
 __all__ = [
     "COMM_METHODS",
@@ -348,15 +349,6 @@ def comm_table(
     )
     ours["down_dense_over_factored"] = dense["down_per_client"] / ours["down_per_client"]
     return rows
-
-
-def format_bytes(n: float) -> str:
-    """SI-unit bytes with three significant digits: ``892 kB``, ``7.38 MB``."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            v = n / scale
-            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
-    return f"{int(n)} B"
 
 
 def _print_table(rows: list[dict], console) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from fedexlora.config import RunConfig
 from fedexlora.core.methods import REGISTRY
+from fedexlora.core.units import format_bytes
 from fedexlora.experiments.stats import paired
 from fedexlora.run.report import best_value, higher_is_better, primary_metric
 
@@ -74,10 +75,6 @@ def _ms(xs: list[float]) -> str:
     if len(xs) == 1:
         return f"{xs[0]:.4f}"
     return f"{statistics.fmean(xs):.4f} ± {statistics.stdev(xs):.4f}"
-
-
-def _mb(n: float) -> str:
-    return f"{n / 2**20:.2f} MB"
 
 
 def _pair(agg: dict, key: str, a: str, b: str, metric: str):
@@ -209,8 +206,8 @@ def comparison_table(rows: dict, cfgs: dict, elapsed: float, reused: int = 0) ->
             srv = statistics.fmean(a["server_seconds"])
             lines.append(
                 f"| {m}{' (personalized)' if personal else ''} | {_ms(a['final'])} | "
-                f"{_ms(a['best'])} | {_mb(statistics.fmean(a['bytes']))} | "
-                f"{_mb(statistics.fmean(a['round_bytes']))} | "
+                f"{_ms(a['best'])} | {format_bytes(statistics.fmean(a['bytes']))} | "
+                f"{format_bytes(statistics.fmean(a['round_bytes']))} | "
                 + ("n/a | " if math.isnan(srv) else f"{1e3 * srv:.3g} | ")
                 + ("n/a | n/a |" if personal else f"{dev:.3g} | {eff:.2g} |")
             )

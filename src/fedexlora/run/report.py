@@ -7,6 +7,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from fedexlora.core.units import format_bytes
 from fedexlora.run.layout import RunLayout
 
 __all__ = [
@@ -50,14 +51,6 @@ def higher_is_better(metric: str) -> bool:
 def best_value(metric: str, values: list[float]) -> float:
     """The best of ``values``: the highest, or the lowest for a loss or perplexity."""
     return max(values) if higher_is_better(metric) else min(values)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"  # pragma: no cover
 
 
 PROPORTIONS = ("accuracy", "exact_match")
@@ -126,8 +119,8 @@ def summary_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                 _final(metric, vals[-1], sampled_examples(last)),
                 f"{best:.4f}",
                 f"{last['train_loss']:.4f}",
-                _fmt_bytes(sum(r["bytes_up"] for r in rs)),
-                _fmt_bytes(sum(r["bytes_down"] for r in rs)),
+                format_bytes(sum(r["bytes_up"] for r in rs)),
+                format_bytes(sum(r["bytes_down"] for r in rs)),
                 f"{sum(devs) / len(devs):.3g}" if devs else "n/a",
                 f"{max(effs):.2g}" if effs else "n/a",
                 f"{sum(r['seconds'] for r in rs):.1f}",
