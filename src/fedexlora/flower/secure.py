@@ -142,4 +142,7 @@ def aggregate_secure(strategy, replies: Iterable[Message], rec: Any) -> RoundOut
             stacklevel=1,
         )
     rejected = {c: rec.errors.get(c, "not in the secure sum") for c in rec.dropped}
-    return strategy.server.aggregate_secure(sums, survivors, rejected=rejected)
+    seconds = rec.secure.seconds if rec.secure is not None else 0.0
+    return strategy.server.aggregate_secure(
+        sums, survivors, rejected=rejected, protocol_seconds=seconds
+    )

@@ -285,10 +285,15 @@ class _SecureRun:
                 self.error = str(exc)
         if sums is None:
             rejected = {c: f"secure aggregation failed: {self.error}" for c in self.clients}
-            return self.server.aggregate_secure(None, [], rejected=rejected)
+            seconds = self.round.seconds if self.round is not None else 0.0
+            return self.server.aggregate_secure(
+                None, [], rejected=rejected, protocol_seconds=seconds
+            )
         survivors = sorted(self.round.session.survivors)
         rejected = {**self.round.dropped_reasons(), **self.refused}
-        outcome = self.server.aggregate_secure(sums, survivors, rejected=rejected)
+        outcome = self.server.aggregate_secure(
+            sums, survivors, rejected=rejected, protocol_seconds=self.round.seconds
+        )
         if sums.clipped:
             warnings.warn(
                 f"secure aggregation clipped {sums.clipped} numbers beyond "

@@ -14,7 +14,9 @@ survivors' sum (:meth:`fedexlora.server.Server.aggregate_secure`). The client si
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +59,13 @@ class SecureRound:
         clip: The clipping range of the quantization.
         uniform: Every client weighs the same (``weighting = "uniform"``); otherwise
             by its examples.
+
+    Attributes:
+        seconds: The server's own seconds in this round's protocol so far (building the
+            layout, routing keys and shares, unmasking, decoding the sums), the time an
+            ``exchange`` spends waiting for the clients' replies left out. An engine
+            hands it to :meth:`fedexlora.server.Server.aggregate_secure`
+            (``protocol_seconds``), so that the round's ``server_seconds`` holds it.
     """
 
     template: AdapterState
@@ -68,14 +77,43 @@ class SecureRound:
     layout: SecureLayout = field(init=False)
     quant: Quantization = field(init=False)
     session: ServerSession = field(init=False)
+    seconds: float = field(init=False, default=0.0)
+    _depth: int = field(init=False, default=0, repr=False)
 
     def __post_init__(self) -> None:
-        products = get_method(self.method).secure_products
-        self.layout = SecureLayout.for_template(self.template, products=products)
-        self.quant = Quantization.for_clients(max(len(self.clients), 1), clip=self.clip)
-        self.session = ServerSession(
-            list(self.clients), self.layout.size * self.quant.limbs + 1, seed=self.seed
-        )
+        with self._working():
+            products = get_method(self.method).secure_products
+            self.layout = SecureLayout.for_template(self.template, products=products)
+            self.quant = Quantization.for_clients(max(len(self.clients), 1), clip=self.clip)
+            self.session = ServerSession(
+                list(self.clients), self.layout.size * self.quant.limbs + 1, seed=self.seed
+            )
+
+    @contextlib.contextmanager
+    def _working(self) -> Iterator[None]:
+        """Counts the block's seconds in :attr:`seconds` (once, however deeply nested)."""
+        self._depth += 1
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.seconds += time.perf_counter() - t0
+
+    def _waiting(
+        self, exchange: Callable[[str, dict[int, dict]], Mapping[int, Mapping]]
+    ) -> Callable[[str, dict[int, dict]], Mapping[int, Mapping]]:
+        """``exchange``, its seconds (the clients' and the transport's) not counted."""
+
+        def ask(stage: str, messages: dict[int, dict]) -> Mapping[int, Mapping]:
+            t0 = time.perf_counter()
+            try:
+                return exchange(stage, messages)
+            finally:
+                self.seconds -= time.perf_counter() - t0
+
+        return ask
 
     @property
     def upload_bytes(self) -> int:
@@ -84,20 +122,23 @@ class SecureRound:
 
     def setup(self) -> dict[int, dict]:
         """Stage 0's messages, with the layout and quantization the clients need."""
-        return self.session.setup(
-            {
-                "fedex.clip": self.quant.clip,
-                "fedex.target": self.quant.target_range,
-                "fedex.limbs": self.quant.limbs,
-                "fedex.products": int(self.layout.products),
-                "fedex.uniform": int(self.uniform),
-            }
-        )
+        with self._working():
+            return self.session.setup(
+                {
+                    "fedex.clip": self.quant.clip,
+                    "fedex.target": self.quant.target_range,
+                    "fedex.limbs": self.quant.limbs,
+                    "fedex.products": int(self.layout.products),
+                    "fedex.uniform": int(self.uniform),
+                }
+            )
 
     def keys(self, exchange: Callable[[str, dict[int, dict]], Mapping[int, Mapping]]) -> None:
         """Stages 0 and 1 over ``exchange(stage, messages) -> replies``."""
-        self.session.take_keys(exchange("setup", self.setup()))
-        self.session.take_shares(exchange("share-keys", self.session.share_keys()))
+        ask = self._waiting(exchange)
+        with self._working():
+            self.session.take_keys(ask("setup", self.setup()))
+            self.session.take_shares(ask("share-keys", self.session.share_keys()))
 
     def finish(
         self,
@@ -105,15 +146,17 @@ class SecureRound:
         exchange: Callable[[str, dict[int, dict]], Mapping[int, Mapping]],
     ) -> SecureSums:
         """Stage 2's replies, then stage 3: the means of the survivors' uploads."""
-        self.session.take_masked(masked)
-        total = self.session.take_unmask(exchange("unmask", self.session.unmask()))
-        count = len(self.session.survivors)
-        values = self.quant.decode(total[:-1], count)
-        sums = read_sums(
-            self.layout, torch.from_numpy(values), self.template, clipped=int(total[-1])
-        )
-        sums.examples = None if self.uniform else round(sums.weight * MAX_EXAMPLES)
-        return sums
+        ask = self._waiting(exchange)
+        with self._working():
+            self.session.take_masked(masked)
+            total = self.session.take_unmask(ask("unmask", self.session.unmask()))
+            count = len(self.session.survivors)
+            values = self.quant.decode(total[:-1], count)
+            sums = read_sums(
+                self.layout, torch.from_numpy(values), self.template, clipped=int(total[-1])
+            )
+            sums.examples = None if self.uniform else round(sums.weight * MAX_EXAMPLES)
+            return sums
 
     def dropped_reasons(self) -> dict[int, str]:
         """Why each sampled client is not in the sum."""

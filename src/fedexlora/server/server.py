@@ -27,6 +27,7 @@ from fedexlora.core.messages import (
     validate_upload,
 )
 from fedexlora.core.methods import REGISTRY, method_names
+from fedexlora.core.sampling import sample_size
 from fedexlora.core.secure import SecureSums
 from fedexlora.core.state import AdapterState, LayerInfo, aggregate_states
 from fedexlora.server.record import DeltaRecord
@@ -48,20 +49,23 @@ __all__ = [
 
 
 def _timed(fn):
-    """Adds the method's seconds to ``self._busy``.
+    """Adds the method's seconds to the server's work in the current round (``self._busy``).
 
-    ``aggregate`` closes the round's sum into ``last_round_seconds`` (payloads,
-    validation, aggregation: the server's own work in the round).
+    A call that advances the round (an aggregation, clear or secure) closes it: the
+    seconds summed since the previous round closed become ``last_round_seconds``
+    (payloads, validation, a secure round's unmasking, aggregation: the server's own
+    work in the round).
     """
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         t0 = time.perf_counter()
+        before = self.round
         try:
             return fn(self, *args, **kwargs)
         finally:
             self._busy += time.perf_counter() - t0
-            if fn.__name__ == "aggregate":
+            if self.round != before:
                 self.last_round_seconds, self._busy = self._busy, 0.0
 
     return wrapper
@@ -140,7 +144,7 @@ class Server:
         self.remainder: dict[int, dict[str, Residual]] = {}  # hetero: T_i each client holds
         self.sent: dict[int, AdapterState] = {}  # hetero: the view each client trains from
         self.client_rank: dict[int, int] = {}  # HetLoRA: the rank a client pruned itself to
-        self._busy = 0.0  # seconds in payload_for and aggregate since the last round
+        self._busy = 0.0  # the server's seconds in the current round, so far
         self.last_round_seconds = 0.0  # the server's own seconds in the latest round
 
     def _has(self, flag: str) -> bool:
@@ -260,8 +264,8 @@ class Server:
         )
 
     def sample_size(self) -> int:
-        """Clients per round: ``fraction * num_clients`` rounded half up, at least one."""
-        return max(1, math.floor(self.fraction * self.num_clients + 0.5))
+        """Clients per round (:func:`fedexlora.core.sampling.sample_size`, as DP plans)."""
+        return sample_size(self.num_clients, self.fraction)
 
     def expected_absence(self) -> float:
         """Rounds a client waits, on average, between two samplings (1 when all are)."""
@@ -564,6 +568,7 @@ class Server:
         clients: Sequence[int],
         *,
         rejected: Mapping[int, str] | None = None,
+        protocol_seconds: float = 0.0,
     ) -> RoundOutcome:
         """One round from securely summed uploads: the server sees only sums.
 
@@ -580,12 +585,19 @@ class Server:
                 model is unchanged).
             clients: The clients whose vectors are in the sums.
             rejected: Client id -> why it is not in the sums (a dropout).
+            protocol_seconds: The server's own seconds in this round's secure aggregation
+                protocol (key routing, unmasking, decoding: :attr:`SecureRound.seconds
+                <fedexlora.secagg.rounds.SecureRound.seconds>`), counted in the round's
+                :attr:`last_round_seconds`.
         """
         from fedexlora.core.secure import secure_refusal
 
         why = secure_refusal(REGISTRY[self.method])
         if why:
             raise ValueError(why)
+        if not (math.isfinite(protocol_seconds) and protocol_seconds >= 0):
+            raise ValueError(f"protocol_seconds must be finite and >= 0, got {protocol_seconds!r}")
+        self._busy += float(protocol_seconds)
         self.record.check_all()
         self.round += 1
         rejected = dict(rejected or {})

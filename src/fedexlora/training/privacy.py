@@ -22,6 +22,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+from fedexlora.core.sampling import sample_size
+
 ACCOUNTANT = "rdp"
 """The accountant: Renyi DP of the Poisson-subsampled Gaussian (Opacus's analysis)."""
 
@@ -131,13 +133,14 @@ def steps_per_round(cfg, n: int) -> int:
 def planned_rounds(cfg) -> int:
     """Rounds each client is planned to train in: all of them, or its expected share.
 
-    With partial participation the server samples ``max(1, round(fraction * clients))``
-    clients a round, so a client expects ``rounds * sampled / clients`` rounds; the plan
-    rounds that up. A client sampled more often is refused once its budget is spent.
+    With partial participation the server samples
+    :func:`~fedexlora.core.sampling.sample_size` clients a round (the same function), so
+    a client expects ``rounds * sampled / clients`` rounds; the plan rounds that up. A
+    client sampled more often is refused once its budget is spent.
     """
     if cfg.fraction >= 1.0:
         return int(cfg.rounds)
-    per_round = max(1, round(cfg.fraction * cfg.num_clients))
+    per_round = sample_size(cfg.num_clients, cfg.fraction)
     return max(1, math.ceil(cfg.rounds * per_round / cfg.num_clients))
 
 
