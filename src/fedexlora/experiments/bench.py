@@ -1,33 +1,36 @@
-"""Communication cost per round of each method, counted from real tensors.
+"""Communication cost per round of each method, counted by the engines' own code.
 
-``fedexlora bench comm`` prints, per method, the bytes one round moves down (server to
-client) and up (client to server), per client and for all ``k`` clients. The figures are
-the steady state of a round from round 2 on, when the clients already hold the base
-model and, under FFA-LoRA, the frozen A.
+``fedexlora bench comm`` prints, per method, the bytes round 2 moves down (server to
+client) and up (client to server), per client and for all ``k`` clients. From round 2 on
+the clients hold the base model and whatever was sent once (FFA-LoRA's frozen A), and a
+round folds the previous round's residual; every later round costs the same, except
+RoLoRA's, whose odd rounds upload B where its even rounds upload A.
 
-Every figure is the ``numel * element_size`` of a tensor that was actually built: random
-client factors at the layer's shape go through :func:`fedexlora.core.aggregation.aggregate`,
-and the result's ``A``, ``B`` and ``residual`` are measured. Layers of the same shape
-cost the same, so one layer of each distinct shape is built and its bytes multiplied by
-the number of layers of that shape (a Llama-7B-sized model never has to fit in memory).
+The figures are not a formula of this module's: each method's server
+(:class:`fedexlora.server.Server`, the one both engines run) starts from random factors
+of the model's shapes, sends every client its round-1 payload, aggregates one random
+upload per client (exactly the tensors the server accepts that round), and builds each
+client's round-2 payload. ``down`` is :attr:`~fedexlora.core.messages.Payload.nbytes` of
+those payloads and ``up`` :attr:`~fedexlora.core.messages.ClientUpload.nbytes` of the
+round-2 uploads: what the engines count as ``bytes_down`` and ``bytes_up`` in
+``metrics.jsonl``. So a method's residual travels down when its server sends one
+(FedEx-LoRA's, FLoRA's stacked factors, FRLoRA's ``B̄Ā - B0A0``), a frozen or personal
+factor does not, and FedSA-LoRA's task head stays on the client.
 
-What each method sends, per client and round (fp32 throughout, as the engine sends):
+Layers of the same shape cost the same, so the server runs one layer of each distinct
+shape, and each message's bytes count that layer as often as the model has it (a
+Llama-7B-sized model never has to fit in memory).
 
-* ``fedit``: down global A, B; up A_i, B_i.
-* ``ffa``: down global B (A is frozen and was sent once, in round 1); up B_i.
-* ``flora``: down the fresh global A, B and the stacked client factors, which
-  ``aggregate(method="flora")`` returns as its residual (rank ``k r``, or dense where
-  that is smaller); up A_i, B_i.
-* ``fedex-dense``: FedEx-LoRA as the released code sends it: down A, B and the dense
-  ``(d, n)`` residual; up A_i, B_i.
-* ``fedex``: FedEx-LoRA as this package sends it: down A, B and the residual factored
-  at rank ``<= (k-1) r`` (dense where that is smaller); up A_i, B_i.
+Two rows are the bench's own, for comparison; no engine sends them:
+
+* ``fedex-dense``: FedEx-LoRA as the released code sends it: its round-2 payload with
+  every residual a dense ``(d, n)`` matrix.
 * ``full-ft``: full fine-tuning of the same adapted layers: their dense ``(d, n)``
   weights both ways. It is a lower bound for full fine-tuning of the whole model, which
   would also send every layer that LoRA leaves frozen.
 
-Trainable non-LoRA tensors of the model (a classifier head) travel both ways with every
-method and are counted in ``extra_bytes``.
+Trainable non-LoRA tensors of the model (a classifier head) travel with the factors
+where the server sends and accepts them, and are counted in ``extra_bytes``.
 """
 
 from __future__ import annotations
@@ -211,72 +214,181 @@ def _nbytes(t) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def _layer_bytes(
-    d: int, n: int, rank: int, clients: int, seed: int, sb_rank: int
-) -> dict[str, dict]:
-    """Down and up bytes of one layer for every method, from real tensors."""
+def _one_layer(message, name: str):
+    """``message`` (a payload or an upload) cut down to module ``name``: no other layer."""
+    from dataclasses import replace
+
+    from fedexlora.core.messages import Payload
+    from fedexlora.core.state import AdapterState
+
+    state = AdapterState(factors={name: message.state.factors[name]})
+    if isinstance(message, Payload):
+        kept = {name: message.residuals[name]} if name in message.residuals else {}
+        return replace(message, state=state, residuals=kept)
+    return replace(message, state=state)
+
+
+def _model_bytes(message, counts: dict[str, int]) -> int:
+    """``message.nbytes`` with each layer counted as often as the model has its shape.
+
+    The server ran one layer of each distinct shape (``counts``: its name -> how many
+    layers of the model have that shape); layers of one shape cost the same.
+    """
+    return message.nbytes + sum(
+        (count - 1) * _one_layer(message, name).nbytes for name, count in counts.items()
+    )
+
+
+def _upload(server, client: int, generator=None):
+    """A valid upload of ``client`` for the server's coming round.
+
+    Exactly the tensors the server expects (:meth:`~fedexlora.server.Server.upload_template`:
+    what the method uploads that round). With ``generator``, each is moved by random
+    noise, as local training moves it; without, they are the global ones (the same
+    bytes, nothing to draw).
+    """
     import torch
 
-    from fedexlora.core.aggregation import aggregate
+    from fedexlora.core.messages import ClientUpload
+    from fedexlora.core.state import AdapterState
 
+    def moved(t):
+        if t is None or generator is None:
+            return t
+        return t + 0.1 * torch.randn(t.shape, generator=generator)
+
+    template = server.sent.get(client, server.upload_template())
+    state = AdapterState(
+        factors={k: (moved(A), moved(B)) for k, (A, B) in template.factors.items()},
+        extra={k: moved(t) for k, t in template.extra.items()},
+    )
+    return ClientUpload(client, state, num_examples=10 + client)
+
+
+def _round_two(
+    method: str, shape: ModelShape, rank: int, clients: int, seed: int, sb_rank: int
+) -> tuple[list, list, dict[str, int]]:
+    """Round 2 of ``method``'s server on one layer of each shape: its payloads and uploads.
+
+    The server (:class:`fedexlora.server.Server`, the one both engines run) starts from
+    random factors, sends every client its round-1 payload, aggregates one random upload
+    per client, and builds each client's round-2 payload: what an engine sends and counts
+    as ``bytes_down`` (``Payload.nbytes``). The round-2 uploads are those it would accept
+    (``ClientUpload.nbytes``, counted as ``bytes_up``).
+
+    Returns:
+        ``(payloads, uploads, counts)``: one of each per client, and per layer name of
+        the server the number of layers of the model with its shape.
+
+    Raises:
+        RuntimeError: If the server refused a round-1 upload (the bench built it wrong).
+    """
+    import torch
+
+    from fedexlora.core.state import AdapterState, LayerInfo
+    from fedexlora.server import Server
+
+    spec = REGISTRY[method]
     g = torch.Generator().manual_seed(seed)
-    As = [torch.randn(rank, n, generator=g) / n**0.5 for _ in range(clients)]
-    Bs = [torch.randn(d, rank, generator=g) / d**0.5 for _ in range(clients)]
-    # a latent method (Fed-SB) in the server's coordinates: A = I shared, B = the r x r core
-    q = min(sb_rank, d, n)
-    cores = [torch.randn(q, q, generator=g) for _ in range(clients)]
-    up_ab = _nbytes(As[0]) + _nbytes(Bs[0])
-    out: dict[str, dict] = {}
-    for m in _FEDERATED:
-        spec = REGISTRY[m]
-        if spec.latent:  # only the core travels, each way
-            res = aggregate([torch.eye(q)] * clients, cores, method=m, generator=g)
-            out[m] = {"down": _nbytes(res.B), "up": _nbytes(cores[0]), "residual": 0}
-        elif spec.alternating:  # RoLoRA: B goes up in odd rounds, A in even (their mean)
-            res = aggregate([As[0]] * clients, Bs, method=m, generator=g)
-            up = (_nbytes(As[0]) + _nbytes(Bs[0])) // 2
-            out[m] = {"down": _nbytes(res.A) + _nbytes(res.B), "up": up, "residual": 0}
-        elif spec.frozen_A:  # A was sent once, in round 1: only B travels
-            res = aggregate([As[0]] * clients, Bs, method=m, generator=g)
-            down = _nbytes(res.B) + (_nbytes(res.A) if spec.refactors_A else 0)  # FedSVD: new A
-            out[m] = {"down": down, "up": _nbytes(Bs[0]), "residual": 0}
-        elif spec.personal_B:  # FedSA-LoRA: A up, Ā down; B stays on the client
-            res = aggregate(As, [Bs[0]] * clients, method=m, generator=g)
-            out[m] = {"down": _nbytes(res.A), "up": _nbytes(As[0]), "residual": 0}
+    factors, layers, counts = {}, {}, {}
+    for i, group in enumerate(shape.layers):
+        name = f"{i}.{group.name}"
+        if spec.latent:  # Fed-SB in the server's coordinates: A = I, B = the r x r core
+            q = min(sb_rank, group.d, group.n)
+            d, n, r = q, q, q
+            factors[name] = (torch.eye(q), torch.randn(q, q, generator=g))
         else:
-            start = (As[0], Bs[0]) if spec.restarts else None  # FRLoRA: the round's start
-            res = aggregate(As, Bs, method=m, generator=g, start=start)
-            ab = _nbytes(res.A) + _nbytes(res.B)
-            if not spec.exact:  # averaged factors alone: no residual
-                out[m] = {"down": ab, "up": up_ab, "residual": 0}
-                continue
-            r = res.residual  # exact with both factors trained: a residual travels down
-            out[m] = {
-                "down": ab + r.nbytes,
-                "up": up_ab,
-                "residual": r.nbytes,
-                "residual_rank": r.rank,
-                "factored": r.is_factored,
-            }
-            if m == _OURS:  # and as the released code sends it: dense
-                dense = _nbytes(r.to_dense())
-                out["fedex-dense"] = {
-                    "down": ab + dense,
-                    "up": up_ab,
-                    "residual": dense,
-                    "residual_rank": r.rank,
-                    "factored": False,
-                }
+            d, n, r = group.d, group.n, rank
+            A = torch.randn(r, n, generator=g) / n**0.5
+            B = torch.randn(d, r, generator=g) / d**0.5
+            factors[name] = (A, B)
+        layers[name] = LayerInfo(scale=1.0, fan_in_fan_out=False, rank=r, shape=(d, n))
+        counts[name] = group.count
+    extra = {f"extra{i}": torch.randn(s, generator=g) for i, s in enumerate(shape.extra)}
+    server = Server(
+        AdapterState(factors, extra), layers, method=spec.server, num_clients=clients, seed=seed
+    )
+    for c in range(clients):  # round 1: the factors only, no residual yet
+        server.payload_for(c)
+    outcome = server.aggregate([_upload(server, c, g) for c in range(clients)], effective=False)
+    if outcome.rejected:
+        raise RuntimeError(f"{method}: the server refused the bench's uploads {outcome.rejected}")
+    payloads = [server.payload_for(c) for c in range(clients)]
+    uploads = [_upload(server, c) for c in range(clients)]
+    return payloads, uploads, counts
 
-    weight = _nbytes(torch.empty(d, n, dtype=torch.float32))
-    out["full-ft"] = {"down": weight, "up": weight, "residual": 0}
+
+def _method_bytes(
+    method: str, shape: ModelShape, rank: int, clients: int, seed: int, sb_rank: int
+) -> dict[str, dict]:
+    """Round-2 bytes of ``method`` (and, for FedEx-LoRA, of its dense variant)."""
+    from dataclasses import replace
+
+    import torch
+
+    from fedexlora.core.factors import Residual
+    from fedexlora.core.state import AdapterState
+
+    payloads, uploads, counts = _round_two(method, shape, rank, clients, seed, sb_rank)
+    downs = [_model_bytes(p, counts) for p in payloads]
+    ups = [_model_bytes(u, counts) for u in uploads]
+    first = payloads[0]
+    groups = {f"{i}.{g.name}": g for i, g in enumerate(shape.layers)}
+    row = {
+        "down_per_client": max(downs),
+        "up_per_client": max(ups),
+        "down_total": sum(downs),
+        "up_total": sum(ups),
+        "residual_per_client": downs[0] - _model_bytes(replace(first, residuals={}), counts),
+        "extra_bytes": AdapterState(extra=first.state.extra).nbytes,
+    }
+    if first.residuals:
+        row["residual_rank"] = {
+            f"{groups[k].name} {groups[k].d}x{groups[k].n}": r.rank
+            for k, r in first.residuals.items()
+        }
+        row["factored"] = all(r.is_factored for r in first.residuals.values())
+    out = {method: row}
+    if method == _OURS:  # as the released code sends it: each residual dense (d, n)
+
+        def dense(p):
+            res = {
+                k: Residual(r.shape, dense=torch.empty(r.shape, dtype=r.U.dtype))
+                if r.is_factored
+                else r
+                for k, r in p.residuals.items()
+            }
+            return _model_bytes(replace(p, residuals=res), counts)
+
+        dense_downs = [dense(p) for p in payloads]
+        out["fedex-dense"] = {
+            **row,
+            "down_per_client": max(dense_downs),
+            "down_total": sum(dense_downs),
+            "residual_per_client": row["residual_per_client"] + dense_downs[0] - downs[0],
+            "factored": False,
+        }
     return out
+
+
+_FIGURES = (
+    "down_per_client",
+    "up_per_client",
+    "down_total",
+    "up_total",
+    "residual_per_client",
+    "extra_bytes",
+)
 
 
 def comm_table(
     shape: ModelShape, rank: int, clients: int, *, seed: int = 0, fedsb_rank: int = 64
 ) -> list[dict]:
-    """Bytes per round, down and up, for every method of :data:`COMM_METHODS`.
+    """Bytes of round 2, down and up, for every method of :data:`COMM_METHODS`.
+
+    Each federated method's figures are those its server's payloads and the uploads it
+    accepts carry (see the module's description); ``fedex-dense`` and ``full-ft`` are
+    the bench's own comparison rows.
 
     Args:
         shape: The adapted layers (and trainable extras) of the model.
@@ -291,7 +403,8 @@ def comm_table(
         One dict per method with ``model``, ``method``, ``label``, ``rank``, ``clients``,
         ``layers``, ``down_per_client``, ``up_per_client``, ``down_total``, ``up_total``
         (all ``k`` clients), ``residual_per_client`` (residual bytes in the download),
-        ``extra_bytes`` (head, included in every up and down figure), ``residual_rank``
+        ``extra_bytes`` (the trainable non-LoRA tensors, e.g. a head, in each download
+        and upload; 0 where the clients keep their own), ``residual_rank``
         (per layer group, where there is a residual), ``factored`` (whether every
         residual travels factored), and ``down_vs_fedex`` (download relative to
         ``fedex``). The ``fedex`` row also has ``residual_dense_over_factored`` and
@@ -307,14 +420,23 @@ def comm_table(
     if clients < 1:
         raise ValueError(f"`clients` must be positive, got {clients}")
     extra = sum(_nbytes(torch.empty(s, dtype=torch.float32)) for s in shape.extra)
-    per_group = [
-        (g, _layer_bytes(g.d, g.n, rank, clients, seed + i, fedsb_rank))
-        for i, g in enumerate(shape.layers)
-    ]
+    measured: dict[str, dict] = {}
+    for m in _FEDERATED:
+        measured.update(_method_bytes(m, shape, rank, clients, seed, fedsb_rank))
+    weights = sum(
+        g.count * _nbytes(torch.empty(g.d, g.n, dtype=torch.float32)) for g in shape.layers
+    )
+    full = extra + weights  # full fine-tuning of the adapted layers, each way
+    measured["full-ft"] = {
+        "down_per_client": full,
+        "up_per_client": full,
+        "down_total": clients * full,
+        "up_total": clients * full,
+        "residual_per_client": 0,
+        "extra_bytes": extra,
+    }
     rows = []
     for m in COMM_METHODS:
-        down = extra + sum(g.count * b[m]["down"] for g, b in per_group)
-        up = extra + sum(g.count * b[m]["up"] for g, b in per_group)
         row = {
             "model": shape.name,
             "method": m,
@@ -322,20 +444,13 @@ def comm_table(
             "rank": rank,
             "clients": clients,
             "layers": shape.num_layers,
-            "down_per_client": down,
-            "up_per_client": up,
-            "down_total": clients * down,
-            "up_total": clients * up,
-            "residual_per_client": sum(g.count * b[m]["residual"] for g, b in per_group),
-            "extra_bytes": extra,
+            **{k: measured[m][k] for k in _FIGURES},
         }
         if m in REGISTRY and REGISTRY[m].latent:  # at its own rank
             row["rank"] = fedsb_rank
-        if "residual_rank" in per_group[0][1][m]:
-            row["residual_rank"] = {
-                f"{g.name} {g.d}x{g.n}": b[m]["residual_rank"] for g, b in per_group
-            }
-            row["factored"] = all(b[m]["factored"] for _, b in per_group)
+        if "residual_rank" in measured[m]:
+            row["residual_rank"] = measured[m]["residual_rank"]
+            row["factored"] = measured[m]["factored"]
         rows.append(row)
     by = {r["method"]: r for r in rows}
     ours = by[_OURS]
@@ -358,7 +473,7 @@ def _print_table(rows: list[dict], console) -> None:
     k = first["clients"]
     title = (
         f"{first['model']}: {first['layers']} adapted layers, r={first['rank']}, k={k} "
-        "clients; bytes per round, fp32"
+        "clients; bytes of round 2, fp32"
     )
     table = Table(title=title, title_justify="left")
     table.add_column("method")
@@ -382,10 +497,13 @@ def _print_table(rows: list[dict], console) -> None:
         f"download dense/factored {ours['down_dense_over_factored']:.2f}x; {ranks}",
         highlight=False,
     )
-    if first["extra_bytes"]:
+    head = max(r["extra_bytes"] for r in rows)
+    if head:
+        kept = [r["method"] for r in rows if not r["extra_bytes"]]
+        but = f", except {', '.join(kept)} (each client keeps its own)" if kept else ""
         console.print(
-            f"  every figure includes {first['extra_bytes']} B of trainable non-LoRA tensors "
-            "(the classifier head), each way",
+            f"  every figure includes {head} B of trainable non-LoRA tensors "
+            f"(the classifier head), each way{but}",
             highlight=False,
         )
     console.print()
@@ -396,8 +514,9 @@ def _print_legend(console) -> None:
     for m in COMM_METHODS:
         console.print(f"  {m:<12} {_label(m)}", highlight=False)
     console.print(
-        "  down/up are a steady-state round (round 2 on); 'residual' is the residual part "
-        "of down/client; 'vs ours' is down/client relative to fedex",
+        "  down/up are round 2, counted from the server's payloads and the uploads it "
+        "accepts; 'residual' is the residual part of down/client; 'vs ours' is "
+        "down/client relative to fedex",
         highlight=False,
     )
     console.print()
@@ -428,7 +547,7 @@ def comm(
     fedsb_rank: int = typer.Option(64, help="Fed-SB's rank, for every shape."),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON instead."),
 ) -> None:
-    """Bytes per round, down and up, per method, counted from real tensors."""
+    """Bytes of round 2, down and up, per method, from the server's own payloads."""
     from rich.console import Console
     from rich.markup import escape
 

@@ -1,0 +1,111 @@
+"""``bench comm`` counts what the engines send: a real run's metrics.jsonl, method by method."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from fedexlora.core.methods import REGISTRY
+from fedexlora.core.units import format_bytes
+from fedexlora.experiments.bench import (
+    COMM_METHODS,
+    bench_app,
+    comm_table,
+    embedded_shape,
+    roberta_base_shape,
+    shape_from_model,
+)
+
+FEDERATED = [m for m, spec in REGISTRY.items() if spec.federated]
+RANK, CLIENTS, LABELS, SB_RANK = 4, 3, 3, 4
+# q and v are 32 x 32; intermediate.dense maps 32 -> 48: a layer that is not square, where
+# A and B differ in size (RoLoRA's round 2 uploads A alone)
+TARGETS = ["query", "value", "intermediate.dense"]
+
+
+def _by_method(rows):
+    return {r["method"]: r for r in rows}
+
+
+@pytest.fixture(scope="module")
+def predicted(tiny_bert_dir):
+    """``comm_table`` of the tiny model as the runs below train it."""
+    from fedexlora.bridge.models import load_model
+
+    model, _ = load_model(
+        tiny_bert_dir, causal=False, num_labels=LABELS, r=RANK, target_modules=TARGETS
+    )
+    shape, rank = shape_from_model(model, "tiny")
+    assert rank == RANK
+    return _by_method(comm_table(shape, rank, CLIENTS, fedsb_rank=SB_RANK))
+
+
+def test_comm_lists_every_federated_method():
+    assert set(FEDERATED) <= set(COMM_METHODS)
+
+
+@pytest.mark.parametrize("method", FEDERATED)
+def test_comm_equals_the_bytes_a_real_run_writes(method, tiny_cfg, tmp_path, predicted):
+    """Round 2 of a real run: bytes_down and bytes_up in metrics.jsonl are the table's."""
+    from fedexlora.run.pipeline import run_experiment
+
+    # Arrange: the tiny model, all clients every round, as comm_table assumes
+    cfg = tiny_cfg.replace(
+        methods=[method],
+        rounds=2,
+        num_clients=CLIENTS,
+        lora_r=RANK,
+        target_modules=TARGETS,
+        fedsb_rank=SB_RANK,
+        fedsb_init="random",
+        max_train=30,
+        max_test=6,
+    )
+
+    # Act
+    run_experiment(cfg, tmp_path, progress=False)
+
+    # Assert
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    row = next(r for r in map(json.loads, lines) if r["method"] == method and r["round"] == 2)
+    want = predicted[method]
+    assert (row["bytes_down"], row["bytes_up"]) == (want["down_total"], want["up_total"])
+    assert row["bytes_down_max"] == want["down_per_client"]
+
+
+def test_frlora_sends_its_residual_down():
+    # RoBERTa-base q,v, r=4, k=3: FRLoRA folds B̄Ā - B0A0 (rank 2r, factored) into every
+    # client's base, on top of (A0, B0) and what FedIT sends
+    d = n = 768
+    r, layers = 4, 24
+    by = _by_method(comm_table(roberta_base_shape(), r, 3))
+    frlora, fedit = by["frlora"], by["fedit"]
+    assert frlora["residual_rank"] == {"query,value 768x768": 2 * r}
+    assert frlora["factored"] is True
+    assert frlora["residual_per_client"] == layers * 2 * r * (d + n) * 4
+    assert frlora["down_per_client"] == fedit["down_per_client"] + frlora["residual_per_client"]
+    assert frlora["up_per_client"] == fedit["up_per_client"]
+
+
+def test_cli_counts_the_model_it_is_given(tiny_bert_dir):
+    # Arrange: the tiny model with its default targets, as `fedexlora run` would load it
+    args = ["comm", "--model", tiny_bert_dir, "--num-labels", str(LABELS), "--rank", "4"]
+    args += ["--clients", "3", "--fedsb-rank", str(SB_RANK), "--shapes", "embedded"]
+    shape = embedded_shape(RANK, model=tiny_bert_dir, num_labels=LABELS)
+    want = comm_table(shape, RANK, CLIENTS, fedsb_rank=SB_RANK)
+
+    # Act
+    runner = CliRunner()
+    as_json = runner.invoke(bench_app, [*args, "--json"])
+    table = runner.invoke(bench_app, args)
+
+    # Assert: the JSON rows are comm_table's; the table prints FRLoRA's residual
+    assert as_json.exit_code == 0, as_json.output
+    assert json.loads(as_json.output) == json.loads(json.dumps(want))
+    assert table.exit_code == 0, table.output
+    frlora = _by_method(want)["frlora"]
+    line = next(ln for ln in table.output.splitlines() if ln.startswith("│ frlora"))
+    cells = [c.strip() for c in line.split("│")[2:7]]  # down, up, down x3, up x3, residual
+    keys = ("down_per_client", "up_per_client", "down_total", "up_total", "residual_per_client")
+    assert cells == [format_bytes(frlora[k]) for k in keys]
+    assert frlora["residual_per_client"] > 0
