@@ -41,6 +41,10 @@ SLOW_FIRST = [
     "test_flowertune_app.py",
     "test_trainer_trl.py",
     "test_fp32_side_branch.py",
+    "test_bench_payloads.py",
+    "test_guards.py",
+    "test_dp_sampling.py",
+    "test_round_timing.py",
 ]
 
 
