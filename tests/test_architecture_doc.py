@@ -29,3 +29,15 @@ def test_the_tree_it_describes_exists():
     for path in re.findall(r"`((?:core|server|bridge|tasks|training|run|flower|cli)/[\w/.]+\.py)`",
                            DOC.read_text()):  # fmt: skip
         assert (src / path).is_file(), path
+
+
+def test_what_exact_promises_is_the_bound_the_run_holds():
+    from fedexlora.core.methods.spec import EXACT_BOUND, MethodSpec
+
+    text = " ".join(DOC.read_text().split())
+    section = text[text.index("### What `exact` and `linear` promise") :]
+    stated = re.search(r"`EXACT_BOUND` = ([0-9.e-]+) of the update", section)
+    assert stated and float(stated.group(1)) == EXACT_BOUND
+    assert "`aggregate(A, B, p)`" in section
+    for field in ("exact", "linear"):  # the spec's docstring defines them too
+        assert f"{field}: " in MethodSpec.__doc__

@@ -74,7 +74,7 @@ def test_validate_lists_every_error(tmp_path):
         'rounds = 0\nmodl = "minilm"\nlr = "fast"\nmethods = ["ffa"]\nresidual_rank = 2\n'
     )
     res = _run("validate", str(cfg))
-    assert res.exit_code == 1
+    assert res.exit_code == 2  # as `run --config` exits on the same file
     assert "unknown key `modl`; did you mean `model`?" in res.output
     assert "`lr` must be a number, got 'fast'" in res.output
     good = tmp_path / "g.toml"
@@ -436,7 +436,7 @@ def test_a_missing_local_model_says_so_before_training(model, tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'model = "{model}"\n')
     res = _run("validate", str(cfg))
-    assert res.exit_code == 1 and "no such local directory" in res.output
+    assert res.exit_code == 2 and "no such local directory" in res.output
     res = _run("run", "--config", str(cfg), "--out", str(tmp_path / "o"), "--no-progress")
     assert res.exit_code == 2 and f"`model` '{model}': no such local directory" in res.output
 

@@ -74,8 +74,9 @@ def test_fedsa_end_to_end_each_client_keeps_its_B_on_both_engines(
     tiny_cfg, tmp_path, task_identity, monkeypatch
 ):
     """Each client trains from the B and head it kept, and the row's per-client metrics are
-    those of (the weighted mean of the uploaded A's, the client's own B and head) on the
-    client's own test split; Flower's clients, each holding its own model, agree."""
+    those of (the uniform mean of the uploaded A's, the release's weighting, the client's
+    own B and head) on the client's own test split; Flower's clients, each holding its own
+    model, agree."""
     import fedexlora.run.simulation as sim
     from fedexlora.core.state import AdapterState
     from fedexlora.run.engine import evaluate_personal, new_model, prepare
@@ -102,8 +103,8 @@ def test_fedsa_end_to_end_each_client_keeps_its_B_on_both_engines(
         ups = [seen[(rnd, c)][2] for c in range(cfg.num_clients)]
         assert all(B is None for u in ups for _, B in u.state.factors.values())
         assert all(not u.state.extra for u in ups)  # the head stays on the client too
-        n = torch.tensor([float(u.num_examples) for u in ups], dtype=torch.float64)
-        p = n / n.sum()
+        assert len({u.num_examples for u in ups}) > 1  # dataset sizes differ: weights matter
+        p = torch.full((len(ups),), 1 / len(ups), dtype=torch.float64)
         A_bar = {k: sum(pi * u.state.factors[k][0].double() for pi, u in zip(p, ups)).float()
                  for k in ups[0].state.factors}  # fmt: skip
         for c in range(cfg.num_clients):

@@ -104,15 +104,28 @@ def test_use_side_branch_refuses_a_model_that_already_folded(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("beside", [False, True])
-def test_a_run_says_once_when_fp32_rounding_exceeds_1e_5(tiny_cfg, tmp_path, capsys, beside):
-    """A small update on an fp32 base: the run names the rounding and the fix, once."""
+def test_fp32_rounding_is_a_line_of_the_summary_not_a_warning(tiny_cfg, tmp_path, capsys, beside):
+    """A small update on an fp32 base: summary.md gives the rounding; nothing is printed.
+
+    The run did nothing wrong (its aggregation is exact), so no note or warning on screen.
+    """
     from fedexlora.run.pipeline import run_experiment
 
     cfg = tiny_cfg.replace(methods=["fedex"], lr=1e-4, fp32_side_branch=beside)
     rows = run_experiment(cfg, tmp_path, progress=False)
     worst = max(r["effective_deviation"]["max"] for r in rows)
-    said = capsys.readouterr().out.count("--fp32-side-branch keeps them beside the weights")
+    printed = capsys.readouterr()
+    line = [x for x in (tmp_path / "summary.md").read_text().splitlines() if "fp32 rounding" in x]
+    assert "rounding" not in printed.out + printed.err and "note:" not in printed.out
     if beside:
-        assert worst < 1e-6 and said == 0
+        assert worst < 1e-6 and not line
     else:
-        assert worst > 1e-5 and said == 1, (worst, said)
+        assert worst > 1e-5, worst
+        assert line == [
+            f"- fp32 rounding: fedex's model is up to {worst:.2g} of a round's update from the "
+            "ideal: fp32's rounding of the residuals folded into the weights (6e-8 of a "
+            "weight), larger the smaller the update. "
+            "`--fp32-side-branch` keeps the residuals beside the weights instead, exact to "
+            "about 1e-7, for one more matmul per LoRA layer in the forward pass, which grows "
+            "with the residuals held (docs/LARGE_MODELS.md)."
+        ]

@@ -129,7 +129,8 @@ def test_flexlora_is_the_eckart_young_truncation_of_the_weighted_update():
 
 def test_flexlora_lower_rank_client_gets_the_truncation_and_nothing_folded(tiny_bert_dir):
     """A rank-2 client of a rank-4 global adapter: its payload is the best rank-2 part of
-    the global update in its own scale, with no residual (FedEx would fold the tail)."""
+    the global update in its own scale, with no residual (FedEx would fold the tail), in
+    the released factors: A = V_rᵀ (orthonormal rows), B = U_r Σ_r / s_i."""
     model, glob, low = _two_rank_model(tiny_bert_dir)
     for method, folds in (("flexlora", False), ("fedex", True)):
         server = Server(get_state(model, adapter="default"), glob, num_clients=2, method=method,
@@ -145,6 +146,9 @@ def test_flexlora_lower_rank_client_gets_the_truncation_and_nothing_folded(tiny_
             best = U[:, :2] @ torch.diag(S[:2]) @ Vh[:2]
             got = low[name].scale * B.double() @ A.double()
             assert torch.allclose(got, best, atol=1e-6 * float(S[0])), name
+            eye = torch.eye(2, dtype=torch.float64)
+            assert torch.allclose(A.double() @ A.double().T, eye, atol=1e-5), name
+            assert torch.allclose(B.double().norm(dim=0), S[:2] / low[name].scale, rtol=1e-5)
 
 
 # -- LoRA-FAIR ------------------------------------------------------------------------

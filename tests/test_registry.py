@@ -89,6 +89,41 @@ def test_server_math_matches_its_exact_flag(name):
         assert rel > 0, f"{name} claims to be inexact but matched the ideal update"
 
 
+@pytest.mark.parametrize("name", [n for n in WITH_MATH if REGISTRY[n].linear])
+def test_a_linear_method_aggregates_the_means_as_the_uploads(name):
+    """``linear``: the server math of the weighted means is that of the uploads."""
+    spec = get_method(name)
+    As, Bs = _factors(spec)
+    weights = [1.0, 2.0, 4.0]
+    p = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+    start = (As[0] * 0.5, Bs[0] * 0.5) if spec.restarts else None
+    full = aggregate(As, Bs, weights, method=name, start=start,
+                     generator=torch.Generator().manual_seed(1))  # fmt: skip
+    A_mean = sum(pi * A.double() for pi, A in zip(p, As)).float()
+    B_mean = sum(pi * B.double() for pi, B in zip(p, Bs)).float()
+    means = aggregate([A_mean], [B_mean], [1.0], method=name, start=start,
+                      generator=torch.Generator().manual_seed(1))  # fmt: skip
+    up_A, up_B = spec.uploaded(1)
+    if up_A:
+        assert torch.allclose(full.A, means.A, rtol=1e-5, atol=1e-6), name
+    if up_B:
+        assert torch.allclose(full.B, means.B, rtol=1e-5, atol=1e-6), name
+    if up_A and up_B:
+        got = [r.B.double() @ r.A.double() + r.residual.to_dense().double() for r in (full, means)]
+        assert float((got[0] - got[1]).norm() / got[0].norm()) < 1e-5, name
+
+
+def test_a_method_that_is_not_linear_fails_that_check():
+    """FedEx-LoRA's residual needs each client's factors: the means alone lose it."""
+    As, Bs = _factors(get_method("fedex"))
+    full = aggregate(As, Bs, [1.0, 2.0, 4.0], method="fedex")
+    A_mean = sum(w / 7 * A for w, A in zip([1.0, 2.0, 4.0], As))
+    B_mean = sum(w / 7 * B for w, B in zip([1.0, 2.0, 4.0], Bs))
+    means = aggregate([A_mean], [B_mean], [1.0], method="fedex")
+    got = [r.B.double() @ r.A.double() + r.residual.to_dense().double() for r in (full, means)]
+    assert float((got[0] - got[1]).norm() / got[0].norm()) > 1e-2
+
+
 @pytest.mark.parametrize("name", [n for n, s in REGISTRY.items() if s.aggregate is None])
 def test_a_method_without_math_runs_on_its_servers(name):
     spec = get_method(name)
@@ -211,3 +246,19 @@ def test_no_module_outside_the_registry_tests_a_method_name():
         "a module branches on a method's name; ask the registry "
         "(fedexlora.core.methods.get_method(name).<flag>) instead:\n" + "\n".join(found)
     )
+
+
+@pytest.mark.parametrize("name", WITH_MATH)
+def test_math_deviation_agrees_with_the_exact_flag(name):
+    """The check a run makes of an exact method's math, against every registered one."""
+    spec = get_method(name)
+    if spec.exact:
+        assert spec.math_deviation() < 1e-12
+    else:
+        assert spec.math_deviation() > 1e-2
+
+
+def test_math_deviation_of_a_method_without_math_names_its_server():
+    spec = next(s for s in REGISTRY.values() if s.aggregate is None)
+    with pytest.raises(ValueError, match=f"runs on {spec.server!r}'s server math"):
+        spec.math_deviation()

@@ -61,3 +61,28 @@ def test_wilson_interval_matches_a_hand_computation():
     lo, hi = report.wilson(0.8, 100)
     assert abs(lo - 0.7112) < 2e-4 and abs(hi - 0.8667) < 2e-4
     assert abs(report.wilson(1.0, 10)[1] - 1.0) < 1e-12 and report.wilson(0.0, 10)[0] < 1e-12
+
+
+def test_summary_names_the_exact_methods_from_the_registry(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from fedexlora.core.methods import REGISTRY
+
+    rows = [_row(m, 1, 0.5) for m in ("fedex", "fedit", "ffa")]
+    for r in rows:
+        r.update(train_loss=1.0, seconds=1.0)
+    text = report.write_summary(tmp_path, rows).read_text()
+    assert "Exact: fedex (FedEx-LoRA), ffa (FFA-LoRA): float rounding only (over 0.001 for" in text
+    assert "Not exact, by design: fedit (FedIT)" in text
+    assert "FLoRA" not in text and "sends nothing" not in text  # not in this run
+    # the registry says, not the report: flip a flag and the sentence follows
+    monkeypatch.setitem(REGISTRY, "ffa", replace(REGISTRY["ffa"], exact=False))
+    text = report.write_summary(tmp_path, rows).read_text()
+    assert "Exact: fedex (FedEx-LoRA): float rounding only" in text
+    assert "Not exact, by design: fedit (FedIT), ffa (FFA-LoRA)" in text
+    # a method without clients: named as sending nothing, and neither exact nor not
+    pooled = _row("centralized", 1, 0.6)
+    pooled.update(train_loss=1.0, seconds=1.0)
+    text = report.write_summary(tmp_path, [*rows, pooled]).read_text()
+    assert "counted from the tensors sent; `centralized` sends nothing." in text
+    assert "(Centralized" not in text and "centralized (" not in text

@@ -21,6 +21,7 @@ else:  # pragma: no cover
 import tomli_w
 
 from fedexlora.core.methods import REGISTRY, MethodSpec, method_names
+from fedexlora.core.sampling import sample_size
 
 __all__ = [
     "ALL_METHODS",
@@ -130,7 +131,7 @@ class RunConfig:
     rslora: bool = False
     client_ranks: list[int] | None = None
     fraction: float = 1.0
-    weighting: str = "examples"
+    weighting: str | None = None
     seed: int = 0
     test_fraction: float = 0.2
     max_train: int | None = None
@@ -222,7 +223,7 @@ class RunConfig:
             why = secure_refusal(REGISTRY[m]) if m in REGISTRY else None
             if why:
                 errs.append(f"`secure_aggregation`: {why}")
-        if max(1, math.floor(self.fraction * self.num_clients + 0.5)) < 2:  # Server.sample_size
+        if sample_size(self.num_clients, self.fraction) < 2:
             errs.append(
                 "`secure_aggregation` needs at least 2 clients per round (one client's sum "
                 f"is its own upload); got {self.num_clients} clients at fraction {self.fraction}"
@@ -255,8 +256,8 @@ class RunConfig:
 
         model_error = model_name_error(self.model)
         need(model_error is None, f"`model` {model_error}")
-        unknown = [m for m in self.methods if m not in ALL_METHODS]
-        need(not unknown, f"`methods`: unknown {unknown}; choose from {list(ALL_METHODS)}")
+        unknown = [m for m in self.methods if m not in REGISTRY]
+        need(not unknown, f"`methods`: unknown {unknown}; choose from {list(REGISTRY)}")
         need(len(self.methods) > 0, "`methods` must name at least one method")
         need(self.num_clients >= 1, f"`num_clients` must be >= 1, got {self.num_clients}")
         need(
@@ -294,7 +295,7 @@ class RunConfig:
         )
         need(0 < self.fraction <= 1, f"`fraction` must be in (0, 1], got {self.fraction}")
         need(
-            self.weighting in _WEIGHTINGS,
+            self.weighting is None or self.weighting in _WEIGHTINGS,
             f"`weighting` must be one of {_WEIGHTINGS}, got {self.weighting!r}",
         )
         need(
@@ -318,6 +319,11 @@ class RunConfig:
             f"`max_update_norm` must be > 0, got {self.max_update_norm}",
         )
         need(self.engine in _ENGINES, f"`engine` must be one of {_ENGINES}, got {self.engine!r}")
+        need(
+            self.engine != "flower" or importlib.util.find_spec("flwr") is not None,
+            "`engine` 'flower' runs a Flower simulation, and flwr is not installed; fix: "
+            "pip install 'fedex-lora[flower]'",
+        )
         need(
             self.trainer in _TRAINERS,
             f"`trainer` must be one of {_TRAINERS}, got {self.trainer!r}",
@@ -569,6 +575,8 @@ def _type_errors(f: dataclasses.Field, value: Any) -> list[str]:
 
 
 _KEYS = [f.name for f in fields(RunConfig)]
+_FLAG_NAMES = {"rank": "lora_r", "r": "lora_r", "clients": "num_clients"}
+"""``fedexlora run`` flags (``--rank``, ``-r``, ``--clients``) whose TOML key is another name."""
 
 
 def validate_mapping(data: dict[str, Any]) -> tuple[RunConfig | None, list[str]]:
@@ -580,6 +588,13 @@ def validate_mapping(data: dict[str, Any]) -> tuple[RunConfig | None, list[str]]
         if norm == "method":  # singular accepted, as on the command line
             norm = "methods"
             value = [m.strip() for m in value.split(",")] if isinstance(value, str) else value
+        if norm in _FLAG_NAMES:  # a flag's name, not the key: "did you mean" would guess
+            flag = ("-" if len(norm) == 1 else "--") + norm
+            errs.append(
+                f"unknown key `{key}`; did you mean `{_FLAG_NAMES[norm]}`? "
+                f"(`{flag}` is the command-line flag)"
+            )
+            continue
         if norm not in _KEYS:
             close = difflib.get_close_matches(norm, _KEYS, n=1)
             hint = f"; did you mean `{close[0]}`?" if close else ""
@@ -603,6 +618,8 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
         ConfigError: Listing every error, including a missing or malformed file.
     """
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError([f"config file {str(p)!r} is a directory; give a TOML file"])
     if not p.is_file():
         raise ConfigError([f"config file {str(p)!r} does not exist"])
     try:

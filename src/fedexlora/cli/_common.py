@@ -18,7 +18,7 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
     Args:
         message: Plain text; brackets in it are escaped, not read as rich markup.
-        code: The exit status (2 for a usage error, 1 for an invalid config file).
+        code: The exit status (2, a usage error: a bad flag, input or config file).
 
     Raises:
         typer.Exit: Always.

@@ -285,6 +285,7 @@ def compare_cmd(
     )
     if errs:
         fail(str(ConfigError(errs)))
+    _check_paths(cfg, out, report)
     command = ["fedexlora compare"] + [f"--study {study}"] * (study is not None)
     command += [f"--out {out}"] + [f"--report {report}"] * (report is not None)
     command += [f"--{k.replace('_', '-')} {v}" for k, v in given.items() if v is not None] + [
@@ -308,3 +309,20 @@ def compare_cmd(
         fail(str(exc))
     console.print(path.read_text())
     console.print(f"wrote {path}")
+
+
+def _check_paths(cfg, out: Path, report: Path | None) -> None:
+    """``--out``, ``--report`` and the task, checked before the grid writes or trains."""
+    from fedexlora.run.export import output_dir_error
+    from fedexlora.run.pipeline import RunError, check_inputs
+
+    try:  # --out may hold an earlier grid, whose cells are reused
+        check_inputs(cfg, out)
+    except RunError as exc:
+        fail(str(exc))
+    if report is not None:
+        if Path(report).is_dir():
+            fail(f"--report {str(report)!r} is a directory; give a file such as study.md")
+        problem = output_dir_error(Path(report).parent)
+        if problem is not None:
+            fail(f"--report {str(report)!r}: its directory {problem}")

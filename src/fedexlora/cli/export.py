@@ -42,6 +42,6 @@ def export_cmd(
         res = export_model(
             run_dir, dest, method, fmt=fmt, dtype=dtype, allow_inexact=allow_inexact or None
         )
-    except (RunError, CheckpointError, ValueError) as exc:
+    except (RunError, CheckpointError, ValueError, OSError) as exc:  # OSError: disk full...
         fail(str(exc))
     console.print(f"exported to {res.path} ({res.note})")

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from fedexlora.cli._common import console, fail, quiet_libraries
 from fedexlora.config import RESUME_SAFE
+from fedexlora.core.methods import REGISTRY
 
 __all__ = ["RUN_FLAGS", "run_cmd"]
 
@@ -75,6 +76,20 @@ RUN_FLAGS = {
     "recipe": "recipe",
 }
 """Each ``run`` flag that sets one config key, by its parameter name."""
+
+_EXTRAS = {
+    "flwr": "flower",
+    "ray": "flower",
+    "trl": "trl",
+    "bitsandbytes": "quantization",
+    "opacus": "privacy",
+    "tensorboard": "tensorboard",
+    "mlflow": "mlflow",
+    "sacrebleu": "nlg",
+    "nltk": "nlg",
+    "pycocoevalcap": "nlg",
+}
+"""The package extra that installs a module, by the module's top-level name."""
 
 # The panels of `fedexlora run --help`, in the order they are shown. A default is written
 # "(default: X)" in the help text: the flags default to None (unset, so that a --config
@@ -160,7 +175,8 @@ def run_cmd(
     # Method
     method: str | None = typer.Option(
         None,
-        help="Comma list of fedex,fedit,ffa,flora,fedsb,centralized (default: fedex).",
+        help=f"Comma list of {', '.join(REGISTRY)}; `fedexlora methods` describes each "
+        "(default: fedex).",
         rich_help_panel=METHOD,
     ),
     residual_rank: int | None = typer.Option(
@@ -211,7 +227,8 @@ def run_cmd(
     ),
     weighting: str | None = typer.Option(
         None,
-        help="How client updates are weighted: examples or uniform (default: examples).",
+        help="How client updates are weighted: examples or uniform (default: each "
+        "method's own: uniform for fedsa, as its release; examples otherwise).",
         rich_help_panel=FEDERATION,
     ),
     client_ranks: str | None = typer.Option(
@@ -494,9 +511,13 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
     from fedexlora.run.checkpoint import CheckpointError
     from fedexlora.run.export import export_model
     from fedexlora.run.layout import RunLayout
-    from fedexlora.run.pipeline import RunError, run_experiment
+    from fedexlora.run.pipeline import RunError, check_inputs, run_experiment
     from fedexlora.training.privacy import DPCheckError
 
+    try:  # everything the run reads and writes, before it writes anything
+        check_inputs(cfg, out, resume=resume, tasks=tasks)
+    except RunError as exc:
+        fail(str(exc))
     layout = RunLayout(out)
     console.print(f"[bold]fedex-lora[/bold] run -> {out}  methods={','.join(cfg.methods)}")
 
@@ -519,13 +540,21 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
         rows = run_one(cfg, out, resume)
         _print_final_table(rows, cfg.recipe)
         console.print(f"wrote {layout.metrics}, {layout.summary}")
-        if cfg.export:
-            res = export_model(out, cfg.export)
-            console.print(f"exported {cfg.methods[0]} global model to {res.path} ({res.note})")
     except (RunError, CheckpointError, ValueError, DPCheckError) as exc:
         fail(str(exc))
     except ImportError as exc:
-        fail(f"a required package is missing: {exc}")
+        extra = _EXTRAS.get((exc.name or "").partition(".")[0])
+        fix = f"; fix: pip install 'fedex-lora[{extra}]'" if extra else ""
+        fail(f"a required package is missing: {exc}{fix}")
+    if cfg.export:
+        try:
+            res = export_model(out, cfg.export)
+        except (RunError, CheckpointError, ValueError, OSError) as exc:
+            fail(
+                f"the run in {str(out)!r} is complete, but its export failed: {exc}; "
+                f"export it again with: fedexlora export {out} DEST"
+            )
+        console.print(f"exported {cfg.methods[0]} global model to {res.path} ({res.note})")
 
 
 def _print_final_table(rows: list[dict], recipe: str | None = None) -> None:

@@ -15,6 +15,7 @@ layer, adapted or not, is written dequantized.
 from __future__ import annotations
 
 import json
+import os
 import re
 import tempfile
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
 from fedexlora.run.layout import RunError, RunLayout
 from fedexlora.run.restore import load_task_for, restore_model
 
-__all__ = ["ExportResult", "export_model", "save_adapter"]
+__all__ = ["ExportResult", "export_model", "output_dir_error", "save_adapter"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,6 +44,42 @@ class ExportResult:
     path: Path
     format: str
     note: str
+
+
+def output_dir_error(path: str | Path) -> str | None:
+    """Why ``path`` cannot be a directory to write into, or ``None`` when it can be.
+
+    An existing directory passes, and so does a new one whose nearest existing parent is
+    a directory. Either must accept a new entry: an empty directory is made there and
+    removed, so that whatever the system would refuse later (permissions, a read-only
+    or virtual file system such as ``/proc``, for root too) is found now. Nothing is
+    left behind.
+
+    Args:
+        path: The directory a run or an export will write.
+
+    Returns:
+        The problem, to follow the quoted path, or ``None``.
+    """
+    p = Path(path).expanduser()
+    if p.is_symlink() and not p.exists():
+        return "is a broken symbolic link"
+    if p.exists() and not p.is_dir():
+        return "is a file, not a directory"
+    parent = p
+    while not parent.exists():  # the nearest ancestor that is there ("/" always is)
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot be made: {str(parent)!r} is a file, not a directory"
+    try:
+        probe = tempfile.mkdtemp(prefix=".fedexlora-probe-", dir=parent)
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        if parent == p:
+            return f"cannot be written: it accepts no new files ({why})"
+        return f"cannot be made: {str(parent)!r} accepts no new directory ({why})"
+    os.rmdir(probe)
+    return None
 
 
 def export_model(
@@ -66,8 +103,8 @@ def export_model(
         allow_inexact: Allow a merged model in bf16/fp16, which rounds the update.
 
     Raises:
-        RunError: If the run directory or checkpoint is missing, or the export would not
-            be exact and ``allow_inexact`` is not set.
+        RunError: If the run directory or checkpoint is missing, ``dest`` cannot be
+            written, or the export would not be exact and ``allow_inexact`` is not set.
     """
     layout = RunLayout(run_dir)
     run = layout.root
@@ -89,6 +126,9 @@ def export_model(
     method = method or cfg.methods[0]
     if method not in cfg.methods:
         raise RunError(f"method {method!r} is not in this run; it has {cfg.methods}")
+    problem = output_dir_error(dest)  # before the model is loaded
+    if problem is not None:
+        raise RunError(f"export destination {str(dest)!r} {problem}")
     ckpt = latest_checkpoint(layout.checkpoints(method))
     if ckpt is None:
         raise RunError(f"run {str(run)!r} has no checkpoint for method {method!r}")

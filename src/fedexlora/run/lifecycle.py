@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fedexlora.config import RunConfig
+from fedexlora.core.methods.spec import EXACT_BOUND
 from fedexlora.run.checkpoint import config_fingerprint, save_checkpoint
 from fedexlora.run.engine import Prepared, new_model, new_server, prepare
 from fedexlora.run.layout import RunError, RunLayout, append_row, write_atomic, write_rows
@@ -40,6 +41,7 @@ from fedexlora.run.trackers import open_trackers
 __all__ = ["MethodRun", "Run", "run_tasks"]
 
 _TABLE_LINES = 20
+_MATH_BOUND = 1e-6  # exact server math in fp64 is ~1e-15 off; 1e-6 leaves room for fp32 steps
 
 
 @dataclass
@@ -107,19 +109,19 @@ class Run:
                 f"--out {str(layout.root)!r} already holds a run; {resume_hint} or "
                 "choose another directory"
             )
-        layout.root.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            write_atomic(layout.config, cfg.to_toml())
-
+        # the task, the model and the partitions first: a bad input leaves nothing behind
         self.task = load_task_for(cfg)
         self._first_model, tokenizer = new_model(cfg, self.task, cfg.methods[0])
         self.prep: Prepared = prepare(cfg, tokenizer, self.task)
-        say(f"task {cfg.task}: {len(self.prep.task.train)} train / {len(self.prep.task.test)} test")
-        say(self._partition_summary())
         if cfg.dp:  # each client checks its own too; this names the problem before round 1
             from fedexlora.training.privacy import check_delta
 
             check_delta(cfg.dp_delta, [len(p) for p in self.prep.parts])
+        layout.root.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            write_atomic(layout.config, cfg.to_toml())
+        say(f"task {cfg.task}: {len(self.prep.task.train)} train / {len(self.prep.task.test)} test")
+        say(self._partition_summary())
         if not resume:
             self._note_partition()
         self._restored: dict[str, tuple] = {}
@@ -132,7 +134,6 @@ class Run:
             layout.metrics.write_text("")
         self.trackers = open_trackers(cfg, layout.root, resume)
         self.all_rows: list[dict] = []
-        self._hinted = False  # the fp32 rounding hint, said once per run
 
     # -- the methods ------------------------------------------------------------------
     def methods(self) -> Iterator[MethodRun]:
@@ -168,9 +169,9 @@ class Run:
     def record(self, current: MethodRun, row: dict) -> None:
         """After a round: the row appended and fsynced, logged, and the checkpoint written."""
         current.rows.append(row)
-        self._hint_fp32(current.method, row)
         append_row(self.layout.metrics, row)
         self.trackers.log_row(row)
+        self._check_exact(current.method, row)
         save_checkpoint(
             self.layout.checkpoints(current.method),
             current.server,
@@ -185,26 +186,51 @@ class Run:
             clients={f"{c}.{k}": t for c, own in current.personal.items() for k, t in own.items()},
         )
 
-    def _hint_fp32(self, method: str, row: dict) -> None:
-        """Says once when an exact method's fp32 model is over 1e-5 from the ideal.
+    def _check_exact(self, method: str, row: dict) -> None:
+        """Fails the run when a method declared exact is over ``EXACT_BOUND`` from the ideal.
 
-        Folding each residual into an fp32 weight rounds it at 6e-8 of the weight, which
-        is 1e-5 to 1e-3 of a small update; the side branch keeps it exact (to ~1e-7).
+        Over the bound, the method's server math is checked on random factors
+        (:meth:`MethodSpec.math_deviation`): math that is not exact is an error, and so
+        is any departure with the residuals beside the weights, where float rounding is
+        about 1e-7 of the update. Folded into fp32 weights with exact math, the figure is
+        fp32's rounding of a small update: ``summary.md`` says it, and no error is raised.
+        The row is written first (``metrics.jsonl`` keeps the evidence); the round's
+        checkpoint is not, so no later run resumes from that model.
+
+        Raises:
+            RunError: If the method is declared exact, no lossy mode is on, and the model
+                is over the bound from the ideal for a reason other than fp32 rounding.
         """
         from fedexlora.core.methods import get_method
 
         worst = (row.get("effective_deviation") or {}).get("max")
-        if self._hinted or worst is None or worst <= 1e-5 or self.cfg.side_branch:
+        if worst is None or worst <= EXACT_BOUND or self.cfg.approximate:
             return
-        if not get_method(method).exact or self.cfg.approximate:
+        spec = get_method(method)
+        if not spec.exact:
             return
-        self._hinted = True
-        self.say(
-            f"note: {method} round {row['round']}: the model is {worst:.1e} of the round's "
-            "update from the ideal: fp32's rounding of the residuals folded into the "
-            "weights (6e-8 of a weight). --fp32-side-branch keeps them beside the weights "
-            "instead, exact to ~1e-7 (docs/LARGE_MODELS.md)"
+        math = get_method(spec.server).math_deviation()
+        head = (
+            f"{method} round {row['round']}: the model is {worst:.2g} of the round's update "
+            f"from the ideal average of the clients' models, over the {EXACT_BOUND:g} that a "
+            f"method declared exact ({spec.title}, MethodSpec.exact) may be off by float "
+            "rounding"
         )
+        tail = f" The round's row is in {self.layout.metrics}; docs/ARCHITECTURE.md says what "
+        tail += "`exact` promises."
+        if math > _MATH_BOUND:
+            raise RunError(
+                f"{head}, and its server math is {math:.2g} from sum_i p_i B_i A_i on random "
+                "factors in fp64 (MethodSpec.math_deviation): it is not exact. Fix its "
+                f"`aggregate`, or declare it exact=False.{tail}"
+            )
+        if self.cfg.side_branch:
+            raise RunError(
+                f"{head}, though its server math is exact on random factors and, with the "
+                "residuals beside the weights, float rounding is about 1e-7 of the update: "
+                "the model departs from what the server computed. Please report it with "
+                f"config.toml and metrics.jsonl.{tail}"
+            )
 
     def run_token(self) -> str:
         """This run's identity (Flower clients key their state on it); kept on a resume."""
@@ -224,6 +250,7 @@ class Run:
             self.all_rows,
             self.cfg.to_toml(),
             extra=recipe_section(self.cfg, self.all_rows),
+            folded_fp32=not self.cfg.side_branch,
         )
         self.trackers.finish()
         return self.all_rows

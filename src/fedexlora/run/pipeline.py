@@ -7,9 +7,12 @@ each method's rounds in this process (:func:`fedexlora.run.simulation.run_method
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Sequence
 from pathlib import Path
 
 from fedexlora.config import RunConfig
+from fedexlora.run.export import output_dir_error
 from fedexlora.run.layout import RunError, append_row, write_atomic, write_rows
 from fedexlora.run.lifecycle import Run
 from fedexlora.run.restore import (
@@ -27,6 +30,7 @@ __all__ = [
     "append_row",
     "apply_base_deltas",
     "base_deltas",
+    "check_inputs",
     "load_task_for",
     "restore_latest",
     "restore_model",
@@ -35,6 +39,92 @@ __all__ = [
     "write_atomic",
     "write_rows",
 ]
+
+
+_FLOWER_FIX = "fix: pip install 'fedex-lora[flower]'"
+_HUB_TASKS = ("gsm8k-full", "metamath-gsm8k", "metamath-math", "e2e_nlg", "e2e")
+"""Tasks :func:`fedexlora.tasks.data.load_task` downloads (with GLUE, MATH, commonsense)."""
+
+
+def check_inputs(
+    cfg: RunConfig,
+    out: str | Path,
+    *,
+    resume: bool = False,
+    tasks: Sequence[str] = (),
+) -> None:
+    """Checks what a run will read and write, before it writes anything.
+
+    A configuration that validates may still name a directory that cannot be written,
+    a device this machine lacks, a package that cannot be imported, or a task that does
+    not exist or a data file that cannot be read. Each is found here, not after the run
+    has written its ``config.toml`` (or, for ``export``, after it has trained). Local
+    tasks (files, the embedded ones) are loaded to check them; hub tasks, which are
+    downloaded, only have their names checked.
+
+    Args:
+        cfg: A validated configuration.
+        out: The run directory.
+        resume: Whether the run in ``out`` is continued (it is then there already).
+        tasks: The tasks of a multi-task recipe (default: ``cfg.task``).
+
+    Raises:
+        RunError: Naming the first problem and the input it comes from.
+    """
+    from fedexlora.run.engine import resolve_device
+
+    if not resume:
+        problem = output_dir_error(out)
+        if problem is not None:
+            raise RunError(f"--out {str(out)!r} {problem}")
+    if cfg.export:
+        problem = output_dir_error(cfg.export)
+        if problem is not None:
+            raise RunError(f"--export {str(cfg.export)!r} {problem}")
+    if cfg.engine == "flower" or cfg.secure_aggregation:
+        what = "--engine flower" if cfg.engine == "flower" else "--secure-aggregation"
+        try:
+            import flwr  # noqa: F401
+        except ImportError as exc:
+            raise RunError(
+                f"{what} needs Flower (flwr), which cannot be imported ({exc}); {_FLOWER_FIX}"
+            ) from None
+        if cfg.engine == "flower" and importlib.util.find_spec("ray") is None:
+            raise RunError(f"--engine flower needs Flower's simulation (ray); {_FLOWER_FIX}")
+    try:
+        resolve_device(cfg.device)
+    except ValueError as exc:
+        raise RunError(str(exc)) from None
+    for task in tasks or (cfg.task,):
+        problem = _task_error(cfg.replace(task=task))
+        if problem is not None:
+            raise RunError(problem)
+
+
+def _task_error(cfg: RunConfig) -> str | None:
+    """Why ``cfg.task`` cannot be loaded, or ``None``; a hub task's name only is checked."""
+    from fedexlora.tasks.data import _FILE_SUFFIXES, GLUE_TASKS
+    from fedexlora.tasks.hubtasks import COMMONSENSE_TASKS, MATH_SUBJECTS
+
+    key = cfg.task.strip().lower()
+    if not key.endswith(_FILE_SUFFIXES):  # a file is a file, whatever its directory
+        head, _, sub = key.partition("/")
+        subs = {"math": ("MATH subject", MATH_SUBJECTS),
+                "commonsense": ("commonsense task", COMMONSENSE_TASKS)}.get(head)  # fmt: skip
+        if subs is not None:  # math, commonsense, or one subject or task of them
+            what, names = subs
+            if sub and sub not in {n.lower() for n in names}:
+                return (
+                    f"unknown {what} {sub!r} in task {cfg.task!r}; choose from {', '.join(names)}"
+                )
+            return None
+        if key in _HUB_TASKS or key.removeprefix("glue/") in GLUE_TASKS:
+            return None  # downloaded (or read from --data-dir) when the run starts
+    try:  # a file, an embedded task, or an unknown name: loading is quick and says which
+        load_task_for(cfg)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def run_experiment(

@@ -129,6 +129,76 @@ def summary_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     return header, cells
 
 
+def _exactness(rows: list[dict]) -> str:
+    """Which methods of ``rows`` the registry declares exact, and which not, as a sentence.
+
+    Methods without clients or without a global model (no deviation to measure), and
+    names the registry does not know (an old run's), are left out.
+    """
+    from fedexlora.core.methods import REGISTRY
+    from fedexlora.core.methods.spec import EXACT_BOUND
+
+    exact, inexact = [], []
+    for method in final_rows(rows):
+        spec = REGISTRY.get(method)
+        if spec is None or not spec.federated or spec.personal_B:
+            continue
+        (exact if spec.exact else inexact).append(f"{method} ({spec.title})")
+    text = ""
+    if exact:
+        text += (
+            f" Exact: {', '.join(exact)}: float rounding only (over {EXACT_BOUND:g} for any "
+            "other cause, the run fails)."
+        )
+    if inexact:
+        text += f" Not exact, by design: {', '.join(inexact)}: what their aggregation loses."
+    return text
+
+
+_ROUNDING_SHOWN = 1e-6
+"""An exact method's rounding, folded into fp32 weights, gets a line above this (the side
+branch's is about 1e-7)."""
+
+
+def _rounding(rows: list[dict]) -> list[str]:
+    """Per exact method over :data:`_ROUNDING_SHOWN`: its fp32 rounding, and the option."""
+    from fedexlora.core.methods import REGISTRY
+
+    out = []
+    for method in final_rows(rows):
+        spec = REGISTRY.get(method)
+        effs = [r["effective_deviation"].get("max") for r in rows if r["method"] == method]
+        effs = [e for e in effs if e is not None]
+        if spec is None or not spec.exact or not effs or max(effs) <= _ROUNDING_SHOWN:
+            continue
+        if any(r.get("approximate") for r in rows if r["method"] == method):
+            continue
+        out.append(
+            f"- fp32 rounding: {method}'s model is up to {max(effs):.2g} of a round's update "
+            "from the ideal: fp32's rounding of the residuals folded into the weights (6e-8 "
+            "of a weight), larger the smaller the update. "
+            "`--fp32-side-branch` keeps the residuals beside the weights instead, exact to "
+            "about 1e-7, for one more matmul per LoRA layer in the forward pass, which grows "
+            "with the residuals held (docs/LARGE_MODELS.md)."
+        )
+    return out
+
+
+def _no_clients(rows: list[dict]) -> str:
+    """``; `centralized` sends nothing`` for the methods of ``rows`` without clients."""
+    from fedexlora.core.methods import REGISTRY
+
+    pooled = [m for m in final_rows(rows) if m in REGISTRY and not REGISTRY[m].federated]
+    if not pooled:
+        return ""
+    return (
+        "; "
+        + ", ".join(f"`{m}`" for m in pooled)
+        + (" send" if len(pooled) > 1 else " sends")
+        + " nothing"
+    )
+
+
 def _markdown(header: list[str], cells: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(c) + " |" for c in cells]
@@ -140,11 +210,15 @@ def write_summary(
     rows: list[dict],
     config_text: str = "",
     extra: str | None = None,
+    *,
+    folded_fp32: bool = False,
 ) -> Path:
     """Writes ``summary.md`` (final table, plots, notes) and the PNG plots it references.
 
     ``extra`` is a markdown section put before the plots (a recipe's paper figures beside
-    the run's).
+    the run's). ``folded_fp32``: the residuals were folded into fp32 weights (no side
+    branch), so an exact method's figure includes fp32's rounding of the weights, which
+    a line then gives.
     """
     layout = RunLayout(out_dir)
     header, cells = summary_table(rows)
@@ -163,9 +237,8 @@ def write_summary(
         "- *effective deviation*: measured on the model after each round: its effective "
         "weights (base, side branch and adapter, as the forward pass applies them) "
         "against the ideal average of the clients' models, relative to the round's "
-        "update. FedEx-LoRA, FFA-LoRA and FLoRA are exact (float rounding only); "
-        "FedIT's is what plain factor averaging loses.",
-        "- Bytes are counted from the tensors sent; `centralized` sends nothing.",
+        "update." + _exactness(rows),
+        "- Bytes are counted from the tensors sent" + _no_clients(rows) + ".",
     ]
     if any("personalized" in r for r in rows):
         parts.append(
@@ -183,6 +256,8 @@ def write_summary(
             "no seed-to-seed variation and no paired test. `fedexlora compare` runs seeds "
             "and gives paired 95% confidence intervals and p-values."
         )
+    if folded_fp32:
+        parts += _rounding(rows)
     if any(r.get("approximate") for r in rows):
         parts.append(
             "- Methods marked *(approximate)* truncated the residual (`residual_rank`) or "

@@ -156,7 +156,7 @@ def run_method(
             # the engine (not the server) knows each client: the true weights, to measure
             # the model against the ideal of the clients' own uploads
             n = {
-                u.client_id: 1 if cfg.weighting == "uniform" else int(u.num_examples)
+                u.client_id: 1 if server.weighting == "uniform" else int(u.num_examples)
                 for u in uploads
             }
             outcome.weights = {c: v / sum(n.values()) for c, v in n.items()}

@@ -93,7 +93,9 @@ class Server:
         method: ``fedex``, ``fedit``, ``ffa`` or ``flora``.
         num_clients: Clients in the federation.
         fraction: Fraction of clients sampled per round (at least one).
-        weighting: ``examples`` or ``uniform``.
+        weighting: ``examples`` or ``uniform``; ``None``: the method's own
+            (:attr:`~fedexlora.core.methods.MethodSpec.weighting`: ``uniform`` for
+            ``fedsa``, as its release, ``examples`` otherwise).
         seed: Seed for sampling and FLoRA's re-initialisation.
         residual_rank: Truncate residuals to this rank (lossy, with error feedback).
         side_rank: Keep the accumulated base delta (what side branches hold) at this rank
@@ -113,7 +115,7 @@ class Server:
         method: str = "fedex",
         num_clients: int = 1,
         fraction: float = 1.0,
-        weighting: str = "examples",
+        weighting: str | None = None,
         seed: int = 0,
         residual_rank: int | None = None,
         side_rank: int | None = None,
@@ -125,7 +127,8 @@ class Server:
         self.method = method
         self.num_clients = num_clients
         self.fraction = fraction
-        self.weighting = weighting
+        spec = REGISTRY.get(method)
+        self.weighting = weighting or (spec.weighting if spec is not None else "examples")
         self.seed = seed
         self.residual_rank = residual_rank
         self.side_rank = side_rank
@@ -322,9 +325,14 @@ class Server:
         gen = torch.Generator().manual_seed(self.seed * 65_537 + self.round * 101 + c)
         layers_c = self.client_layers[c]
         view, t_new = client_view(
-            self.state, self.layers, layers_c, generator=gen, slices=self._has("hetero_slices")
+            self.state,
+            self.layers,
+            layers_c,
+            generator=gen,
+            slices=self._has("hetero_slices"),
+            orthonormal_A=self._has("hetero_orthonormal_A"),
         )
-        if self._has("hetero_drops_tail"):  # FlexLoRA: the truncation and nothing else
+        if self._has("hetero_drops_tail"):  # FlexLoRA, HetLoRA: the truncation, nothing else
             t_new = {}
         t_old = self.remainder.get(c, {})
         out = {}

@@ -5,7 +5,10 @@ Guo et al., "Selective Aggregation for Low-Rank Adaptation in Federated Learning
 and B what is their own: clients train both, upload only ``A_i`` and receive ``Ā``, and
 B never leaves the client. There is no global model (each client's is ``W0 + s B_i Ā``),
 so the method is evaluated per client, on a test split drawn like its training data, and
-its rows report no deviation from a global ideal.
+its rows report no deviation from a global ideal. The release weights each client by the
+samples it processed in the round, the same for every client at its configs' fixed step
+count: ``fedsa`` weights clients uniformly unless the run says otherwise
+(``--weighting examples``: by local dataset size).
 """
 
 from __future__ import annotations
@@ -38,4 +41,5 @@ SPEC = MethodSpec(
     bytes_per_round="up 4krn; down 4krn",
     aggregate=aggregate,
     personal_B=True,
+    weighting="uniform",
 )

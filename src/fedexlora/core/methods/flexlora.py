@@ -4,7 +4,9 @@ Bai et al., NeurIPS 2024 (code: alibaba/FederatedScope, branch FlexLoRA,
 ``fed_utils/adaptive_peft.py``). The server forms ``ΔW = Σ p_i s_i B_i A_i`` and gives
 every client the best approximation of it at the client's own rank (Eckart-Young):
 ``ΔW ≈ U_r Σ_r V_rᵀ``, with ``A = V_rᵀ`` and ``B = U_r Σ_r / s`` (every singular value in
-B, as the released code does). The base weights are never changed and what the
+B, as the released ``distribute_weight_fast`` does), ``s`` the client's own LoRA scale
+(:func:`fedexlora.core.hetero.client_view` with ``orthonormal_A`` for a client below the
+global rank). The base weights are never changed and what the
 truncation leaves out is dropped, so the method is lossy: each round's loss is the
 energy beyond rank r, reported as its effective deviation. The global adapter is the
 rank-r truncation that the clients start from.
@@ -56,4 +58,5 @@ SPEC = MethodSpec(
     aggregate=aggregate,
     hetero_ranks=True,
     hetero_drops_tail=True,
+    hetero_orthonormal_A=True,
 )

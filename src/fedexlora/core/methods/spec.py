@@ -10,7 +10,7 @@ import torch
 
 from fedexlora.core.factors import Residual
 
-__all__ = ["Aggregate", "MethodSpec"]
+__all__ = ["EXACT_BOUND", "Aggregate", "MethodSpec"]
 
 # The server math of one layer: stacked client factors A (k, r, n) and B (k, d, r) in
 # fp64, normalised weights p (k,) -> the new global A (r, n), B (d, r) and the residual
@@ -19,28 +19,73 @@ __all__ = ["Aggregate", "MethodSpec"]
 # for a method that ``restarts``, ``start``: the global (A, B) the clients started from.
 Aggregate = Callable[..., tuple[torch.Tensor, torch.Tensor, Residual]]
 
+EXACT_BOUND = 1e-3
+"""How far from the ideal an exact method's model may be, relative to the round's update.
+
+Float rounding is all an exact method may add (:attr:`MethodSpec.exact`). With the
+residuals beside the weights (a side branch) it is about 1e-7 of the update. Folded into
+fp32 weights it is 6e-8 of a weight, so its share of the update grows as the update
+shrinks: measured 4e-6, 4e-5 and 2e-4 on a tiny BERT at learning rates 1e-3, 1e-4 and
+1e-5 (one local step), 1.3e-5 on the main job (MiniLM, the default 1e-3). An aggregation
+that is not exact loses far more (FedIT's averaged factors: 1e-2 and up). Folded fp32
+rounding reaches 1e-3 only when a round moves the weights by under about 6e-5 of
+themselves (6e-8 / 1e-3); so over the bound a run checks the method's math
+(:meth:`MethodSpec.math_deviation`) before it blames rounding.
+"""
+
 
 @dataclass(frozen=True)
 class MethodSpec:
     """One method: what clients train and keep, what travels, and how the server aggregates.
 
+    In what follows a round's accepted clients ``i`` upload factors ``A_i``, ``B_i`` of each
+    LoRA layer (a factor a client does not upload is the global one it started from),
+    ``p_i`` are the server's normalised weights (``weighting``: examples, or uniform) and
+    ``s`` is the layer's LoRA scale. The *ideal* update of a layer is ``sum_i p_i B_i A_i``
+    and the ideal global model the weighted average of the clients' own models,
+    ``W' = W - s B A + sum_i p_i (T_i + s B_i A_i)``, where ``W`` is the global effective
+    weight (base, folded residuals or side branch, adapter ``s B A``) the round started
+    from and ``T_i`` what a lower-rank client holds folded beyond its rank (0 at one rank).
+
     Attributes:
-        name: The name users give (``--method``, ``aggregate(method=...)``).
-        title: The method's usual name, e.g. ``FedEx-LoRA``.
+        name: The name users give (``--method``, ``aggregate(method=...)``): lower-case
+            letters, digits and ``_``, unique in the registry.
+        title: The method's usual name, e.g. ``FedEx-LoRA`` (tables, messages).
         paper: The paper it follows (authors, venue, arXiv id).
-        trains: What each client trains.
-        keeps_local: What a client keeps and never sends.
-        uploads: What a client sends the server each round.
-        downloads: What the server sends a client each round.
-        exact: Whether the global model equals the ideal average of the client updates.
-        linear: Whether the aggregation is a weighted sum of the clients' uploads (secure
-            aggregation can then compute it from sums alone).
+        trains: What each client trains (``fedexlora methods``; documentation only).
+        keeps_local: What a client keeps and never sends (documentation only).
+        uploads: What a client sends the server each round (documentation only; what
+            really travels follows ``frozen_A``, ``alternating``, ``personal_B``).
+        downloads: What the server sends a client each round (documentation only).
+        exact: A promise on the server math and on every run of the method. The math:
+            :attr:`aggregate`'s new global factors and residual satisfy
+            ``B A + R = sum_i p_i B_i A_i`` for every layer (in the method's own
+            coordinates: latent ones for ``latent``), which :meth:`math_deviation`
+            measures. The run: after every round the global model's effective weight is
+            the ideal ``W'`` above, up to float rounding. Both engines measure it on the
+            model each round (``effective_deviation``, relative to the round's update
+            ``W' - W``). Over :data:`EXACT_BOUND` the run fails
+            (:class:`fedexlora.run.layout.RunError`) if the math is not exact, or if the
+            residuals live beside the weights (a side branch, where rounding is about
+            1e-7); folded into fp32 weights with exact math the figure is fp32's
+            rounding of a small update, which ``summary.md`` gives. Lossy modes
+            (``residual_rank``, ``side_rank``) lift the promise. ``False``: the model
+            departs from the ideal by design (FedIT's averaged factors, FlexLoRA's
+            truncation); the run reports how far, and never fails for it.
+        linear: The server math of the weighted means is the server math of the
+            uploads: ``aggregate([sum_i p_i A_i], [sum_i p_i B_i], [1])`` returns the
+            same global factors and residual as ``aggregate(A, B, p)`` (over the
+            factors clients upload; ``tests/test_registry.py`` checks it). Secure
+            aggregation, which shows the server only sums, can then run it. It says
+            nothing of exactness: FedIT is linear and inexact, FedEx-LoRA exact and not
+            linear.
         secure_products: Under secure aggregation each client also sends its weighted
             product ``w_i B_i A_i`` per layer, so that the server forms ``sum_i p_i B_i A_i``
             from sums alone (FedEx-LoRA). A method that is neither ``linear`` nor this
-            cannot run under secure aggregation.
+            cannot run under secure aggregation. Excludes ``linear``.
         bytes_per_round: Bytes sent in one round as a formula of ``d`` and ``n`` (a layer's
-            output and input sizes), ``r`` (the rank) and ``k`` (clients), fp32 numbers.
+            output and input sizes), ``r`` (the rank) and ``k`` (clients), fp32 numbers
+            (``fedexlora methods``; the run counts the tensors really sent).
         aggregate: The server math (:data:`Aggregate`); ``None`` for a method without one.
         federated: ``False`` for the pooled, one-party reference (``centralized``).
         server_method: The method whose server math runs it, when not its own.
@@ -50,7 +95,8 @@ class MethodSpec:
         alternating: Odd rounds train B (A frozen), even rounds A (B frozen); clients
             upload only the factor they trained (RoLoRA).
         latent: Clients train an ``r x r`` core between frozen A and B (Fed-SB); the
-            server sees it in latent coordinates (``A = I``, ``B = R``).
+            server sees it in latent coordinates (``A = I``, ``B = R``). Needs
+            ``frozen_A``.
         personal_B: Each client keeps its own B: it trains A and B but uploads only A,
             and receives only the global A (FedSA-LoRA). There is no global model: the
             run evaluates each client's own (global A, its B), and reports no deviation.
@@ -66,6 +112,10 @@ class MethodSpec:
             the rest as its base); ``None`` is peft's default.
         hetero_slices: A client of a lower rank gets the first ``r_i`` rows of A and
             columns of B (HetLoRA), not the leading SVD components.
+        hetero_orthonormal_A: A client of a lower rank gets the leading SVD components
+            of ``s_g B̄ Ā = U Σ Vᵀ`` as FlexLoRA's release gives them: ``A = V_rᵀ``
+            (orthonormal rows), ``B = U_r Σ_r / s_i``; otherwise each factor carries
+            ``sqrt(Σ_r / s_i)``.
         prunes_rank: Clients prune their own rank (HetLoRA): they regularize the tail of
             their adapter, cut it when its norm shrinks, and the server keeps sending them
             the cut rank (zeros beyond it).
@@ -73,7 +123,12 @@ class MethodSpec:
         fresh_adapter: The global adapter restarts every round (a seeded fresh A, B = 0).
         flower: Runs under the Flower engine.
         effective_is_deviation: The update applied is the averaged factors' product, so
-            its deviation from the ideal is the factor-averaging deviation itself.
+            its deviation from the ideal is the factor-averaging deviation itself (the
+            server reports that figure instead of computing it again).
+        weighting: How the server weights the clients' uploads when the run does not say
+            (``--weighting``): ``examples`` (each client's local dataset size) or
+            ``uniform`` (FedSA-LoRA, whose release weights by the samples a client
+            processes in the round: the same for every client at a fixed step count).
         baseline: The inexact method this one is measured against in reports.
         claims: Published claims a private comparison checks: ``(other method, text)``
             read as "this method ahead of the other".
@@ -100,6 +155,7 @@ class MethodSpec:
     hetero_ranks: bool = False
     hetero_drops_tail: bool = False
     hetero_slices: bool = False
+    hetero_orthonormal_A: bool = False
     prunes_rank: bool = False
     residual_rank: bool = False
     fresh_adapter: bool = False
@@ -108,6 +164,7 @@ class MethodSpec:
     lora_init: str | None = None
     flower: bool = True
     effective_is_deviation: bool = False
+    weighting: str = "examples"
     baseline: str | None = None
     claims: tuple[tuple[str, str], ...] = ()
 
@@ -130,6 +187,16 @@ class MethodSpec:
             raise ValueError(f"method {self.name!r}: a linear method needs no products")
         if self.hetero_drops_tail and not self.hetero_ranks:
             raise ValueError(f"method {self.name!r}: `hetero_drops_tail` needs `hetero_ranks`")
+        if self.hetero_orthonormal_A and (self.hetero_slices or not self.hetero_ranks):
+            raise ValueError(
+                f"method {self.name!r}: `hetero_orthonormal_A` needs `hetero_ranks`, "
+                "without `hetero_slices`"
+            )
+        if self.weighting not in ("examples", "uniform"):
+            raise ValueError(
+                f"method {self.name!r}: `weighting` must be 'examples' or 'uniform', "
+                f"got {self.weighting!r}"
+            )
 
     def trained(self, rnd: int) -> tuple[bool, bool]:
         """Whether clients train (and upload) A and B in round ``rnd``."""
@@ -146,3 +213,38 @@ class MethodSpec:
     def server(self) -> str:
         """The name of the method whose server math runs this one."""
         return self.server_method or self.name
+
+    def math_deviation(self, seed: int = 0) -> float:
+        """How far :attr:`aggregate` is from the ideal on random factors, relative to it.
+
+        Three clients of unequal weights (1, 2, 4) with random factors shaped as this
+        method's clients train them (a shared A for ``frozen_A`` and ``alternating``, an
+        ``r x r`` core for ``latent``, the previous global factors for ``restarts``); in
+        fp64, so float rounding is about 1e-15. Returns
+        ``||B A + R - sum_i p_i B_i A_i|| / ||sum_i p_i B_i A_i||``: at most 1e-12 for an
+        exact method's math.
+
+        Raises:
+            ValueError: If the method has no server math of its own (:attr:`server`'s).
+        """
+        if self.aggregate is None:
+            raise ValueError(f"method {self.name!r} runs on {self.server!r}'s server math")
+        g = torch.Generator().manual_seed(seed)
+        k, d, r, n = 3, 7, 2, 5
+        f64 = torch.float64
+        if self.latent:
+            A = torch.eye(r, dtype=f64).expand(k, r, r)
+            B = torch.randn(k, r, r, generator=g, dtype=f64)
+        else:
+            A = torch.randn(k, r, n, generator=g, dtype=f64)
+            if self.frozen_A or self.alternating:
+                A = A[:1].expand(k, r, n)
+            B = torch.randn(k, d, r, generator=g, dtype=f64)
+        p = torch.tensor([1.0, 2.0, 4.0], dtype=f64) / 7
+        kw = {"start": (A[0] * 0.5, B[0] * 0.5)} if self.restarts else {}
+        A_new, B_new, residual = self.aggregate(
+            A.contiguous(), B.contiguous(), p, out_dtype=f64, generator=g, **kw
+        )
+        ideal = torch.einsum("k,kdr,krn->dn", p, B, A)
+        got = B_new.to(f64) @ A_new.to(f64) + residual.to_dense().to(f64)
+        return float(torch.linalg.norm(got - ideal) / torch.linalg.norm(ideal))

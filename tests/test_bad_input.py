@@ -1,0 +1,292 @@
+"""Bad input, tried as a new user would: one clear error naming it, exit 2, nothing written.
+
+Each mistake is found before the run writes its directory (and, for ``--export``, before
+it trains): no traceback, no ``config.toml`` left behind.
+"""
+
+import builtins
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fedexlora.cli import app
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def _flat(res) -> str:
+    """The output on one line (rich wraps long messages)."""
+    return " ".join(res.output.split())
+
+
+def _tiny(model, task, out, *extra):
+    return _run("run", "--model", model, "--task", task, "--min-partition-size", "5",
+                "--rounds", "1", "--local-steps", "1", "--max-test", "8", "--max-length", "16",
+                "--out", out, "--no-progress", *extra)  # fmt: skip
+
+
+def _clear(res, *needles):
+    """A one-line error (exit 2) that says each of ``needles``, and no traceback."""
+    assert res.exit_code == 2, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert "Traceback" not in res.output
+    for needle in needles:
+        assert needle in _flat(res), res.output
+
+
+@pytest.fixture()
+def a_file(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("not a directory\n")
+    return f
+
+
+# -- output paths ----------------------------------------------------------------------
+
+
+def _unwritable(kind, a_file):
+    if kind == "/proc":
+        if not Path("/proc").is_dir():
+            pytest.skip("no /proc here")
+        return "/proc/fedexlora-x", "'/proc' accepts no new directory"
+    return a_file / "sub", f"{str(a_file)!r} is a file, not a directory"
+
+
+@pytest.mark.parametrize("kind", ["/proc", "under a file"])
+def test_export_to_an_unwritable_path_is_refused_before_training(
+    kind, a_file, tmp_path, tiny_bert_dir, tiny_csv
+):
+    dest, why = _unwritable(kind, a_file)
+    out = tmp_path / "o"
+    res = _tiny(tiny_bert_dir, tiny_csv, out, "--export", dest)
+    _clear(res, f"--export {str(dest)!r} cannot be made: {why}")
+    assert "final results" not in res.output  # refused before any round was trained
+    assert not out.exists()
+
+
+def test_export_onto_an_existing_file_is_refused_before_training(
+    a_file, tmp_path, tiny_bert_dir, tiny_csv
+):
+    out = tmp_path / "o"
+    res = _tiny(tiny_bert_dir, tiny_csv, out, "--export", a_file)
+    _clear(res, f"--export {str(a_file)!r} is a file, not a directory")
+    assert "final results" not in res.output
+    assert not out.exists()
+    assert a_file.read_text() == "not a directory\n"
+
+
+@pytest.mark.parametrize("kind", ["a file", "/proc", "under a file"])
+def test_out_that_cannot_be_a_directory_is_one_line(kind, a_file, tiny_bert_dir, tiny_csv):
+    if kind == "a file":
+        out, why = a_file, "is a file, not a directory"
+    else:
+        out, why = _unwritable(kind, a_file)
+        why = f"cannot be made: {why}"
+    res = _tiny(tiny_bert_dir, tiny_csv, out, "--export", a_file.parent / "exp")
+    _clear(res, f"--out {str(out)!r} {why}")
+    assert not (a_file.parent / "exp").exists()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_bert_dir, tiny_csv):
+    """A one-round run directory, to export from."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    res = _tiny(tiny_bert_dir, tiny_csv, out)
+    assert res.exit_code == 0, res.output
+    return out
+
+
+@pytest.mark.parametrize("kind", ["/proc", "under a file", "a file"])
+def test_export_command_to_a_bad_destination_is_one_line(kind, a_file, finished_run):
+    if kind == "a file":
+        dest, why = a_file, "is a file, not a directory"
+    else:
+        dest, why = _unwritable(kind, a_file)
+        why = f"cannot be made: {why}"
+    res = _run("export", finished_run, dest)
+    _clear(res, f"export destination {str(dest)!r} {why}")
+
+
+def test_a_failed_export_after_training_says_the_run_is_safe(
+    tmp_path, monkeypatch, tiny_bert_dir, tiny_csv
+):
+    import fedexlora.run.export as export
+
+    def disk_full(run_dir, dest, *a, **k):
+        raise OSError(28, "No space left on device", str(dest))
+
+    monkeypatch.setattr(export, "export_model", disk_full)
+    out = tmp_path / "o"
+    res = _tiny(tiny_bert_dir, tiny_csv, out, "--export", tmp_path / "exp")
+    _clear(res, f"the run in {str(out)!r} is complete, but its export failed",
+           "No space left on device", f"fedexlora export {out} DEST")  # fmt: skip
+    assert (out / "summary.md").is_file()
+
+
+# -- inputs checked before anything is written -----------------------------------------
+
+
+@pytest.fixture()
+def bad_csv(tmp_path):
+    f = tmp_path / "bad.csv"
+    f.write_text("a,b\n1,2\n3,4\n")
+    return f
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["unknown task", "unknown MATH subject", "missing csv", "csv without the columns", "cuda"],
+)
+def test_a_bad_input_leaves_no_run_directory(case, tmp_path, bad_csv, tiny_bert_dir, tiny_csv):
+    import torch
+
+    task, extra = tiny_csv, []
+    if case == "unknown task":
+        task, why = "imagenet", "unknown task 'imagenet'; choose from"
+    elif case == "unknown MATH subject":
+        task, why = "math/poetry", "unknown MATH subject 'poetry' in task 'math/poetry'"
+    elif case == "missing csv":
+        task = tmp_path / "nope.csv"
+        why = f"data file not found: {str(task)!r}"
+    elif case == "csv without the columns":
+        task, why = bad_csv, f"data file {str(bad_csv)!r} has columns ['a', 'b']; expected"
+    else:
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is present")
+        extra, why = ["--device", "cuda"], "`device` is 'cuda' but no CUDA GPU is available"
+    out = tmp_path / "o"
+    res = _tiny(tiny_bert_dir, task, out, *extra)
+    _clear(res, why)
+    assert not out.exists()
+
+
+def _flwr_missing(monkeypatch, how):
+    """flwr not installed (``sys.modules`` entry ``None``), or installed but not importable."""
+    if how == "not installed":
+        monkeypatch.setitem(sys.modules, "flwr", None)
+        return
+    real = builtins.__import__
+
+    def no_flwr(name, *args, **kwargs):
+        if name == "flwr" or name.startswith("flwr."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_flwr)
+
+
+@pytest.mark.parametrize("how", ["not installed", "not importable"])
+@pytest.mark.parametrize("flag", [["--secure-aggregation"], ["--engine", "flower"]])
+def test_flower_without_flwr_names_the_extra(
+    flag, how, monkeypatch, tmp_path, tiny_bert_dir, tiny_csv
+):
+    _flwr_missing(monkeypatch, how)
+    out = tmp_path / "o"
+    res = _tiny(tiny_bert_dir, tiny_csv, out, *flag)
+    _clear(res, "flwr", "pip install 'fedex-lora[flower]'")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["out is a file", "report in /proc", "report is a directory",
+                                  "unknown task"])  # fmt: skip
+def test_compare_checks_its_paths_and_task_before_the_grid(
+    case, a_file, tmp_path, tiny_bert_dir, tiny_csv
+):
+    out = tmp_path / "grid"
+    args = ["--local-steps", "1,2", "--model", tiny_bert_dir, "--method", "fedex",
+            "--settings", "iid-2", "--ranks", "1", "--seeds", "0", "--rounds", "1",
+            "--max-length", "16", "--min-partition-size", "5", "--max-test", "8"]  # fmt: skip
+    if case == "out is a file":
+        out, why = a_file, f"--out {str(a_file)!r} is a file, not a directory"
+    elif case == "report in /proc":
+        dest, why = _unwritable("/proc", a_file)
+        args += ["--report", f"{dest}/study.md"]
+        why = f"its directory cannot be made: {why}"
+    elif case == "report is a directory":
+        args += ["--report", tmp_path]
+        why = f"--report {str(tmp_path)!r} is a directory; give a file"
+    if case == "unknown task":
+        args += ["--task", "imagenet"]
+        why = "unknown task 'imagenet'"
+    else:
+        args += ["--task", tiny_csv]
+    _clear(_run("compare", "--out", out, *args), why)
+    assert out == a_file or not out.exists()  # no cell ran
+
+
+# -- config files ----------------------------------------------------------------------
+
+
+def test_validate_and_run_exit_alike_on_a_config_error(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("rounds = 0\n")
+    for res in (_run("validate", cfg), _run("run", "--config", cfg, "--out", tmp_path / "o")):
+        _clear(res, "`rounds` must be >= 1, got 0")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_config_path_that_is_a_directory_says_so(tmp_path):
+    _clear(_run("validate", tmp_path), f"config file {str(tmp_path)!r} is a directory")
+
+
+def _run_options():
+    """Every option name of ``fedexlora run`` that sets one config key: name -> key."""
+    import typer.main
+
+    from fedexlora.cli.run import RUN_FLAGS
+
+    command = typer.main.get_command(app).commands["run"]
+    names = {}
+    for param in command.params:
+        if param.name in RUN_FLAGS:
+            for opt in param.opts:
+                names[opt.lstrip("-")] = RUN_FLAGS[param.name]
+    return names
+
+
+def test_a_flag_name_in_a_config_file_points_at_its_key(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("rank = 4\n")
+    _clear(_run("validate", cfg), "unknown key `rank`; did you mean `lora_r`? (`--rank` is")
+    options = _run_options()
+    assert options["rank"] == options["r"] == "lora_r"  # what the TOML answer must say
+    from fedexlora.config import validate_mapping
+
+    for name, key in options.items():
+        _, errs = validate_mapping({name: None})
+        unknown = [e for e in errs if e.startswith("unknown key")]
+        assert not unknown or f"did you mean `{key}`?" in unknown[0], (name, unknown)
+
+
+# -- help ------------------------------------------------------------------------------
+
+
+def test_method_help_lists_every_registered_method():
+    from fedexlora.core.methods import REGISTRY
+
+    res = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0
+    line = next(ln for ln in res.output.splitlines() if "--method " in ln)
+    listed = line.split("Comma list of", 1)[1].split(";", 1)[0]
+    assert [m.strip() for m in listed.split(",")] == list(REGISTRY)
+
+
+@pytest.mark.parametrize(
+    "extra", [["--max-length", "100000"], ["--num-clients", "40"]], ids=["max-length", "clients"]
+)
+def test_an_error_found_while_loading_the_model_or_partitions_leaves_nothing(
+    extra, tmp_path, tiny_bert_dir, tiny_csv
+):
+    # checked by the run itself (library callers and the Flower ServerApp go through it too),
+    # before it makes the run directory
+    out = tmp_path / "o"
+    res = _tiny(tiny_bert_dir, tiny_csv, out, *extra)
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output
+    assert not out.exists()
