@@ -148,7 +148,9 @@ def test_aggregate_from_the_sums_equals_aggregate_from_the_uploads(method):
     want = plain.aggregate(uploads, effective=False)
     spec = get_method(method)
     layout = SecureLayout.for_template(template, products=spec.secure_products)
-    summed = sum(client_vector(layout, u.state, u.num_examples / 64, u.train_loss) for u in uploads)
+    # each client weighs in as the server weighs it (fedsa: uniformly, as its release)
+    n = {u.client_id: 1 if plain.weighting == "uniform" else u.num_examples for u in uploads}
+    summed = sum(client_vector(layout, u.state, n[u.client_id] / 64, u.train_loss) for u in uploads)
     sums = read_sums(layout, summed, template)
     got = secure.aggregate_secure(sums, [0, 1, 2])
     assert got.accepted == [0, 1, 2]
@@ -165,7 +167,7 @@ def test_aggregate_from_the_sums_equals_aggregate_from_the_uploads(method):
         if name in got.residuals:
             fs = fs + scale * got.residuals[name].to_dense().double()
         assert torch.allclose(fw, fs, atol=1e-5), name
-    weights = torch.tensor([u.num_examples for u in uploads], dtype=torch.float64)
+    weights = torch.tensor([n[u.client_id] for u in uploads], dtype=torch.float64)
     loss = float((weights * torch.tensor([u.train_loss for u in uploads])).sum() / weights.sum())
     assert got.secure["train_loss"] == pytest.approx(loss)
     if spec.secure_products:  # FedEx: the residual is the ideal minus the averaged product
