@@ -27,11 +27,15 @@ one dense ``d x n`` at round 15. Each round, in one process, on fresh client fac
   dropped its copy checks the model against the rounds that reached it). Not in ``step``.
 
 It prints, per round, each part in ms and ``step / floor`` with ``step = server + fold``
-for each kind of server; at the end the cost of one reset payload from each.
+for each kind of server; at the end the cost of one reset payload from each. With
+``--profile``, it first runs one ``Server.aggregate`` of the same shape under cProfile on
+a fresh server, after one warm-up call, and prints where that call spends its time (the
+package's own functions, by cumulative time, and each one's share of the call).
 
 Usage::
 
     python benchmarks/accumulator.py --threads 2
+    python benchmarks/accumulator.py --threads 2 --rounds 0 --profile   # the profile only
 """
 
 from __future__ import annotations
@@ -40,8 +44,37 @@ import argparse
 import functools
 import statistics
 import time
+from pathlib import Path
 
 import torch
+
+
+def profile_aggregate(server, ups) -> None:
+    """Prints where one ``server.aggregate(ups, effective=False)`` spends its time.
+
+    The package's own functions by cumulative time under cProfile, each with its share of
+    the whole call (cProfile's overhead included, so read the shares, not the ms).
+    """
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    t0 = time.perf_counter()
+    server.aggregate(ups, effective=False)
+    total = time.perf_counter() - t0
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = [
+        (cum, f"{Path(file).name}:{line} {func}")
+        for (file, line, func), (_, _, _, cum, _) in stats.items()
+        if "fedexlora" in file
+    ]
+    print(f"cProfile of one Server.aggregate: {1e3 * total:.1f} ms under the profiler")
+    print("| function (fedexlora) | cumulative ms | share of the call |\n|---|---|---|")
+    for cum, name in sorted(rows, reverse=True)[:12]:
+        print(f"| {name} | {1e3 * cum:.1f} | {cum / total:.0%} |")
+    print()
 
 
 def main() -> None:
@@ -52,6 +85,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--profile", action="store_true", help="cProfile one Server.aggregate first")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -89,22 +123,18 @@ def main() -> None:
         f"torch {torch.__version__}, {dev}, {torch.get_num_threads()} threads, {d}x{n}, "
         f"k={k}, r={r}: each round's residual has rank {q}"
     )
-    print("| round | server own ms | server model ms | fold ms | floor ms "
-          "| step/floor own | step/floor model | own record | model server holds "
-          "| checkpoint ms (model) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    ratios = {"own": [], "model": []}
-    for rnd in range(1, args.rounds + 1):
-        A0 = torch.randn(r, n, generator=g) / n**0.5
-        B0 = torch.randn(d, r, generator=g) / d**0.5
-        ups = [
+
+    def uploads(gen: torch.Generator) -> list[ClientUpload]:
+        A0 = torch.randn(r, n, generator=gen) / n**0.5
+        B0 = torch.randn(d, r, generator=gen) / d**0.5
+        return [
             ClientUpload(
                 c,
                 AdapterState(
                     {
                         layer: (
-                            (A0 + 0.1 * torch.randn(r, n, generator=g) / n**0.5).to(dev),
-                            (B0 + 0.1 * torch.randn(d, r, generator=g) / d**0.5).to(dev),
+                            (A0 + 0.1 * torch.randn(r, n, generator=gen) / n**0.5).to(dev),
+                            (B0 + 0.1 * torch.randn(d, r, generator=gen) / d**0.5).to(dev),
                         )
                     }
                 ),
@@ -112,6 +142,19 @@ def main() -> None:
             )
             for c in range(k)
         ]
+
+    if args.profile:  # a warm-up call first: a cold one also times torch's first calls
+        prof_gen = torch.Generator().manual_seed(1)
+        Server(state, layers, num_clients=k).aggregate(uploads(prof_gen), effective=False)
+        profile_aggregate(Server(state, layers, num_clients=k), uploads(prof_gen))
+    if args.rounds:
+        print("| round | server own ms | server model ms | fold ms | floor ms "
+              "| step/floor own | step/floor model | own record | model server holds "
+              "| checkpoint ms (model) |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|")
+    ratios = {"own": [], "model": []}
+    for rnd in range(1, args.rounds + 1):
+        ups = uploads(g)
         Uf = torch.randn(d, q, generator=g).to(dev)
         Vf = torch.randn(q, n, generator=g).to(dev)
         # as both engines call it: the effective deviation is measured on the model
@@ -137,6 +180,8 @@ def main() -> None:
             f"| {1e3 * t_floor:.1f} | {step_own / t_floor:.2f} | {step_held / t_floor:.2f} "
             f"| {own_held} | {model_held} | {1e3 * t_ckpt:.1f} |"
         )
+    if not args.rounds:
+        return
     for kind, rs in ratios.items():
         worst = max(rs)
         print(

@@ -28,7 +28,7 @@ following repeats is reported. Where the first calls of a cell already take long
 Peak memory: the growth of the process's resident set during one call, read from
 ``VmHWM`` in ``/proc/self/status`` after resetting it (``echo 5 > /proc/self/clear_refs``)
 and subtracting ``VmRSS`` just before the call. The script re-executes itself with
-``MALLOC_MMAP_THRESHOLD_=131072`` so that every tensor above 128 KiB is its own mmap,
+``MALLOC_MMAP_THRESHOLD_=131072`` so that every tensor above 131,072 B (131 kB) is its own mmap,
 returned to the system when freed: otherwise glibc would recycle freed heap memory
 between calls and the high-water mark would under-count. Pages allocated but never
 written do not count, which is right for ``torch.empty``. The figure is for the call's

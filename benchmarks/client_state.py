@@ -93,7 +93,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    mib = 2**20
+    from fedexlora.core.units import format_bytes
+
     print("| model | after round | residual held | adapter | total | old: fp32 weight copy |")
     print("|---|---|---|---|---|---|")
     rows = [(m, measure(m, args.rounds)) for m in args.models.split(",") if m]
@@ -101,8 +102,8 @@ def main() -> None:
     for name, figures in rows:
         for rnd, side, adapter, weights in figures:
             print(
-                f"| {name} | {rnd} | {side / mib:.2f} MiB | {adapter / mib:.2f} MiB | "
-                f"{(side + adapter) / mib:.2f} MiB | {weights / mib:.2f} MiB |"
+                f"| {name} | {rnd} | {format_bytes(side)} | {format_bytes(adapter)} | "
+                f"{format_bytes(side + adapter)} | {format_bytes(weights)} |"
             )
 
 

@@ -98,7 +98,7 @@ def main(argv=None) -> None:
                 "seconds": wall,
             }
         )
-        print(f"load only: {peak / 2**20:.0f} MiB ({wall:.0f}s)", file=sys.stderr, flush=True)
+        print(f"load only: {peak / 1e6:.0f} MB ({wall:.0f}s)", file=sys.stderr, flush=True)
         for k in counts:
             out = tmp / f"run-{k}"
             peak, wall = child_peak(run_cmd(k, out, args), tmp / f"run-{k}.log")
@@ -116,13 +116,13 @@ def main(argv=None) -> None:
                     "bytes_up": metrics[0]["bytes_up"],
                 }
             )
-            print(f"{k} clients: {peak / 2**20:.0f} MiB ({wall:.0f}s)", file=sys.stderr, flush=True)
+            print(f"{k} clients: {peak / 1e6:.0f} MB ({wall:.0f}s)", file=sys.stderr, flush=True)
     base = next(r for r in rows if r["clients"] == counts[0])
-    print("| run | peak RSS (MiB) | vs first | wall s |")
+    print("| run | peak RSS (MB) | vs first | wall s |")
     print("|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['what']} | {r['peak_rss'] / 2**20:.0f} | "
+            f"| {r['what']} | {r['peak_rss'] / 1e6:.0f} | "
             f"{r['peak_rss'] / base['peak_rss']:.3f} | {r['seconds']:.0f} |"
         )
     last = next(r for r in rows if r["clients"] == counts[-1])

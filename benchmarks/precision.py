@@ -8,9 +8,11 @@ would with longer training) and reports:
 - the exactness measured on the model every round (``effective_deviation``, max over
   layers: the model's effective weights against the ideal average of the clients'
   models, relative to the round's update);
-- the side branch's bytes after rounds 1, 3 and 10, against the adapted layers' own bytes
+- the side branch's bytes (SI units) after rounds 1, 3 and 10 (``–`` for a round the run
+  did not reach; an fp32 base has none), against the adapted layers' own bytes
   in the base's precision (what the goal compares it with);
-- the child's peak RSS (``ru_maxrss``) and the model's resident bytes;
+- the child's peak RSS (``ru_maxrss``) and the model's resident bytes (its parameters
+  and buffers: an fp32 base's ``W0`` included, its record of folded residuals not);
 - local training speed (steps per second) after the last round, with the side branch
   full, as a ratio to the fp32 run (where residuals are folded into the weights).
 
@@ -107,7 +109,7 @@ def child(args) -> dict:
         "side_rank": cfg.side_rank,
         "effective_deviation_max": [r["effective_deviation"]["max"] for r in rows],
         "approximation_gap_max": [r.get("approximation_gap", {}).get("max") for r in rows],
-        "side_bytes": side,
+        "side_bytes": side if cfg.side_branch else None,  # fp32: folded into the weights
         "adapted_layer_bytes": adapted,
         "model_bytes": resident,
         "steps_per_s": steps_per_s,
@@ -134,11 +136,28 @@ def run_child(prec: str, args, tmp: Path) -> dict:
     return res
 
 
-def _mb(n) -> str:
-    return f"{n / 2**20:.1f} MiB"
+def side_cells(side_bytes: dict | None, rounds: int) -> str:
+    """The side branch's bytes after each of :data:`CHECK_ROUNDS` that the run reached.
+
+    A round the run did not reach is ``–``, not ``0 B``: zero is a measurement (round 1
+    of one local step, whose residual is exactly zero since every client's ``A`` is
+    still the shared initial one), a missing round is not. ``None``: the base has no side
+    branch (fp32: the residuals are folded into the weights).
+    """
+    from fedexlora.core.units import format_bytes
+
+    if side_bytes is None:
+        return "none (folded into the weights)"
+    return " / ".join(
+        format_bytes(side_bytes[str(k)]) if str(k) in side_bytes else "–"
+        for k in CHECK_ROUNDS
+        if k <= max(rounds, CHECK_ROUNDS[0])
+    )
 
 
 def main() -> None:
+    from fedexlora.core.units import format_bytes
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precisions", default="fp32,bf16,nf4")
     ap.add_argument("--rounds", type=int, default=10)
@@ -162,19 +181,23 @@ def main() -> None:
         f"\nSmolLM2-135M, 3 clients, r=8 on all projections, {args.rounds} rounds x 1 step, "
         f"side_rank={args.side_rank}, {args.threads} threads\n"
     )
-    head = "| base | max effective deviation (all rounds) | side branch after rounds "
-    head += "1 / 3 / 10 | adapted layers in base precision | model bytes | peak RSS | "
+    shown = " / ".join(str(k) for k in CHECK_ROUNDS if k <= max(args.rounds, CHECK_ROUNDS[0]))
+    head = "| base | max effective deviation (all rounds) | effective deviation per round "
+    head += f"| side branch after rounds {shown} | adapted layers in base precision "
+    head += "| model bytes | peak RSS | "
     head += "train steps/s (vs fp32) |"
     print(head)
-    print("|" + "---|" * 8)
+    print("|" + "---|" * 9)
     for r in results:
         dev = max(r["effective_deviation_max"])
-        side = " / ".join(_mb(r["side_bytes"].get(str(k), 0)) for k in CHECK_ROUNDS)
+        side = side_cells(r["side_bytes"], args.rounds)
+        per_round = ", ".join(f"{d:.1e}" for d in r["effective_deviation_max"])
         rel = f" ({r['steps_per_s'] / ref['steps_per_s']:.2f}x)" if ref else ""
         name = r["precision"] + (f", side-rank {r['side_rank']}" if r["side_rank"] else "")
         print(
-            f"| {name} | {dev:.2e} | {side} | {_mb(r['adapted_layer_bytes'])} | "
-            f"{_mb(r['model_bytes'])} | {_mb(r['peak_rss'])} | {r['steps_per_s']:.2f}{rel} |"
+            f"| {name} | {dev:.2e} | {per_round} | {side} | "
+            f"{format_bytes(r['adapted_layer_bytes'])} | {format_bytes(r['model_bytes'])} | "
+            f"{format_bytes(r['peak_rss'])} | {r['steps_per_s']:.2f}{rel} |"
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

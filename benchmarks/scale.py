@@ -199,7 +199,7 @@ def child(args) -> dict:
         "worst_update_rel": worst["update"] if probe is not None else None,
         "payloads_checked": len(downloads) if probe is not None else 0,
         "accuracy": rows[-1]["metrics"].get("accuracy"),
-        "self_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "self_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6,
     }
 
 
@@ -278,7 +278,7 @@ def flower_run(args, clients: int, fraction: float, env: dict) -> dict:
         "seconds_per_round": _median(secs),
         "wall_seconds": wall,
         "accuracy": rows[-1]["metrics"].get("accuracy"),
-        "peak_rss_mib": peak / 2**20,
+        "peak_rss_mb": peak / 1e6,
     }
 
 
@@ -326,25 +326,25 @@ def main() -> None:
             peak, out, wall = run_measured(cmd, env)
             line = next(x for x in out.splitlines() if x.startswith("RESULT "))
             res = json.loads(line[7:])
-            res["peak_rss_mib"] = peak / 2**20
+            res["peak_rss_mb"] = peak / 1e6
             res["wall_seconds"] = wall
         results.append(res)
         print(json.dumps(res), flush=True)
     print()
     print(f"model {args.model}, engine {args.engine}, {args.rounds} rounds, "
           f"{args.local_steps} local step(s), r={args.rank}")  # fmt: skip
-    head = "| clients | sampled/round | peak RSS MiB | server state KiB (worst ratio to bound) | "
-    head += "download/client KiB mean / max | s/round | worst rel. error (model / update) |"
+    head = "| clients | sampled/round | peak RSS MB | server state kB (worst ratio to bound) | "
+    head += "download/client kB mean / max | s/round | worst rel. error (model / update) |"
     print(head)
     print("|" + "---|" * 7)
     for r in results:
         state = (
-            f"{r['server_history_base_max'] / 1024:.0f} ({r['state_over_bound_max']:.2f})"
+            f"{r['server_history_base_max'] / 1e3:.0f} ({r['state_over_bound_max']:.2f})"
             if "server_history_base_max" in r
             else "-"
         )
-        down = f"{r['download_mean'] / 1024:.1f}" + (
-            f" / {r['download_max'] / 1024:.1f}" if "download_max" in r else ""
+        down = f"{r['download_mean'] / 1e3:.1f}" + (
+            f" / {r['download_max'] / 1e3:.1f}" if "download_max" in r else ""
         )
         exact = (
             f"{r['worst_model_rel']:.1e} / {r['worst_update_rel']:.1e}"
@@ -352,7 +352,7 @@ def main() -> None:
             else "-"
         )
         print(
-            f"| {r['clients']} | {r['sampled_per_round']} | {r['peak_rss_mib']:.0f} | {state} | "
+            f"| {r['clients']} | {r['sampled_per_round']} | {r['peak_rss_mb']:.0f} | {state} | "
             f"{down} | {r['seconds_per_round']:.3f} | {exact} |"
         )
     if args.json:

@@ -12,8 +12,21 @@ Usage::
     fedexlora run --dtype bf16 --save-client-adapters --export DEST --out RUN ...
     python benchmarks/verify_export.py RUN DEST
 
-Prints, per layer and at most, ``||export - ideal|| / ||ideal - W0||`` (relative to the
-total update) and exits 1 above ``--tol`` (1e-5).
+Prints the largest error over the adapted layers twice: ``||export - ideal|| / ||ideal -
+W0||`` (relative to the total update) and ``||export - ideal|| / ||ideal||`` (relative to
+the weight). Exits 0 when the export is exact, 1 when it is not:
+
+- an adapter export is exact when its error is at most ``--tol`` (1e-5) of the total
+  update: it never rounds into a weight (the factors are fp32, the ideal is applied in
+  fp64), so this holds at any learning rate;
+- a merged export stores its weights in fp32, so it is exact when it is within ``--tol``
+  of the update *or* within fp32's rounding of the weights it stores: at most
+  ``(rounds + 1) * 2**-24`` of the weight, one rounding per round (an fp32 base takes each
+  round's residual into its weight with one ``addmm_``) and one for the merge. That is
+  what docs/LARGE_MODELS.md says a merged export is ("exact to fp32 rounding"): with a
+  small update next to the weight (small learning rate, few local steps) it is more than
+  1e-5 of the update (docs/BENCHMARKS.md: 1.4e-5 to 1.7e-5 on MiniLM at the defaults),
+  while a missing residual or round is orders of magnitude above either bound.
 """
 
 from __future__ import annotations
@@ -85,6 +98,51 @@ def rel(got: dict, want: dict, w0: dict) -> float:
     )
 
 
+def rel_weight(got: dict, want: dict) -> float:
+    """max over layers of ||got - want|| / ||want|| (relative to the weight)."""
+    return max(
+        float(torch.linalg.norm(got[n] - want[n]) / torch.linalg.norm(want[n])) for n in want
+    )
+
+
+FP32_UNIT_ROUNDOFF = 2.0**-24
+"""fp32 rounds to nearest within ``2**-24`` of the value (unit roundoff)."""
+
+
+def fp32_rounding_bound(rounds: int) -> float:
+    """The most fp32 rounding can move a merged export's weight, relative to the weight.
+
+    One rounding per round (an fp32 base takes each round's residual into its weight with
+    one ``addmm_``; a side branch is added to the upcast weight once, at the merge) and
+    one for the merge of ``s B A``: ``(rounds + 1) * 2**-24``.
+    """
+    return (int(rounds) + 1) * FP32_UNIT_ROUNDOFF
+
+
+def verdict(kind: str, err_update: float, err_weight: float, rounds: int, tol: float) -> str:
+    """Why the export counts as exact, or ``""`` when it does not.
+
+    Args:
+        kind: ``adapter`` or ``merged``.
+        err_update: Its error relative to the total update (:func:`rel`).
+        err_weight: Its error relative to the weight (:func:`rel_weight`).
+        rounds: The run's rounds.
+        tol: The bound relative to the update (``--tol``).
+
+    Returns:
+        The bound the export meets, in words; ``""`` when it meets neither.
+    """
+    if err_update <= tol:
+        return f"within {tol:g} of the total update"
+    bound = fp32_rounding_bound(rounds)
+    if kind == "merged" and err_weight <= bound:
+        return (
+            f"over {tol:g} of the update, but within fp32 rounding of the stored weights "
+            f"({rounds} + 1 roundings: {bound:.1e} of the weight)"
+        )
+    return ""
+
+
 @torch.no_grad()
 def exported(path: Path, cfg) -> dict[str, torch.Tensor]:
     """Effective adapted weights of an export, loaded the way a user would."""
@@ -126,11 +184,15 @@ def main() -> None:
     ideal, base = ideal_from_client_adapters(args.run, cfg)
     got = exported(args.export, cfg)
     err = rel(got, ideal, base)
+    err_w = rel_weight(got, ideal)
     kind = "adapter" if (args.export / "adapter_config.json").is_file() else "merged"
     prec = cfg.quantization or cfg.dtype
     print(f"{prec} base, {kind} export, {len(ideal)} layers, {cfg.rounds} rounds: "
-          f"max relative error {err:.2e} of the total update")  # fmt: skip
-    sys.exit(0 if err <= args.tol else 1)
+          f"max relative error {err:.2e} of the total update, {err_w:.2e} of the weight "
+          f"({err_w / FP32_UNIT_ROUNDOFF:.2f} x fp32's 2**-24)")  # fmt: skip
+    why = verdict(kind, err, err_w, cfg.rounds, args.tol)
+    print(f"exact: {why}" if why else "NOT exact: over both bounds")
+    sys.exit(0 if why else 1)
 
 
 if __name__ == "__main__":
