@@ -246,6 +246,9 @@ def test_resume_refuses_result_changing_flags_and_applies_safe_ones(
         (["--rank", "4"], "--rank 4"),
         (["--seed", "3"], "--seed 3"),
         (["--engine", "flower"], "--engine 'flower'"),
+        # settings the run left unset (None: not in its config.toml)
+        (["--weighting", "uniform"], "--weighting 'uniform'"),
+        (["--max-train", "10"], "--max-train 10"),
     ]:
         res = _run("run", "--resume", run_dir, "--no-progress", *args)
         assert res.exit_code == 2, (args, res.output)

@@ -320,11 +320,6 @@ class RunConfig:
         )
         need(self.engine in _ENGINES, f"`engine` must be one of {_ENGINES}, got {self.engine!r}")
         need(
-            self.engine != "flower" or importlib.util.find_spec("flwr") is not None,
-            "`engine` 'flower' runs a Flower simulation, and flwr is not installed; fix: "
-            "pip install 'fedex-lora[flower]'",
-        )
-        need(
             self.trainer in _TRAINERS,
             f"`trainer` must be one of {_TRAINERS}, got {self.trainer!r}",
         )

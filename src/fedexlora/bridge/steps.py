@@ -37,6 +37,7 @@ from fedexlora.bridge.adapters import (
     side_state,
 )
 from fedexlora.core.messages import ClientUpload, Payload, RoundOutcome
+from fedexlora.core.methods.spec import FP32_UNIT_ROUNDING
 from fedexlora.core.state import AdapterState
 
 __all__ = ["apply_outcome", "apply_payload", "client_state", "load_client_state", "make_upload"]
@@ -152,7 +153,9 @@ def apply_outcome(
     Returns:
         Per layer ``||W_model - W_ideal|| / ||W_ideal - W_previous||``: the error relative
         to the round's update (empty when no upload was accepted). This is what the
-        lossy modes really apply, not what the server meant to.
+        lossy modes really apply, not what the server meant to. ``outcome.rounding``
+        gets, per layer, ``2^-24 ||W_model|| / ||W_ideal - W_previous||``: fp32's unit
+        rounding of the weights, relative to the same update.
     """
     set_state(model, server.state)
     measure = bool(uploads) and bool(outcome.weights) and outcome.previous is not None
@@ -172,4 +175,6 @@ def apply_outcome(
         move = (ideal - before) - start.to(before.device)
         den = float(torch.linalg.norm(move))
         out[name] = float(torch.linalg.norm(after - ideal)) / den if den > 0 else 0.0
+        if den > 0:  # what fp32's rounding of these weights alone can explain
+            outcome.rounding[name] = FP32_UNIT_ROUNDING * float(torch.linalg.norm(after)) / den
     return out

@@ -468,7 +468,8 @@ def _resumed_config(resume: Path, overrides: dict, config: Path | None, out: Pat
             continue
         before = getattr(stored, key)
         try:
-            same = stored.replace(**{key: value}).to_dict()[key] == stored.to_dict()[key]
+            # getattr, not to_dict(): a setting left unset (None) is not in the dict
+            same = getattr(stored.replace(**{key: value}), key) == getattr(stored, key)
         except (TypeError, ValueError):
             same = False
         if not same:

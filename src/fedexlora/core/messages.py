@@ -199,6 +199,10 @@ class RoundOutcome:
         secure: Under secure aggregation, what the server read from the sums besides the
             model: ``clipped`` (numbers the quantization clipped, over every client) and
             ``train_loss`` (the weighted mean); ``None`` without secure aggregation.
+        rounding: Module -> fp32's unit rounding of the layer's weights relative to the
+            round's update, ``2^-24 ||W'|| / ||W_ideal - W_previous||``: about what one
+            fold into fp32 weights may be off by (set where the model is measured,
+            :func:`fedexlora.bridge.steps.apply_outcome`).
     """
 
     residuals: dict[str, Residual]
@@ -211,6 +215,7 @@ class RoundOutcome:
     previous: AdapterState | None = None
     unchanged: bool = False
     secure: dict | None = None
+    rounding: dict[str, float] = field(default_factory=dict)
 
 
 def example_count(value) -> tuple[int | None, str]:

@@ -13,8 +13,11 @@ def format_bytes(n: float) -> str:
     """
     sign = "-" if n < 0 else ""
     n = abs(n)
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    units = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
+    for i, (unit, scale) in enumerate(units):
         if n >= scale:
             v = n / scale
+            if v >= 999.5 and i > 0:  # rounds up to the next unit: 1.00 MB, not 1000 kB
+                unit, v = units[i - 1][0], n / units[i - 1][1]
             return f"{sign}{v:.3g} {unit}" if v < 100 else f"{sign}{v:.0f} {unit}"
     return f"{sign}{int(n)} B"

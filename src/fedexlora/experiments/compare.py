@@ -68,11 +68,20 @@ def cell_changes(old: dict, new: RunConfig) -> list[str]:
         default = f.default if f.default_factory is MISSING else f.default_factory()
         was = old.get(f.name, default)
         now = getattr(new, f.name)
+        if f.name == "weighting":  # unset: each method's own (a cell of before it was unset)
+            was, now = (_weightings(w, new.methods) for w in (was, now))
         if was != now and not (_num(was) and _num(now) and float(was) == float(now)):
             changes.append(f"{f.name}: {was!r} → {now!r}")
     if old.get("rounds", 0) > new.rounds:
         changes.append(f"rounds: {old['rounds']} → {new.rounds}")
     return changes
+
+
+def _weightings(weighting: str | None, methods: list[str]) -> tuple[str, ...]:
+    """Each method's weighting under ``weighting`` (``None``: the method's own)."""
+    return tuple(
+        weighting or (REGISTRY[m].weighting if m in REGISTRY else "examples") for m in methods
+    )
 
 
 def _num(x) -> bool:

@@ -373,6 +373,9 @@ def round_row(
             row["deviation"] = {"mean": None, "max": None, "per_layer": {}}
         if not effective:
             row["effective_deviation"] = {"mean": None, "max": None}
+    if effective and outcome.rounding and row["effective_deviation"].get("max") is not None:
+        # what fp32's rounding of the weights alone may explain (the exactness check's floor)
+        row["rounding_floor"] = max(outcome.rounding.values())
     if not outcome.accepted:
         row["note"] = "every upload was rejected; the global model is unchanged"
     return row

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fedexlora.config import RunConfig
-from fedexlora.core.methods.spec import EXACT_BOUND
+from fedexlora.core.methods.spec import EXACT_BOUND, ROUNDING_MARGIN
 from fedexlora.run.checkpoint import config_fingerprint, save_checkpoint
 from fedexlora.run.engine import Prepared, new_model, new_server, prepare
 from fedexlora.run.layout import RunError, RunLayout, append_row, write_atomic, write_rows
@@ -192,8 +192,10 @@ class Run:
         Over the bound, the method's server math is checked on random factors
         (:meth:`MethodSpec.math_deviation`): math that is not exact is an error, and so
         is any departure with the residuals beside the weights, where float rounding is
-        about 1e-7 of the update. Folded into fp32 weights with exact math, the figure is
-        fp32's rounding of a small update: ``summary.md`` says it, and no error is raised.
+        about 1e-7 of the update. Folded into fp32 weights with exact math, a figure within
+        ``ROUNDING_MARGIN`` times fp32's unit rounding of the weights (the row's
+        ``rounding_floor``) is fp32's rounding of a small update: ``summary.md`` says it,
+        and no error is raised; beyond it, it is an error.
         The row is written first (``metrics.jsonl`` keeps the evidence); the round's
         checkpoint is not, so no later run resumes from that model.
 
@@ -230,6 +232,14 @@ class Run:
                 "residuals beside the weights, float rounding is about 1e-7 of the update: "
                 "the model departs from what the server computed. Please report it with "
                 f"config.toml and metrics.jsonl.{tail}"
+            )
+        floor = row.get("rounding_floor")
+        if floor is not None and worst > ROUNDING_MARGIN * floor:
+            raise RunError(
+                f"{head}, though its server math is exact on random factors, and fp32's "
+                f"rounding of these weights explains at most {ROUNDING_MARGIN * floor:.2g} of "
+                "the update: the model departs from what the server computed. Please report "
+                f"it with config.toml and metrics.jsonl.{tail}"
             )
 
     def run_token(self) -> str:

@@ -143,6 +143,8 @@ def _exactness(rows: list[dict]) -> str:
         spec = REGISTRY.get(method)
         if spec is None or not spec.federated or spec.personal_B:
             continue
+        if any(r.get("approximate") for r in rows if r["method"] == method):
+            continue  # lossy by the run's own choice (--residual-rank, --side-rank)
         (exact if spec.exact else inexact).append(f"{method} ({spec.title})")
     text = ""
     if exact:
@@ -161,8 +163,13 @@ branch's is about 1e-7)."""
 
 
 def _rounding(rows: list[dict]) -> list[str]:
-    """Per exact method over :data:`_ROUNDING_SHOWN`: its fp32 rounding, and the option."""
+    """Per exact method over :data:`_ROUNDING_SHOWN`: its fp32 rounding, and the option.
+
+    A round over ``ROUNDING_MARGIN`` times its ``rounding_floor`` (what fp32's rounding of
+    the weights explains) is not blamed on rounding: the line says so.
+    """
     from fedexlora.core.methods import REGISTRY
+    from fedexlora.core.methods.spec import ROUNDING_MARGIN
 
     out = []
     for method in final_rows(rows):
@@ -172,6 +179,23 @@ def _rounding(rows: list[dict]) -> list[str]:
         if spec is None or not spec.exact or not effs or max(effs) <= _ROUNDING_SHOWN:
             continue
         if any(r.get("approximate") for r in rows if r["method"] == method):
+            continue
+        over = [
+            r
+            for r in rows
+            if r["method"] == method
+            and r.get("rounding_floor") is not None
+            and (r["effective_deviation"].get("max") or 0) > ROUNDING_MARGIN * r["rounding_floor"]
+        ]
+        if over:
+            worst = max(over, key=lambda r: r["effective_deviation"]["max"])
+            out.append(
+                f"- not rounding: {method}'s model is {worst['effective_deviation']['max']:.2g} "
+                f"of round {worst['round']}'s update from the ideal, over the "
+                f"{ROUNDING_MARGIN * worst['rounding_floor']:.2g} that fp32's rounding of its "
+                "weights explains: the model departs from what the server computed "
+                "(metrics.jsonl has every round)."
+            )
             continue
         out.append(
             f"- fp32 rounding: {method}'s model is up to {max(effs):.2g} of a round's update "

@@ -10,7 +10,13 @@ import torch
 
 from fedexlora.core.factors import Residual
 
-__all__ = ["EXACT_BOUND", "Aggregate", "MethodSpec"]
+__all__ = [
+    "EXACT_BOUND",
+    "FP32_UNIT_ROUNDING",
+    "ROUNDING_MARGIN",
+    "Aggregate",
+    "MethodSpec",
+]
 
 # The server math of one layer: stacked client factors A (k, r, n) and B (k, d, r) in
 # fp64, normalised weights p (k,) -> the new global A (r, n), B (d, r) and the residual
@@ -20,6 +26,13 @@ __all__ = ["EXACT_BOUND", "Aggregate", "MethodSpec"]
 Aggregate = Callable[..., tuple[torch.Tensor, torch.Tensor, Residual]]
 
 EXACT_BOUND = 1e-3
+FP32_UNIT_ROUNDING = 2.0**-24
+"""fp32's unit roundoff: one rounding of a weight ``w`` is off by at most ``2^-24 |w|``."""
+ROUNDING_MARGIN = 10.0
+"""How many times fp32's unit rounding of the weights (relative to the round's update) a
+model folded into fp32 weights may be off before the gap is not rounding: one fold rounds
+each weight once (at most the unit rounding, about 0.6 of it in the norm), the adapter's
+own product once more; 10 leaves room and still catches any departure of a method."""
 """How far from the ideal an exact method's model may be, relative to the round's update.
 
 Float rounding is all an exact method may add (:attr:`MethodSpec.exact`). With the
