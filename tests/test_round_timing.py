@@ -84,7 +84,7 @@ def _secure_round(server, rnd, g):
         return out
 
     sround.keys(exchange)
-    collecting = sround.session.collect()
+    collecting = sround.collect()
     masked = {}
     for c in clients:
         server.payload_for(c)

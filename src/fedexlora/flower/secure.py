@@ -40,7 +40,7 @@ def secure_keys(strategy, grid: Grid, rec: Any, messages: list[Message]) -> list
         rec.secure_error = str(exc)
         return []
     out = []
-    for c, fields in rec.secure.session.collect().items():
+    for c, fields in rec.secure.collect().items():
         conf = by_pid[c].content["config"]
         conf["secagg-stage"] = "collect"
         for k, v in fields.items():

@@ -243,7 +243,7 @@ class _SecureRun:
             )
             self.setups = self.round.setup()
             self.round.keys(self._exchange)
-            self.collecting = self.round.session.collect()
+            self.collecting = self.round.collect()
         except SecAggError as exc:
             self.error = str(exc)
 

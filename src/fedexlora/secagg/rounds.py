@@ -140,6 +140,11 @@ class SecureRound:
             self.session.take_keys(ask("setup", self.setup()))
             self.session.take_shares(ask("share-keys", self.session.share_keys()))
 
+    def collect(self) -> dict[int, dict]:
+        """Stage 2's message for each client (sent with its payload), timed as server work."""
+        with self._working():
+            return self.session.collect()
+
     def finish(
         self,
         masked: Mapping[int, bytes],
