@@ -12,7 +12,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import fedexlora.config as config
 from fedexlora.cli import app
 from fedexlora.core.methods import REGISTRY, MethodSpec, get_method
 from fedexlora.core.methods.spec import EXACT_BOUND, ROUNDING_MARGIN
@@ -43,9 +42,7 @@ TOY = MethodSpec(
 @pytest.fixture()
 def toy(monkeypatch):
     """``toy_uniform`` registered for this test only (the registry is restored after)."""
-    monkeypatch.setitem(REGISTRY, TOY.name, TOY)
-    # the configuration's list of known names is taken once, at import
-    monkeypatch.setattr(config, "ALL_METHODS", tuple(REGISTRY))
+    monkeypatch.setitem(REGISTRY, TOY.name, TOY)  # config asks the registry itself
     return TOY
 
 
@@ -115,7 +112,9 @@ def test_fedex_folded_into_fp32_is_within_its_rounding_floor(tiny_cfg, tmp_path)
                "--lr", "1e-5", targets="query,intermediate.dense")  # fmt: skip
     assert res.exit_code == 0, res.output
     rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    for r in rows:  # a small update: the fold's rounding shows, within what it explains
+    # a small update: the fold's rounding shows, within what it explains (here about 0.04 of
+    # the floor, 0.42 on the main job: the floor is a bound; a floor 1000x too small fails)
+    for r in rows:
         assert 0 < r["effective_deviation"]["max"] <= ROUNDING_MARGIN * r["rounding_floor"], r
     assert "not rounding" not in (tmp_path / "r" / "summary.md").read_text()
 
@@ -132,4 +131,4 @@ def test_the_same_toy_declared_inexact_runs(toy, tiny_cfg, tmp_path, monkeypatch
 
 def test_the_registry_is_restored():
     """Runs after the tests above: what they registered is gone."""
-    assert TOY.name not in REGISTRY and TOY.name not in config.ALL_METHODS
+    assert TOY.name not in REGISTRY

@@ -24,7 +24,6 @@ from fedexlora.core.methods import REGISTRY, MethodSpec, method_names
 from fedexlora.core.sampling import sample_size
 
 __all__ = [
-    "ALL_METHODS",
     "ConfigError",
     "RunConfig",
     "load_config",
@@ -32,7 +31,6 @@ __all__ = [
     "validate_mapping",
 ]
 
-ALL_METHODS = tuple(REGISTRY)
 _PARTITIONS = ("iid", "dirichlet")
 _WEIGHTINGS = ("examples", "uniform")
 _ENGINES = ("local", "flower")

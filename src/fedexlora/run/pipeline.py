@@ -42,8 +42,6 @@ __all__ = [
 
 
 _FLOWER_FIX = "fix: pip install 'fedex-lora[flower]'"
-_HUB_TASKS = ("gsm8k-full", "metamath-gsm8k", "metamath-math", "e2e_nlg", "e2e")
-"""Tasks :func:`fedexlora.tasks.data.load_task` downloads (with GLUE, MATH, commonsense)."""
 
 
 def check_inputs(
@@ -103,25 +101,11 @@ def check_inputs(
 
 def _task_error(cfg: RunConfig) -> str | None:
     """Why ``cfg.task`` cannot be loaded, or ``None``; a hub task's name only is checked."""
-    from fedexlora.tasks.data import _FILE_SUFFIXES, GLUE_TASKS
-    from fedexlora.tasks.hubtasks import COMMONSENSE_TASKS, MATH_SUBJECTS
+    from fedexlora.tasks.data import hub_task
 
-    key = cfg.task.strip().lower()
-    if not key.endswith(_FILE_SUFFIXES):  # a file is a file, whatever its directory
-        head, _, sub = key.partition("/")
-        subs = {"math": ("MATH subject", MATH_SUBJECTS),
-                "commonsense": ("commonsense task", COMMONSENSE_TASKS)}.get(head)  # fmt: skip
-        if subs is not None:  # math, commonsense, or one subject or task of them
-            what, names = subs
-            if sub and sub not in {n.lower() for n in names}:
-                return (
-                    f"unknown {what} {sub!r} in task {cfg.task!r}; choose from {', '.join(names)}"
-                )
-            return None
-        if key in _HUB_TASKS or key.removeprefix("glue/") in GLUE_TASKS:
-            return None  # downloaded (or read from --data-dir) when the run starts
-    try:  # a file, an embedded task, or an unknown name: loading is quick and says which
-        load_task_for(cfg)
+    try:
+        if not hub_task(cfg.task):  # a file, an embedded task or an unknown name: quick
+            load_task_for(cfg)
     except ValueError as exc:
         return str(exc)
     return None

@@ -17,12 +17,13 @@ Supported task names are listed in :data:`TASK_NAMES`; a path to a local ``.csv`
 from __future__ import annotations
 
 import csv
+import functools
 import importlib.util
 import json
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = [
     "compute_metrics",
     "exact_match",
     "extract_final_number",
+    "hub_task",
     "load_task",
 ]
 
@@ -115,9 +117,8 @@ def load_task(
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{arg} must be a positive integer or None, got {arg}={value!r}")
 
-    import fedexlora.tasks.hubtasks as hubtasks
-
     key = name.strip().lower()
+    hub = None if key.endswith(_FILE_SUFFIXES) else _hub_loader(key)
     if key.endswith(_FILE_SUFFIXES):
         task = _load_file(name, seed=int(seed), test_fraction=float(test_fraction))
     elif key == "bbc-news":
@@ -126,18 +127,8 @@ def load_task(
         task = _load_gsm8k(seed=int(seed), test_fraction=float(test_fraction))
     elif key == "synthetic" or key.startswith("synthetic:"):
         task = _load_synthetic(key, seed=int(seed), test_fraction=float(test_fraction))
-    elif key.removeprefix("glue/") in GLUE_TASKS:
-        task = hubtasks.load_glue(key.removeprefix("glue/"), seed=int(seed), data_dir=data_dir)
-    elif key == "gsm8k-full":
-        task = hubtasks.load_gsm8k_full(seed=int(seed), data_dir=data_dir)
-    elif key == "math" or key.startswith("math/"):
-        task = hubtasks.load_math(key, seed=int(seed), data_dir=data_dir)
-    elif key in ("metamath-gsm8k", "metamath-math"):
-        task = hubtasks.load_metamath(key, seed=int(seed), data_dir=data_dir)
-    elif key in ("e2e_nlg", "e2e"):
-        task = hubtasks.load_e2e(seed=int(seed), data_dir=data_dir)
-    elif key == "commonsense" or key.startswith("commonsense/"):
-        task = hubtasks.load_commonsense(key, seed=int(seed), data_dir=data_dir)
+    elif hub is not None:
+        task = hub(seed=int(seed), data_dir=data_dir)
     else:
         choices = ", ".join(repr(n) for n in TASK_NAMES)
         raise ValueError(
@@ -150,6 +141,44 @@ def load_task(
     if max_test is not None and max_test < len(task.test):
         task.test = task.test.select(range(int(max_test)))
     return task
+
+
+def _hub_loader(key: str) -> Callable[..., Task] | None:
+    """The loader of a hub task (``loader(seed=, data_dir=)``), or ``None`` for any other.
+
+    A MATH subject or commonsense task that does not exist is refused here, by name,
+    before anything is downloaded.
+    """
+    import fedexlora.tasks.hubtasks as hubtasks
+
+    if key.removeprefix("glue/") in GLUE_TASKS:
+        return functools.partial(hubtasks.load_glue, key.removeprefix("glue/"))
+    if key == "gsm8k-full":
+        return hubtasks.load_gsm8k_full
+    if key == "math" or key.startswith("math/"):
+        hubtasks.math_subjects(key)
+        return functools.partial(hubtasks.load_math, key)
+    if key in ("metamath-gsm8k", "metamath-math"):
+        return functools.partial(hubtasks.load_metamath, key)
+    if key in ("e2e_nlg", "e2e"):
+        return hubtasks.load_e2e
+    if key == "commonsense" or key.startswith("commonsense/"):
+        hubtasks.commonsense_tasks(key)
+        return functools.partial(hubtasks.load_commonsense, key)
+    return None
+
+
+def hub_task(name: str) -> bool:
+    """Whether task ``name`` is downloaded from the hub (or read from ``--data-dir``).
+
+    Lets a caller check a run's inputs without downloading: a hub task's name is
+    checked here, any other task is quick to load.
+
+    Raises:
+        ValueError: For a MATH subject or commonsense task that does not exist.
+    """
+    key = str(name).strip().lower()
+    return not key.endswith(_FILE_SUFFIXES) and _hub_loader(key) is not None
 
 
 def _package_dir(module: str) -> Path | None:

@@ -31,12 +31,14 @@ __all__ = [
     "HUB_DATASETS",
     "MATH_SUBJECTS",
     "METAMATH_TRAIN",
+    "commonsense_tasks",
     "load_commonsense",
     "load_e2e",
     "load_glue",
     "load_gsm8k_full",
     "load_math",
     "load_metamath",
+    "math_subjects",
 ]
 
 HUB_DATASETS = {
@@ -196,11 +198,38 @@ def _gsm8k_split(split: str, data_dir) -> datasets.Dataset:
     return datasets.Dataset.from_dict(cols)
 
 
-def _math_split(key: str, split: str, data_dir) -> datasets.Dataset:
+def math_subjects(key: str) -> list[str]:
+    """The MATH subjects of task ``math`` (all) or ``math/<subject>`` (one).
+
+    Raises:
+        ValueError: For a subject MATH does not have.
+    """
     subject = key.partition("/")[2]
-    subjects = [subject] if subject else list(MATH_SUBJECTS)
     if subject and subject not in MATH_SUBJECTS:
-        raise ValueError(f"unknown MATH subject {subject!r}; choose from {MATH_SUBJECTS}")
+        raise ValueError(
+            f"unknown MATH subject {subject!r} in task {key!r}; choose from "
+            f"{', '.join(MATH_SUBJECTS)}"
+        )
+    return [subject] if subject else list(MATH_SUBJECTS)
+
+
+def commonsense_tasks(key: str) -> list[str]:
+    """The tasks of ``commonsense`` (all eight) or ``commonsense/<task>`` (one).
+
+    Raises:
+        ValueError: For a task commonsense-170k does not have.
+    """
+    only = key.partition("/")[2]
+    names = {t.lower(): t for t in COMMONSENSE_TASKS}
+    if only and only.lower() not in names:
+        raise ValueError(
+            f"unknown commonsense task {only!r}; choose from {', '.join(COMMONSENSE_TASKS)}"
+        )
+    return [names[only.lower()]] if only else list(COMMONSENSE_TASKS)
+
+
+def _math_split(key: str, split: str, data_dir) -> datasets.Dataset:
+    subjects = math_subjects(key)
     cols: dict[str, list[str]] = {"prompt": [], "response": [], "answer": []}
     for sub in subjects:
         raw = _hub(key, HUB_DATASETS["math"], sub, data_dir)
@@ -335,13 +364,7 @@ def load_commonsense(key: str, *, seed: int, data_dir) -> Task:
     evaluation reads it.
     """
     repo = HUB_DATASETS["commonsense"]
-    only = key.partition("/")[2]
-    names = {t.lower(): t for t in COMMONSENSE_TASKS}
-    if only and only.lower() not in names:
-        raise ValueError(
-            f"unknown commonsense task {only!r}; choose from {', '.join(COMMONSENSE_TASKS)}"
-        )
-    tasks = [names[only.lower()]] if only else list(COMMONSENSE_TASKS)
+    tasks = commonsense_tasks(key)
 
     def columns(rows, where, group=None):
         cols: dict[str, list[str]] = {"prompt": [], "response": [], "answer": []}
