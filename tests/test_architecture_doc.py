@@ -32,12 +32,14 @@ def test_the_tree_it_describes_exists():
 
 
 def test_what_exact_promises_is_the_bound_the_run_holds():
-    from fedexlora.core.methods.spec import EXACT_BOUND, MethodSpec
+    from fedexlora.core.methods.spec import EXACT_BOUND, ROUNDING_MARGIN, MethodSpec
 
     text = " ".join(DOC.read_text().split())
     section = text[text.index("### What `exact` and `linear` promise") :]
     stated = re.search(r"`EXACT_BOUND` = ([0-9.e-]+) of the update", section)
     assert stated and float(stated.group(1)) == EXACT_BOUND
+    margin = re.search(r"`ROUNDING_MARGIN` = ([0-9.e-]+) times", section)
+    assert margin and float(margin.group(1)) == ROUNDING_MARGIN
     assert "`aggregate(A, B, p)`" in section
     for field in ("exact", "linear"):  # the spec's docstring defines them too
         assert f"{field}: " in MethodSpec.__doc__

@@ -80,7 +80,9 @@ class MethodSpec:
             ``W' - W``). Over :data:`EXACT_BOUND` the run fails
             (:class:`fedexlora.run.layout.RunError`) if the math is not exact, or if the
             residuals live beside the weights (a side branch, where rounding is about
-            1e-7); folded into fp32 weights with exact math the figure is fp32's
+            1e-7), or if, folded into fp32 weights, it is also over
+            :data:`ROUNDING_MARGIN` times the row's ``rounding_floor`` (fp32's unit
+            rounding of the weights relative to the update); within it the figure is fp32's
             rounding of a small update, which ``summary.md`` gives. Lossy modes
             (``residual_rank``, ``side_rank``) lift the promise. ``False``: the model
             departs from the ideal by design (FedIT's averaged factors, FlexLoRA's
