@@ -64,6 +64,7 @@ def child(args) -> dict:
         max_new_tokens=1,
         lr=2e-3,
         side_rank=args.side_rank if prec != "fp32" else None,
+        fp32_side_branch=False,  # fp32: the fold into the weights (the side branch: bf16)
         **kw,
     ).validate()
     task = load_task_for(cfg)

@@ -21,7 +21,8 @@ def _run(*args):
         (["--method", "ffa", "--residual-rank", "2"], "`residual_rank` applies to fedex only"),
         (["--device", "tpu"], "`device` must be one of"),
         (["--dtype", "bf16", "--side-rank", "0"], "`side_rank` must be >= 1, got 0; fix"),
-        (["--side-rank", "4"], "`side_rank` caps the side branch"),
+        (["--side-rank", "4", "--no-fp32-side-branch"], "`side_rank` caps the side branch"),
+        (["--side-rank", "4", "--method", "fedit"], "`side_rank` caps the side branch"),
         (["--quantization", "nf3"], "`quantization` must be one of ('nf4', 'fp4', 'int8')"),
         (["--double-quant"], "`double_quant` applies to 4-bit quantization only"),
         (["--export-format", "merged", "--export-dtype", "bf16"], "so it cannot be exact; fix"),
@@ -111,9 +112,13 @@ def test_config_file_and_flags_override(tiny_bert_dir, tiny_csv, tmp_path):
     resolved = (out / "config.toml").read_text()
     assert "rounds = 1" in resolved and "lora_r = 2" in resolved
     assert 'methods = [\n    "fedex",\n    "fedit",\n]' in resolved or '"fedit"' in resolved
+    assert "fp32_side_branch = true" in resolved  # fedex, exact: beside the fp32 weights
     res = _run("export", str(out), str(tmp_path / "exp"), "--method", "fedit")
     assert res.exit_code == 0, res.output
-    assert (tmp_path / "exp" / "config.json").is_file()
+    assert (tmp_path / "exp" / "adapter_config.json").is_file()  # with a side branch
+    res = _run("export", str(out), str(tmp_path / "exp3"), "--format", "merged")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "exp3" / "config.json").is_file()
     res = _run("export", str(out), str(tmp_path / "exp2"), "--method", "flora")
     assert res.exit_code == 2 and "method 'flora' is not in this run" in res.output
 

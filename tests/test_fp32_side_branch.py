@@ -103,6 +103,43 @@ def test_use_side_branch_refuses_a_model_that_already_folded(tiny_llama_dir):
         use_side_branch(model)
 
 
+@pytest.mark.parametrize(
+    "changes,beside",
+    [
+        ({}, True),  # an exact method on fp32: beside the weights
+        (dict(methods=["fedit"]), False),  # no residual to keep
+        (dict(methods=["fedit", "fedex"]), True),  # one exact method is enough
+        (dict(dp_epsilon=8.0), False),  # DP-SGD's checks are for layers without one
+        (dict(fp32_side_branch=False), False),  # the user's word wins
+        (dict(methods=["fedit"], fp32_side_branch=True), True),
+    ],
+)
+def test_the_side_branch_is_the_default_for_exact_methods(tiny_cfg, changes, beside):
+    cfg = tiny_cfg.replace(**{"methods": ["fedex"], **changes})
+    assert cfg.fp32_side_branch_resolved is beside
+    assert cfg.resolved().fp32_side_branch is beside
+    assert cfg.resolved_export_format == ("adapter" if beside else "merged")
+    # a resumed run keeps how it ran when the setting is unset, not today's default
+    old = tiny_cfg.replace(methods=["fedex"], fp32_side_branch=False)
+    assert tiny_cfg.replace(methods=["fedex"]).resolved(old).fp32_side_branch is False
+
+
+def test_a_default_first_run_is_exact_on_fp32_and_writes_how_it_ran(tiny_cfg, tmp_path, capsys):
+    """``fedexlora run`` at its defaults, small updates: the side branch is on, the model
+    within 1e-6 of the ideal, config.toml says so, and nothing about rounding is said."""
+    from fedexlora.config import load_run_config
+    from fedexlora.run.pipeline import run_experiment
+
+    cfg = tiny_cfg.replace(methods=["fedex"], lr=1e-4)
+    assert cfg.fp32_side_branch is None  # unset, as a first run leaves it
+    rows = run_experiment(cfg, tmp_path, progress=False)
+    printed = capsys.readouterr()
+    assert max(r["effective_deviation"]["max"] for r in rows) < 1e-6
+    assert "rounding" not in printed.out + printed.err
+    assert "fp32 rounding" not in (tmp_path / "summary.md").read_text()
+    assert load_run_config(tmp_path / "config.toml").fp32_side_branch is True
+
+
 @pytest.mark.parametrize("beside", [False, True])
 def test_fp32_rounding_is_a_line_of_the_summary_not_a_warning(tiny_cfg, tmp_path, capsys, beside):
     """A small update on an fp32 base: summary.md gives the rounding; nothing is printed.

@@ -55,7 +55,7 @@ def test_local_engine_model_equals_hand_computed_ideal(tiny_cfg, tmp_path, prec)
     ideal, w0 = ideal_from_client_adapters(tmp_path, cfg)
     task = load_task_for(cfg)
     ckpt = latest_checkpoint(tmp_path / "checkpoints" / "fedex")
-    model = restore_model(cfg, task, "fedex", ckpt, config_fingerprint(cfg.to_dict()))[0]
+    model = restore_model(cfg, task, "fedex", ckpt, config_fingerprint(cfg))[0]
     layers = lora_layers(model)
     got = {n: effective_weight(layer) for n, layer in layers.items()}
     assert _rel(got, ideal, w0) <= 1e-5
@@ -103,7 +103,7 @@ def test_flower_engine_model_equals_hand_computed_ideal(
     assert all(r["effective_deviation"]["max"] <= 1e-5 for r in rows)
     task = load_task_for(fcfg)
     ckpt = latest_checkpoint(tmp_path / "flower" / "checkpoints" / "fedex")
-    model = restore_model(fcfg, task, "fedex", ckpt, config_fingerprint(fcfg.to_dict()))[0]
+    model = restore_model(fcfg, task, "fedex", ckpt, config_fingerprint(fcfg))[0]
     got = {n: effective_weight(layer) for n, layer in lora_layers(model).items()}
     assert _rel(got, ideal, w0) <= 1e-5
 
@@ -183,7 +183,7 @@ def test_lossy_mode_reports_the_update_actually_applied(tiny_cfg, tmp_path):
     ideal, w0 = ideal_from_client_adapters(tmp_path, cfg)
     task = load_task_for(cfg)
     ckpt = latest_checkpoint(tmp_path / "checkpoints" / "fedex")
-    model = restore_model(cfg, task, "fedex", ckpt, config_fingerprint(cfg.to_dict()))[0]
+    model = restore_model(cfg, task, "fedex", ckpt, config_fingerprint(cfg))[0]
     got = {n: effective_weight(layer) for n, layer in lora_layers(model).items()}
     per_layer = {
         n: float(torch.linalg.norm(got[n] - ideal[n]) / torch.linalg.norm(ideal[n] - w0[n]))
@@ -250,7 +250,7 @@ def test_side_rank_caps_the_side_branch_and_says_so(tiny_cfg, tmp_path, cap):
     assert all(r["approximate"] and "approximation_gap" in r for r in rows)
     task = load_task_for(cfg)
     ckpt = latest_checkpoint(tmp_path / "checkpoints" / "fedex")
-    model = restore_model(cfg, task, "fedex", ckpt, config_fingerprint(cfg.to_dict()))[0]
+    model = restore_model(cfg, task, "fedex", ckpt, config_fingerprint(cfg))[0]
     layers = lora_layers(model)
     assert max(_side(layer).rank for layer in layers.values()) <= cap
     ideal, w0 = ideal_from_client_adapters(tmp_path, cfg)

@@ -142,7 +142,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tiny_cfg, tmp_p
     from fedexlora.run.pipeline import load_task_for
 
     task = load_task_for(cfg)
-    server = restore_model(cfg, task, "fedex", ckpt, config_fingerprint(cfg.to_dict()))[2]
+    server = restore_model(cfg, task, "fedex", ckpt, config_fingerprint(cfg))[2]
     assert server.round == 1
     rows = run_experiment(cfg.replace(rounds=2), tmp_path, resume=True, progress=False)
     assert [r["round"] for r in rows] == [1, 2]

@@ -234,9 +234,7 @@ def _model_vs_ideal(cfg, run_dir):
     v = _verify()
     ideal, w0 = v.ideal_from_client_adapters(run_dir, cfg)
     ckpt = latest_checkpoint(run_dir / "checkpoints" / "fedex")
-    model = restore_model(
-        cfg, load_task_for(cfg), "fedex", ckpt, config_fingerprint(cfg.to_dict())
-    )[0]
+    model = restore_model(cfg, load_task_for(cfg), "fedex", ckpt, config_fingerprint(cfg))[0]
     got = {n: effective_weight(layer) for n, layer in lora_layers(model).items()}
     return v.rel(got, ideal, w0)
 

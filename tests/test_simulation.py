@@ -96,26 +96,38 @@ def test_all_methods_and_centralized(tiny_cfg, tmp_path):
     assert by[("ffa", 1)]["bytes_up"] < by[("flora", 1)]["bytes_up"]
 
 
-def test_export_reproduces_global_model_logits(tiny_cfg, tmp_path):
+@pytest.mark.parametrize("beside", [False, None], ids=["folded-merged", "default-adapter"])
+def test_export_reproduces_global_model_logits(tiny_cfg, tmp_path, beside):
+    """Folded into fp32 weights, the default export is a merged model; with the side
+    branch (fedex's default on fp32), a PEFT adapter on the unchanged base."""
+    from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
     from fedexlora.run.engine import prepare
     from fedexlora.training.local import predict
 
-    cfg = tiny_cfg.replace(methods=["fedex"], rounds=2)
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=2, fp32_side_branch=beside)
     run_experiment(cfg, tmp_path / "run", progress=False)
-    dest = export_model(tmp_path / "run", tmp_path / "export").path
+    res = export_model(tmp_path / "run", tmp_path / "export")
+    dest = res.path
+    assert res.format == ("merged" if beside is False else "adapter")
     task = load_task_for(cfg)
     model, tok, server, _ = restore_model(
         cfg, task, "fedex", latest_checkpoint(tmp_path / "run" / "checkpoints" / "fedex"), None
     )
     assert server.round == 2
     prep = prepare(cfg, tok, task)
-    plain = AutoModelForSequenceClassification.from_pretrained(dest).eval()
+    if res.format == "merged":
+        plain = AutoModelForSequenceClassification.from_pretrained(dest).eval()
+        assert not any("lora" in k for k in plain.state_dict())
+    else:
+        base = AutoModelForSequenceClassification.from_pretrained(
+            cfg.model, num_labels=task.num_labels, ignore_mismatched_sizes=True
+        )  # as the run loaded it: a fresh head of the task's size, replaced by the adapter's
+        plain = PeftModel.from_pretrained(base, dest).eval()
     ref = predict(model, prep.test)
     got = predict(plain, prep.test)
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5)
-    assert not any("lora" in k for k in plain.state_dict())
 
 
 def test_save_client_adapters(tiny_cfg, tmp_path):

@@ -32,9 +32,9 @@ def test_compare_reuses_a_cell_saved_before_weighting_was_unset():
     from fedexlora.config import RunConfig
     from fedexlora.experiments.compare import cell_changes
 
-    old = RunConfig(methods=["fedex", "fedit"]).to_dict() | {"weighting": "examples"}
+    old = RunConfig(methods=["fedex", "fedit"]).resolved().to_dict() | {"weighting": "examples"}
     assert cell_changes(old, RunConfig(methods=["fedex", "fedit"])) == []
-    old = RunConfig(methods=["fedex", "fedsa"]).to_dict() | {"weighting": "examples"}
+    old = RunConfig(methods=["fedex", "fedsa"]).resolved().to_dict() | {"weighting": "examples"}
     assert [c.split(":")[0] for c in cell_changes(old, RunConfig(methods=["fedex", "fedsa"]))] == [
         "weighting"
     ]

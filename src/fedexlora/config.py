@@ -144,7 +144,7 @@ class RunConfig:
     quantization: str | None = None
     double_quant: bool = False
     side_rank: int | None = None
-    fp32_side_branch: bool = False
+    fp32_side_branch: bool | None = None
     gradient_checkpointing: bool = False
     save_client_adapters: bool = False
     secure_aggregation: bool = False
@@ -176,9 +176,36 @@ class RunConfig:
         return "random" if self.dp else "gradient"
 
     @property
+    def fp32_side_branch_resolved(self) -> bool:
+        """Whether an fp32 base keeps its residuals beside the weights.
+
+        ``fp32_side_branch`` when set; unset (``None``), on for an fp32 base whose run has
+        an exact method and no DP-SGD (whose checks are made for layers without a side
+        branch): folding into fp32 weights is exact only to their rounding, and the side
+        branch costs the main job nothing measurable (docs/LARGE_MODELS.md).
+        """
+        if self.fp32_side_branch is not None:
+            return self.fp32_side_branch
+        if self.low_precision or self.dp:
+            return False
+        return bool(self._methods_where(lambda s: s.exact))
+
+    def resolved(self, ran: RunConfig | None = None) -> RunConfig:
+        """A copy with every default that depends on other fields written out.
+
+        A run writes this to ``config.toml``, so that the run reads back as it ran.
+
+        Args:
+            ran: The config a resumed run ran with: an unset default takes its value.
+        """
+        if self.fp32_side_branch is None and ran is not None:
+            return self.replace(fp32_side_branch=ran.fp32_side_branch_resolved)
+        return self.replace(fp32_side_branch=self.fp32_side_branch_resolved)
+
+    @property
     def side_branch(self) -> bool:
         """Whether residuals live in an fp32 side branch (fp32 ones: ``fp32_side_branch``)."""
-        return self.low_precision or self.fp32_side_branch
+        return self.low_precision or self.fp32_side_branch_resolved
 
     @property
     def low_precision(self) -> bool:
@@ -373,7 +400,8 @@ class RunConfig:
         need(
             self.side_rank is None or self.side_branch,
             "`side_rank` caps the side branch, which only bf16/fp16 and quantized bases "
-            "have (or fp32 ones with --fp32-side-branch); fix: add --dtype bf16, "
+            "have (or fp32 ones with --fp32-side-branch, the default with an exact method); "
+            "fix: add --dtype bf16, "
             "--quantization nf4 or --fp32-side-branch, or drop --side-rank",
         )
         need(
@@ -602,6 +630,32 @@ def validate_mapping(data: dict[str, Any]) -> tuple[RunConfig | None, list[str]]
         return None, errs + [str(exc)]
     errs.extend(cfg.errors())
     return (cfg if not errs else None), errs
+
+
+ADDED_LATER: dict[str, Any] = {
+    "double_quant": False,
+    "secure_aggregation": False,
+    "trainer": "builtin",
+    "fp32_side_branch": False,
+}
+"""Settings added after runs existed, with the value those runs had: a run's
+``config.toml`` without one reads it back so (:func:`load_run_config`), and the resume
+fingerprint leaves it out at that value, so that a run from before still resumes and
+exports."""
+
+
+def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """A run directory's ``config.toml``, as that run ran (see :data:`ADDED_LATER`).
+
+    Raises:
+        ConfigError: As :func:`load_config`.
+    """
+    try:
+        stored = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        stored = {}  # load_config names the problem
+    then = {k: v for k, v in ADDED_LATER.items() if k not in stored}
+    return load_config(path, {**then, **(overrides or {})})
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:

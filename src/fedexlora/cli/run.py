@@ -330,7 +330,8 @@ def run_cmd(
         None,
         "--fp32-side-branch/--no-fp32-side-branch",
         help="Keep an fp32 base's residuals beside it, not rounded into W: exact at any "
-        "learning rate, one more matmul per LoRA layer (default: off).",
+        "learning rate, one more matmul per LoRA layer (default: on for exact methods "
+        "without DP; --no-fp32-side-branch folds them into W).",
         rich_help_panel=PRECISION,
     ),
     gradient_checkpointing: bool | None = typer.Option(
@@ -451,7 +452,7 @@ def _resumed_config(resume: Path, overrides: dict, config: Path | None, out: Pat
 
     A flag that would change the run's results is refused, naming it; none is ignored.
     """
-    from fedexlora.config import load_config
+    from fedexlora.config import load_run_config
     from fedexlora.run.layout import RunLayout
 
     stored_config = RunLayout(resume).config
@@ -461,7 +462,7 @@ def _resumed_config(resume: Path, overrides: dict, config: Path | None, out: Pat
         fail("--config cannot be combined with --resume: the run's own config.toml is used")
     if out is not None and Path(out).resolve() != Path(resume).resolve():
         fail(f"--out {str(out)!r} differs from --resume {str(resume)!r}: a run resumes in place")
-    stored = load_config(stored_config)
+    stored = load_run_config(stored_config)
     flag_of = {key: flag for flag, key in RUN_FLAGS.items()}
     for key, value in overrides.items():
         if key in RESUME_SAFE:
@@ -480,7 +481,7 @@ def _resumed_config(resume: Path, overrides: dict, config: Path | None, out: Pat
                 f"(it was started with {before!r}); start a new run with --out instead. "
                 f"A resume may change only {safe} and --no-progress"
             )
-    return load_config(stored_config, {k: v for k, v in overrides.items() if k in RESUME_SAFE})
+    return load_run_config(stored_config, {k: v for k, v in overrides.items() if k in RESUME_SAFE})
 
 
 def _recipe_config(overrides: dict, config: Path | None):

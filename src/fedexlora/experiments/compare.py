@@ -18,7 +18,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from fedexlora.config import RESUME_SAFE, RunConfig, validate_mapping
+from fedexlora.config import ADDED_LATER, RESUME_SAFE, RunConfig, validate_mapping
 from fedexlora.core.methods import REGISTRY
 from fedexlora.experiments.cells import Cell, Setting
 from fedexlora.experiments.compare_report import (
@@ -62,10 +62,12 @@ def cell_changes(old: dict, new: RunConfig) -> list[str]:
     saved cell ran more rounds than asked (fewer rounds are extended by a resume).
     """
     changes = []
+    new = new.resolved()  # as the cell would run, and wrote its config.toml
     for f in fields(RunConfig):
         if f.name in _NOT_RESULTS:
             continue
         default = f.default if f.default_factory is MISSING else f.default_factory()
+        default = ADDED_LATER.get(f.name, default)  # what a cell from before it ran with
         was = old.get(f.name, default)
         now = getattr(new, f.name)
         if f.name == "weighting":  # unset: each method's own (a cell of before it was unset)
@@ -254,7 +256,8 @@ def run_grid(
 
 def _saved_config(d: Path) -> RunConfig:
     toml = RunLayout(d).config
-    cfg, errs = validate_mapping(tomllib.loads(toml.read_text()))
+    stored = tomllib.loads(toml.read_text())
+    cfg, errs = validate_mapping({**ADDED_LATER, **stored})  # a cell from before: as it ran
     if errs:  # pragma: no cover - written by run_experiment itself
         raise ValueError(f"{toml}: {'; '.join(errs)}")
     return cfg

@@ -61,7 +61,7 @@ def _resolve(defaults: Mapping[str, Any], context: Context):
     from fedexlora.run.checkpoint import config_fingerprint
 
     cfg, settings = resolve_run_config({**defaults, **dict(context.run_config)})
-    return cfg, config_fingerprint(cfg.to_dict()), settings
+    return cfg, config_fingerprint(cfg), settings
 
 
 def _state_root(context: Context, settings, token: str) -> Path | None:

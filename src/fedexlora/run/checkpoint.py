@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from fedexlora.config import ADDED_LATER, RESUME_SAFE, RunConfig
 from fedexlora.server.server import Server
 from fedexlora.server.snapshot import STATE_KEYS, ServerStateMismatch
 
@@ -57,20 +58,14 @@ class CheckpointError(ValueError):
         self.corrupt = corrupt
 
 
-ADDED_LATER = {
-    "double_quant": False,
-    "secure_aggregation": False,
-    "trainer": "builtin",
-    "fp32_side_branch": False,
-}
-"""Settings added after runs existed, with the default those runs had: left out of the
-fingerprint at that default, so that a run from before still resumes and exports."""
+def config_fingerprint(cfg: RunConfig | dict) -> str:
+    """Hash of the settings that must not change across a resume.
 
-
-def config_fingerprint(cfg_dict: dict) -> str:
-    """Hash of the settings that must not change across a resume."""
-    from fedexlora.config import RESUME_SAFE
-
+    Args:
+        cfg: A run config, hashed as it runs (:meth:`RunConfig.resolved`), or the dict of
+            one as a checkpoint stored it.
+    """
+    cfg_dict = cfg.resolved().to_dict() if isinstance(cfg, RunConfig) else cfg
     stable = {k: v for k, v in sorted(cfg_dict.items()) if k not in RESUME_SAFE}
     for key, default in ADDED_LATER.items():  # at its default: runs from before still resume
         if key in stable and stable[key] == default:

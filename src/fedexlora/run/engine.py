@@ -112,7 +112,7 @@ def new_model(cfg: RunConfig, task, method: str):
         init=spec.lora_init,  # FRLoRA: the principal components of the pretrained weight
     )
     check_max_length(cfg, model)
-    if cfg.fp32_side_branch:
+    if cfg.fp32_side_branch_resolved:
         from fedexlora.bridge.adapters import use_side_branch
 
         use_side_branch(model)

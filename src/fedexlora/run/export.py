@@ -26,7 +26,7 @@ import torch
 
 from fedexlora.bridge.adapters import _side, effective_weight, folded_delta, lora_layers
 from fedexlora.bridge.models import resolve_model
-from fedexlora.config import load_config
+from fedexlora.config import load_run_config
 from fedexlora.core.aggregation import Residual
 from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
 from fedexlora.run.layout import RunError, RunLayout
@@ -98,7 +98,9 @@ def export_model(
         dest: Where to write.
         method: Which method's model (the run's first by default).
         fmt: ``adapter`` or ``merged``; by default the run's ``export_format``, else
-            ``merged`` for fp32 bases and ``adapter`` for half-precision and quantized ones.
+            ``adapter`` for a run with a side branch (half-precision and quantized bases,
+            and fp32 ones by default with an exact method) and ``merged`` for one folded
+            into fp32 weights.
         dtype: Dtype of a merged model (``fp32`` by default).
         allow_inexact: Allow a merged model in bf16/fp16, which rounds the update.
 
@@ -110,7 +112,7 @@ def export_model(
     run = layout.root
     if not layout.config.is_file():
         raise RunError(f"{str(run)!r} is not a run directory (no config.toml)")
-    cfg = load_config(layout.config)
+    cfg = load_run_config(layout.config)
     fmt = fmt or cfg.resolved_export_format
     dtype = dtype or cfg.export_dtype
     allow = cfg.allow_inexact if allow_inexact is None else allow_inexact
@@ -133,9 +135,7 @@ def export_model(
     if ckpt is None:
         raise RunError(f"run {str(run)!r} has no checkpoint for method {method!r}")
     task = load_task_for(cfg)
-    model, tokenizer, server, _ = restore_model(
-        cfg, task, method, ckpt, config_fingerprint(cfg.to_dict())
-    )
+    model, tokenizer, server, _ = restore_model(cfg, task, method, ckpt, config_fingerprint(cfg))
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     if fmt == "adapter":

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedexlora.config import RunConfig
+from fedexlora.config import RunConfig, load_run_config
 from fedexlora.core.methods.spec import EXACT_BOUND, ROUNDING_MARGIN
 from fedexlora.run.checkpoint import config_fingerprint, save_checkpoint
 from fedexlora.run.engine import Prepared, new_model, new_server, prepare
@@ -96,11 +96,14 @@ class Run:
         say: Callable[[str], Any] = print,
         resume_hint: str = "pass --resume to continue it",
     ):
-        self.cfg = cfg
         self.layout = layout = RunLayout(out)
+        ran = None
+        if resume and layout.config.is_file():
+            ran = load_run_config(layout.config)
+        self.cfg = cfg = cfg.resolved(ran)  # config.toml says how the run ran
         self.resume = resume
         self.say = say
-        self.fingerprint = config_fingerprint(cfg.to_dict())
+        self.fingerprint = config_fingerprint(cfg)
         if resume:
             if not layout.config.is_file():
                 raise RunError(f"--resume: {str(layout.root)!r} holds no run (no config.toml)")
