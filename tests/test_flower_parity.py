@@ -106,7 +106,8 @@ def test_resume_after_the_server_died(tiny_cfg, tmp_path, task_identity, client_
     clean, _ = _flower(cfg, tmp_path / "clean", grid=grid(), **extra)
     run = tmp_path / "run"
     _flower(cfg.replace(rounds=2), run, grid=grid(), **extra)  # killed after round 2
-    (run / "config.toml").write_text(cfg.to_toml())  # (a kill leaves rounds = 4 in it)
+    # a kill leaves rounds = 4 in it, and the run writes its config resolved
+    (run / "config.toml").write_text(cfg.resolved().to_toml())
     rows, grid = _flower(cfg, run, grid=grid(), resume=str(run), **extra)
     assert [(r["method"], r["round"]) for r in rows] == [
         (m, r) for m in ("fedex", "fedit") for r in (1, 2, 3, 4)
