@@ -41,12 +41,13 @@ def child(args) -> dict:
     """One precision, in this process: the federated run, then the timed steps."""
     import torch
 
-    from fedexlora.bridge.adapters import lora_layers, side_nbytes
+    from fedexlora.bridge.adapters import side_nbytes
+    from fedexlora.bridge.layers import lora_layers
     from fedexlora.config import RunConfig
     from fedexlora.run.engine import autocast_dtype, new_model, prepare
     from fedexlora.run.pipeline import load_task_for
     from fedexlora.run.simulation import run_method
-    from fedexlora.training import train_local
+    from fedexlora.training.local import train_local
 
     torch.set_num_threads(args.threads)
     prec = args.child

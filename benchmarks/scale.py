@@ -98,7 +98,8 @@ def child(args) -> dict:
     from safetensors.torch import load_file, save_file
 
     import fedexlora.run.simulation as simulation
-    from fedexlora.bridge.adapters import effective_weight, load_side_state, lora_layers, side_state
+    from fedexlora.bridge.adapters import effective_weight, load_side_state, side_state
+    from fedexlora.bridge.layers import lora_layers
     from fedexlora.bridge.steps import apply_payload
     from fedexlora.run.engine import new_model, new_server, prepare
     from fedexlora.run.pipeline import load_task_for

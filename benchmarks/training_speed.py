@@ -1,4 +1,4 @@
-"""Local training speed: ``fedexlora.training.train_local`` vs a plain transformers+peft loop.
+"""Local training speed: ``fedexlora.training.local.train_local`` vs a plain transformers+peft loop.
 
 Both train the same MiniLM-L6 LoRA model (q,v, r=8, alpha 16, dropout 0.05, 5-class head;
 what ``fedexlora run`` trains) on the same bbc-news batches for the same number of steps,
@@ -87,7 +87,7 @@ def main(argv=None) -> None:
 
     from fedexlora.bridge.models import load_model
     from fedexlora.tasks.data import load_task
-    from fedexlora.training import encode, train_local
+    from fedexlora.training.local import encode, train_local
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

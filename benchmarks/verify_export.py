@@ -41,7 +41,7 @@ from peft import PeftModel
 from peft.utils.integrations import dequantize_bnb_weight
 from safetensors.torch import load_file
 
-from fedexlora.bridge.adapters import lora_layers
+from fedexlora.bridge.layers import lora_layers
 from fedexlora.config import load_config
 from fedexlora.run.engine import new_model
 from fedexlora.run.pipeline import load_task_for

@@ -5,7 +5,9 @@ Usage:
     python scripts/metrics_parity.py diff BEFORE AFTER  # compares them, timings aside
 
 The model is a tiny random BERT (MiniLM's tokenizer, seed 0) on a synthetic 3-topic CSV,
-as in the tests; every method runs 2 rounds on identical partitions. ``diff`` prints each
+as in the tests; every registered method runs 2 rounds on identical partitions, in
+process, those of heterogeneous ranks also with ``--client-ranks 2,4,4``, and every
+federated one under Flower. ``diff`` prints each
 row whose non-timing fields differ and exits 1 if any does.
 """
 
@@ -102,12 +104,18 @@ def _diff(before: Path, after: Path) -> int:
 
 
 def main(argv: list[str]) -> int:
+    """``run OUT`` or ``diff BEFORE AFTER`` (see the module's docstring); the exit status."""
     if len(argv) == 2 and argv[0] == "run":
         out = Path(argv[1])
         out.mkdir(parents=True, exist_ok=True)
-        _run(out / "local", "local", "fedex,fedit,ffa,flora,fedsb,centralized", [])
-        _run(out / "local-hetero", "local", "fedex,flora", ["--client-ranks", "2,4,4"])
-        _run(out / "flower", "flower", "fedex,fedit,ffa,flora,fedsb", ["--fedsb-init", "random"])
+        from fedexlora.core.methods import REGISTRY
+
+        every = ",".join(REGISTRY)
+        hetero = ",".join(["fedex", "flora"] + [m for m, s in REGISTRY.items() if s.hetero_ranks])
+        flower = ",".join(m for m, s in REGISTRY.items() if s.federated and s.flower)
+        _run(out / "local", "local", every, [])
+        _run(out / "local-hetero", "local", hetero, ["--client-ranks", "2,4,4"])
+        _run(out / "flower", "flower", flower, ["--fedsb-init", "random"])
         return 0
     if len(argv) == 3 and argv[0] == "diff":
         return _diff(Path(argv[1]), Path(argv[2]))

@@ -210,3 +210,23 @@ def task_identity(monkeypatch):
 
     for attr, value in (("_run_id", 7), ("_node_id", 0), ("_task_id", 1)):
         monkeypatch.setattr(TaskIdentity, attr, value)
+
+
+@pytest.fixture()
+def seen_updates(monkeypatch):
+    """Every in-process client's round: ``(round, client) -> (state before training, state
+    after, upload)``, recorded around the engine's own ``local_update``."""
+    import fedexlora.run.simulation as sim
+    from fedexlora.bridge.adapters import get_state
+
+    seen = {}
+    real = sim.local_update
+
+    def spy(cfg_, method, model, data, rnd, client, **kw):
+        before = get_state(model)
+        up = real(cfg_, method, model, data, rnd, client, **kw)
+        seen[(rnd, client)] = (before, get_state(model), up)
+        return up
+
+    monkeypatch.setattr(sim, "local_update", spy)
+    return seen

@@ -170,19 +170,20 @@ def test_compare_grid_writes_comparison(tiny_bert_dir, tiny_csv, tmp_path):
 def test_every_config_field_is_a_run_flag():
     from dataclasses import fields
 
-    from fedexlora.cli import _RUN_FLAGS
+    from fedexlora.cli.run import RUN_FLAGS
     from fedexlora.config import RunConfig
 
-    assert {f.name for f in fields(RunConfig)} == set(_RUN_FLAGS.values())
+    assert {f.name for f in fields(RunConfig)} == set(RUN_FLAGS.values())
     res = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "300", "TERM": "dumb"})
-    for flag in _RUN_FLAGS:
+    for flag in RUN_FLAGS:
         if flag != "rank":
             assert "--" + flag.replace("_", "-") in res.output, flag
 
 
 def test_compare_best_of_a_loss_is_its_minimum():
     from fedexlora.config import RunConfig
-    from fedexlora.experiments.compare import Cell, Setting, comparison_table
+    from fedexlora.experiments.cells import Cell, Setting
+    from fedexlora.experiments.compare import comparison_table
 
     def row(method, rnd, loss):
         return {"method": method, "round": rnd, "metrics": {"loss": loss}, "seconds": 1.0,
@@ -368,7 +369,7 @@ def _same(written, value):
 def test_run_defaults_are_written_once_and_match_the_config():
     from dataclasses import fields
 
-    from fedexlora.cli import _RUN_FLAGS
+    from fedexlora.cli.run import RUN_FLAGS
     from fedexlora.config import RunConfig
 
     out = " ".join(_help("run").split())
@@ -376,7 +377,7 @@ def test_run_defaults_are_written_once_and_match_the_config():
     assert out.count("(default: dirichlet)") == 1 and out.count("(default: minilm)") == 1
     written = _defaults_in_help(_click_command("run"))
     config = {f.name: getattr(RunConfig(), f.name) for f in fields(RunConfig)}
-    for flag, key in _RUN_FLAGS.items():
+    for flag, key in RUN_FLAGS.items():
         if config[key] is None:
             continue  # unset by default: the help says what that means, if anything
         assert flag in written, f"--{flag} does not say its default {config[key]!r}"

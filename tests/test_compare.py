@@ -174,7 +174,7 @@ def test_holm_correction_by_hand():
 def test_privacy_report_by_hand():
     """Synthetic cells with known accuracies: each column, difference and verdict by hand."""
     from fedexlora.config import RunConfig
-    from fedexlora.experiments.compare import Cell, Setting
+    from fedexlora.experiments.cells import Cell, Setting
     from fedexlora.experiments.privacy_report import privacy_report
 
     s = Setting("iid-3", 3, "iid")

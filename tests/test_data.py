@@ -9,13 +9,8 @@ import numpy as np
 import pytest
 
 import fedexlora.tasks.data as data
-from fedexlora.tasks.data import (
-    Task,
-    compute_metrics,
-    exact_match,
-    extract_final_number,
-    load_task,
-)
+from fedexlora.tasks.base import Task
+from fedexlora.tasks.data import compute_metrics, exact_match, extract_final_number, load_task
 
 # ----------------------------------------------------------------------------- bbc-news
 

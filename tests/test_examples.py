@@ -8,7 +8,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from fedexlora.bridge.adapters import lora_layers
+from fedexlora.bridge.layers import lora_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 

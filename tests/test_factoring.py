@@ -126,9 +126,9 @@ def test_an_fp32_layer_folds_in_place_and_rebuilds_bit_for_bit_from_its_state(ti
         effective_weight,
         fold_residuals,
         load_side_state,
-        lora_layers,
         side_state,
     )
+    from fedexlora.bridge.layers import lora_layers
     from fedexlora.bridge.models import load_model
 
     def fresh():

@@ -71,29 +71,19 @@ def test_partition_like_gives_each_client_its_training_share_of_every_class():
 
 
 def test_fedsa_end_to_end_each_client_keeps_its_B_on_both_engines(
-    tiny_cfg, tmp_path, task_identity, monkeypatch
+    tiny_cfg, tmp_path, task_identity, seen_updates
 ):
     """Each client trains from the B and head it kept, and the row's per-client metrics are
     those of (the uniform mean of the uploaded A's, the release's weighting, the client's
     own B and head) on the client's own test split; Flower's clients, each holding its own
     model, agree."""
-    import fedexlora.run.simulation as sim
     from fedexlora.core.state import AdapterState
     from fedexlora.run.engine import evaluate_personal, new_model, prepare
     from fedexlora.run.restore import load_task_for
     from test_flower_parity import _close, _flower
 
     cfg = tiny_cfg.replace(methods=["fedsa"], rounds=2, lr=2e-2)
-    seen = {}  # (round, client) -> (state before training, state after, upload)
-    real = sim.local_update
-
-    def spy(cfg_, method, model, data, rnd, client, **kw):
-        before = get_state(model)
-        up = real(cfg_, method, model, data, rnd, client, **kw)
-        seen[(rnd, client)] = (before, get_state(model), up)
-        return up
-
-    monkeypatch.setattr(sim, "local_update", spy)
+    seen = seen_updates
     local = run_experiment(cfg, tmp_path / "local", progress=False)
     task = load_task_for(cfg)
     model, tok = new_model(cfg, task, "fedsa")
@@ -118,7 +108,7 @@ def test_fedsa_end_to_end_each_client_keeps_its_B_on_both_engines(
             own = AdapterState(factors={k: (None, B) for k, (_, B) in after.factors.items()},
                                extra=after.extra)  # fmt: skip
             glob = AdapterState(factors={k: (A, None) for k, A in A_bar.items()})
-            metrics, m = evaluate_personal(cfg, model, prep, c, glob, own)
+            metrics, m = evaluate_personal(cfg, "fedsa", model, prep, c, glob, own)
             assert m == row["personalized"]["test_examples"][str(c)] > 0
             assert metrics == pytest.approx(row["personalized"]["clients"][str(c)], abs=1e-6)
     flower, _ = _flower(cfg, tmp_path / "flower")

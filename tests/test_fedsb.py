@@ -5,7 +5,7 @@ import torch
 
 
 def _bases(model):
-    from fedexlora.bridge.adapters import lora_layers
+    from fedexlora.bridge.layers import lora_layers
 
     return {
         name: (
@@ -17,7 +17,8 @@ def _bases(model):
 
 
 def _effective(model):
-    from fedexlora.bridge.adapters import effective_weight, lora_layers
+    from fedexlora.bridge.adapters import effective_weight
+    from fedexlora.bridge.layers import lora_layers
 
     return {name: effective_weight(layer) for name, layer in lora_layers(model).items()}
 
@@ -26,7 +27,8 @@ def _effective(model):
 def test_fedsb_global_model_is_the_average_of_the_clients_models(tiny_cfg, init, monkeypatch):
     """Each round's effective weights equal, by hand in fp64, W0 + s B (sum p_i R_i) A."""
     import fedexlora.run.simulation as simulation
-    from fedexlora.bridge.adapters import base_weight, lora_layers
+    from fedexlora.bridge.adapters import base_weight
+    from fedexlora.bridge.layers import lora_layers
     from fedexlora.run.engine import new_model, prepare
     from fedexlora.run.pipeline import load_task_for
     from fedexlora.run.simulation import run_method
@@ -82,7 +84,7 @@ def test_fedsb_global_model_is_the_average_of_the_clients_models(tiny_cfg, init,
 
 def test_fedsb_gradient_init_is_the_svd_of_a_sign_step(tiny_cfg):
     """The authors' init: B S A is the rank-r SVD part of -lr/T sign(G), R = S / scale."""
-    from fedexlora.bridge.adapters import lora_layers
+    from fedexlora.bridge.layers import lora_layers
     from fedexlora.run.engine import new_model
     from fedexlora.run.pipeline import load_task_for
     from fedexlora.training.local import encode, estimate_gradients

@@ -37,11 +37,6 @@ ALLOWED = {
 LEAVES = {"config", "quiet"}
 
 
-def _is_shim(path: Path) -> bool:
-    """An old module path kept for users: it warns and hands back the new module."""
-    return "sys.modules[__name__] =" in path.read_text()
-
-
 def _modules() -> dict[str, Path]:
     out = {}
     for path in SRC.rglob("*.py"):
@@ -49,8 +44,7 @@ def _modules() -> dict[str, Path]:
         parts = list(rel.parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
-        if not _is_shim(path):
-            out[".".join(parts)] = path
+        out[".".join(parts)] = path
     return out
 
 
@@ -175,20 +169,3 @@ def test_pure_layers_load_no_model_libraries():
     assert len(out) == len(PURE_STATEMENTS)
     for statement, loaded in zip(PURE_STATEMENTS, out):
         assert loaded == "[]", f"{statement!r} loaded {loaded}"
-
-
-def test_old_module_paths_warn_and_work():
-    code = (
-        "import warnings\nwarnings.simplefilter('error', DeprecationWarning)\n"
-        "try:\n    import fedexlora.engine\nexcept DeprecationWarning as w:\n    print(w)\n"
-        "warnings.simplefilter('ignore')\n"
-        "import fedexlora.aggregation as old, fedexlora.core.aggregation as new\n"
-        "print(old is new)"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.splitlines()
-    assert out == [
-        "fedexlora.engine moved to fedexlora.run.engine; import it from there",
-        "True",
-    ]

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedexlora.bridge.adapters import effective_weight, lora_layers
+from fedexlora.bridge.adapters import effective_weight
+from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.models import load_model
 from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
 from fedexlora.run.export import export_model

@@ -5,7 +5,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-import fedexlora.experiments.compare as compare  # noqa: E402
+import fedexlora.experiments.cells as cells  # noqa: E402
 import fedexlora.experiments.compare_report as compare_report
 import fedexlora.run.report as report
 
@@ -43,9 +43,9 @@ def test_round_ticks_are_whole_numbers(tmp_path, monkeypatch):
 
 
 def test_compare_plot_fits_values_above_one(tmp_path, monkeypatch):
-    setting = compare.Setting("iid-2", 2, "iid")
+    setting = cells.Setting("iid-2", 2, "iid")
     rows = {
-        compare.Cell(setting, 4, None, seed): [
+        cells.Cell(setting, 4, None, seed): [
             _row(m, 1, v + seed, "perplexity") for m, v in (("fedex", 7.0), ("fedit", 9.0))
         ]
         for seed in (0, 1)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_info
-from fedexlora.bridge.adapters import effective_weight, folded_delta, lora_layers
+from fedexlora.bridge.adapters import effective_weight, folded_delta
+from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.models import load_model
 from fedexlora.core.state import AdapterState
 from fedexlora.server import ClientUpload

@@ -11,7 +11,8 @@ import tomli_w
 import torch
 from typer.testing import CliRunner
 
-from fedexlora.bridge.adapters import effective_weight, lora_layers
+from fedexlora.bridge.adapters import effective_weight
+from fedexlora.bridge.layers import lora_layers
 from fedexlora.cli import app
 from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
 from fedexlora.run.pipeline import load_task_for, restore_model, run_experiment

@@ -24,7 +24,7 @@ def _state(seed, d=6, n=5, r=2):
 
 
 def _server(**kw):
-    from fedexlora.bridge.adapters import LayerInfo
+    from fedexlora.core.state import LayerInfo
 
     layers = {"l0": LayerInfo(1.0, False, 2, (6, 5)), "l1": LayerInfo(1.0, False, 2, (5, 6))}
     return Server(_state(0), layers, num_clients=3, **kw)

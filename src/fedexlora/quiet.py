@@ -25,7 +25,7 @@ def quiet_libraries() -> None:
     _DONE = True
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # bitsandbytes on AVX512-BF16 CPUs looks for an optional inference kernel on the hub
-    # and warns when it is absent; fedex-lora turns that code path off (models.py)
+    # and warns when it is absent; fedex-lora turns that code path off (bridge/models.py)
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*")

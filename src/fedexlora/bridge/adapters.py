@@ -30,7 +30,6 @@ from fedexlora.core.side import Accumulator, SideBranch
 from fedexlora.core.state import AdapterState, LayerInfo
 
 __all__ = [
-    "LayerInfo",
     "base_weight",
     "check_compatible",
     "effective_weight",
@@ -42,7 +41,6 @@ __all__ = [
     "layer_info",
     "lift",
     "load_side_state",
-    "lora_layers",
     "restore_base",
     "set_state",
     "set_trainable",

@@ -32,10 +32,10 @@ from fedexlora.bridge.adapters import (
     get_state,
     lift,
     load_side_state,
-    lora_layers,
     set_state,
     side_state,
 )
+from fedexlora.bridge.layers import lora_layers
 from fedexlora.core.messages import ClientUpload, Payload, RoundOutcome
 from fedexlora.core.methods.spec import FP32_UNIT_ROUNDING
 from fedexlora.core.state import AdapterState

@@ -17,13 +17,11 @@ from fedexlora.cli.compare import compare_cmd
 from fedexlora.cli.export import export_cmd
 from fedexlora.cli.methods import methods as methods_cmd
 from fedexlora.cli.recipes import recipes_cmd
-from fedexlora.cli.run import RUN_FLAGS, run_cmd
+from fedexlora.cli.run import run_cmd
 from fedexlora.cli.validate import validate_cmd
 from fedexlora.experiments.bench import bench_app
 
 __all__ = ["app", "console", "err_console", "main"]
-
-_RUN_FLAGS = RUN_FLAGS  # the name the tests and older code know
 
 RUN_PANEL = "Run"
 EXPERIMENTS_PANEL = "Experiments"

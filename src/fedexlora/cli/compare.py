@@ -182,7 +182,8 @@ def compare_cmd(
     """
     quiet_libraries()
     from fedexlora.config import ConfigError, validate_mapping
-    from fedexlora.experiments.compare import Setting, run_grid
+    from fedexlora.experiments.cells import Setting
+    from fedexlora.experiments.compare import run_grid
     from fedexlora.training.privacy import DPCheckError
 
     given = dict(

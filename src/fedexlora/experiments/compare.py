@@ -34,8 +34,6 @@ from fedexlora.run.report import read_metrics
 
 __all__ = [
     "DEFAULT_SETTINGS",
-    "Cell",
-    "Setting",
     "cell_changes",
     "comparison_table",
     "exactness_report",

@@ -517,7 +517,7 @@ def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -
 
     c = _client_for(msg, context, defaults)
     state = AdapterState.from_flat(from_array_record(msg.content["arrays"]))
-    metrics, n = evaluate_personal(c.cfg, c.model, c.prep, c.pid, state)
+    metrics, n = evaluate_personal(c.cfg, c.method, c.model, c.prep, c.pid, state)
     model, pid = c.model, c.pid
     meta = context.state.get(_META)
     if _MAX_MODELS > 0 and isinstance(meta, ConfigRecord):  # back in the cache: only A

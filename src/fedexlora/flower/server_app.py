@@ -51,16 +51,10 @@ def run_server(
             ``resume``), or the run to resume has another configuration.
     """
     from fedexlora.bridge.adapters import set_state
-    from fedexlora.core.methods import get_method
     from fedexlora.flower.strategy import FedExLoRA, NodeDirectory
-    from fedexlora.run.engine import (
-        apply_round,
-        client_adapter,
-        personal_metrics,
-        round_row,
-        save_client_adapter,
-    )
+    from fedexlora.run.engine import client_adapter, save_client_adapter
     from fedexlora.run.lifecycle import Run
+    from fedexlora.run.rounds import RoundTraffic, close_round
 
     cfg = cfg.replace(engine="flower").validate()  # one validation for every entry point
     if settings.resume:
@@ -115,46 +109,27 @@ def run_server(
             if rnd == 0:
                 return None  # the in-process engine does not evaluate before round 1
             rec = st.current
-            rnd = rec.round
-            metrics, measured = apply_round(cfg, m, rnd, mdl, srv, rec.outcome, prep, rec.uploads)
-            per_client = None
-            if get_method(m).personal_B:  # no global model: each client evaluates its own
-                trained = {c for r in cur.rows for c in r["accepted"]} | set(rec.outcome.accepted)
-                per_client = st.evaluate_personal(grid, sorted(trained), settings.round_timeout)
-                metrics = personal_metrics(per_client)
-            if cfg.save_client_adapters:
-                _save_uploads(mdl, srv, rec, m)
-            row = round_row(
-                m,
-                rnd,
-                metrics,
-                rec.outcome,
-                rec.uploads,
-                seconds=time.perf_counter() - rec.started,
-                bytes_up=rec.bytes_up,
-                bytes_down=rec.bytes_down,
-                approximate=cfg.approximate,
-                sampled=rec.sampled,
-                dropped=rec.dropped,
-                effective=measured,
-                bytes_down_max=rec.bytes_down_max,
-                server_bytes=srv.nbytes(),
-                test_examples=len(prep.task.test),
-                server_seconds=srv.last_round_seconds,
-                personalized=per_client,
-            )
+            privacy = None
             if cfg.dp:  # what the clients reported of their own accounting
                 from fedexlora.training.privacy import privacy_row
 
-                row["privacy"] = privacy_row(
-                    cfg.dp_epsilon, cfg.dp_delta, st.dp_reports, rec.refused
-                )
-                if rec.refused:
-                    row["note"] = (
-                        f"clients {sorted(rec.refused)} were not trained: their privacy "
-                        f"budget (epsilon {cfg.dp_epsilon}) would be exceeded"
-                    )
+                privacy = privacy_row(cfg.dp_epsilon, cfg.dp_delta, st.dp_reports, rec.refused)
+            traffic = RoundTraffic(
+                rec.round, rec.sampled, rec.uploads, rec.outcome, rec.started, rec.bytes_up,
+                rec.bytes_down, rec.bytes_down_max, dropped=rec.dropped,
+                refused=sorted(rec.refused), privacy=privacy,
+            )  # fmt: skip
+            row = close_round(
+                cfg, m, mdl, srv, prep, traffic, earlier=cur.rows,
+                evaluate_clients=lambda clients: st.evaluate_personal(
+                    grid, clients, settings.round_timeout
+                ),
+                save_uploads=(
+                    (lambda: _save_uploads(mdl, srv, rec, m)) if cfg.save_client_adapters else None
+                ),
+            )  # fmt: skip
             run.record(cur, row)
+            metrics = row["metrics"]
             return MetricRecord({k: float(v) for k, v in metrics.items() if _is_number(v)})
 
         strategy.start(

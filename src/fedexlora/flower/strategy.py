@@ -38,7 +38,6 @@ from fedexlora.server.server import ClientUpload, RoundOutcome, Server
 
 __all__ = ["FedExLoRA", "NodeDirectory", "RoundRecord"]
 
-FLOWER_METHODS = method_names(flower=True)
 
 # What Flower logs about choices this strategy makes on purpose: the server evaluates the
 # global model itself, so there is no federated evaluation and no initial evaluation.
@@ -278,9 +277,9 @@ class FedExLoRA(FedAvg):
         effective: bool = True,
         secure: bool = False,
     ) -> None:
-        if server.method not in FLOWER_METHODS:
+        if not server.spec.flower:  # asked of the registry now: a method added later counts
             raise ValueError(
-                f"the Flower engine supports methods {list(FLOWER_METHODS)}, got "
+                f"the Flower engine supports methods {method_names(flower=True)}, got "
                 f"{server.method!r}; the centralized baseline runs in-process only "
                 "(--engine local)"
             )

@@ -192,7 +192,7 @@ def new_server(cfg: RunConfig, method: str, model) -> Server:
         max_update_norm=None if centralized else cfg.max_update_norm,
         client_layers=client_layers,
     )
-    if not (spec.latent or spec.personal_B):
+    if not (spec.latent or spec.personalized):
         # every engine folds each outcome into this model (apply_round): the server reads
         # a dense base delta from it instead of keeping a second copy (Fed-SB's deltas are
         # in latent coordinates, FedSA-LoRA folds nothing into a global model)
@@ -463,7 +463,7 @@ def local_update(
         train_loss=res.loss,
         include_A=up_A,
         include_B=up_B,
-        include_extra=not spec.personal_B,
+        include_extra=spec.shares_head,
     )
 
 
@@ -515,7 +515,7 @@ def apply_round(
         ``(metrics, deviation)``: the task metrics, and per layer the measured relative
         deviation of the model from the ideal average of the clients' models.
     """
-    personal = get_method(method).personal_B
+    personal = get_method(method).personalized
     measured = {} if personal else apply_outcome(model, server, outcome, uploads)
     if personal:
         set_state(model, server.state)
@@ -548,12 +548,13 @@ def _test_metrics(cfg: RunConfig, model, prep: Prepared, data: Encoded) -> dict[
 
 @torch.no_grad()
 def evaluate_personal(
-    cfg: RunConfig, model, prep: Prepared, client: int, state, own=None
+    cfg: RunConfig, method: str, model, prep: Prepared, client: int, state, own=None
 ) -> tuple[dict[str, float], int]:
     """One client's own model on its own test split (personalized methods).
 
-    The model takes ``state``'s A (the global one) and the client's own B and extras
-    (``own``; ``None``: the model holds the client's own already).
+    The model takes the parts of ``state`` (the global ones) that the method's clients do
+    not keep (:attr:`MethodSpec.keeps`), and the parts the client keeps (``own``; ``None``:
+    the model holds the client's own already).
 
     Returns:
         ``(metrics, n)``: the task metrics and the size of the client's test split
@@ -564,7 +565,15 @@ def evaluate_personal(
         return {}, 0
     from fedexlora.core.state import AdapterState
 
-    set_state(model, AdapterState(factors={k: (A, None) for k, (A, _) in state.factors.items()}))
+    keeps = get_method(method).keeps
+    shared = AdapterState(
+        factors={
+            k: (None if "A" in keeps else A, None if "B" in keeps else B)
+            for k, (A, B) in state.factors.items()
+        },
+        extra={} if "head" in keeps else state.extra,
+    )
+    set_state(model, shared)
     if own is not None:
         set_state(model, own)
     return _test_metrics(cfg, model, prep, prep.test.subset(rows)), len(rows)

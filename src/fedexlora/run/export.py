@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from fedexlora.bridge.adapters import _side, effective_weight, folded_delta, lora_layers
+from fedexlora.bridge.adapters import _side, effective_weight, folded_delta
+from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.models import resolve_model
 from fedexlora.config import load_run_config
 from fedexlora.core.aggregation import Residual

@@ -141,7 +141,7 @@ def _exactness(rows: list[dict]) -> str:
     exact, inexact = [], []
     for method in final_rows(rows):
         spec = REGISTRY.get(method)
-        if spec is None or not spec.federated or spec.personal_B:
+        if spec is None or not spec.federated or spec.personalized:
             continue
         if any(r.get("approximate") for r in rows if r["method"] == method):
             continue  # lossy by the run's own choice (--residual-rank, --side-rank)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-import fedexlora.run.engine as _engine
 from fedexlora.bridge.adapters import (
     fold_residuals,
     get_state,
@@ -30,17 +29,15 @@ from fedexlora.config import RunConfig
 from fedexlora.core.state import AdapterState
 from fedexlora.run.engine import (
     Prepared,
-    apply_round,
     client_adapter,
     evaluate_personal,
     local_update,
     new_model,
     new_server,
-    personal_metrics,
-    round_row,
     save_client_adapter,
 )
 from fedexlora.run.layout import RunLayout
+from fedexlora.run.rounds import RoundTraffic, close_round
 from fedexlora.server.server import Server
 
 __all__ = ["run_method"]
@@ -52,7 +49,6 @@ def run_method(
     prep: Prepared,
     *,
     out_dir: Path | None = None,
-    on_row: Callable[[dict], None] | None = None,
     progress: bool = True,
     model=None,
     server: Server | None = None,
@@ -71,7 +67,6 @@ def run_method(
         method: ``fedex``, ``fedit``, ``ffa``, ``flora`` or ``centralized``.
         prep: The shared task, partitions and tokenized data.
         out_dir: Where client adapters go when ``cfg.save_client_adapters`` is set.
-        on_row: Called with each round's metrics row as soon as it exists.
         progress: Whether to show progress bars.
         model: A model to use instead of loading one (with ``server``: already restored).
         server: A server restored from a checkpoint; training resumes after its round.
@@ -87,7 +82,6 @@ def run_method(
     spec = get_method(method)
     centralized = not spec.federated
     own = {} if personal is None else personal
-    trained = {c for r in history or [] for c in r.get("accepted", [])}
     if model is None:
         model, _ = new_model(cfg, prep.task, method)
     parts = [sorted(i for p in prep.parts for i in p)] if centralized else prep.parts
@@ -129,8 +123,8 @@ def run_method(
             bytes_down += payload.nbytes
             down_max = max(down_max, payload.nbytes)
             set_state(model, server.state)  # the shared base already holds the residuals
-            if spec.personal_B and c in own and not payload.reset:
-                set_state(model, AdapterState.from_flat(own[c]))  # its own B and head
+            if c in own and not payload.reset:  # what it keeps of its own (MethodSpec.keeps)
+                set_state(model, AdapterState.from_flat(own[c]))
             with _client_view(model, server, c, client_adapter(cfg, method, c)):
                 up = local_update(
                     cfg, method, model, client_data[c], rnd, c, steps=steps, progress=progress,
@@ -138,8 +132,8 @@ def run_method(
                 )  # fmt: skip
             if ledger is not None:
                 ledger.record(c, wants[c])
-            if spec.personal_B:
-                own[c] = get_state(model, include_A=False).to_flat()
+            if spec.personalized:
+                own[c] = get_state(model, **spec.kept_parts()).to_flat()
             if sround is not None:
                 sent = sround.reply(c, up)
                 if not sent:
@@ -166,49 +160,28 @@ def run_method(
             for c, w in outcome.weights.items():
                 meta = RunLayout(out_dir).client_adapter_meta(rnd, c)
                 meta.write_text(json.dumps({**json.loads(meta.read_text()), "weight": w}))
-        metrics, measured = apply_round(cfg, method, rnd, model, server, outcome, prep, uploads)
-        per_client = None
-        if spec.personal_B:  # no global model: each client's own, on its own test split
-            trained.update(outcome.accepted)
+        privacy = ledger.row(refused) if ledger is not None else None
+
+        def evaluate_clients(clients: list[int]) -> dict:
             per_client = {
                 c: evaluate_personal(
-                    cfg, model, prep, c, server.state, AdapterState.from_flat(own[c])
+                    cfg, method, model, prep, c, server.state, AdapterState.from_flat(own[c])
                 )
-                for c in sorted(trained)
+                for c in clients
             }
-            metrics = personal_metrics(per_client)
             set_state(model, server.state)
-        if centralized:
-            bytes_up = bytes_down = down_max = 0
-        row = round_row(
-            method,
-            rnd,
-            metrics,
-            outcome,
-            uploads,
-            seconds=time.perf_counter() - t0,
-            bytes_up=bytes_up,
-            bytes_down=bytes_down,
-            approximate=cfg.approximate and not centralized,
-            sampled=sampled,
+            return per_client
+
+        traffic = RoundTraffic(
+            rnd, sampled, uploads, outcome, t0, bytes_up, bytes_down, down_max,
             dropped=sorted(sround.dropped) if sround is not None else None,
-            effective=measured,
-            bytes_down_max=down_max,
-            server_bytes=server.nbytes(),
-            test_examples=len(prep.task.test),
-            server_seconds=server.last_round_seconds,
-            personalized=per_client,
-        )
-        if ledger is not None:
-            row["privacy"] = ledger.row(refused)
-            if refused:
-                row["note"] = (
-                    f"clients {refused} were not trained: their privacy budget "
-                    f"(epsilon {cfg.dp_epsilon}) would be exceeded"
-                )
+            refused=refused, privacy=privacy,
+        )  # fmt: skip
+        row = close_round(
+            cfg, method, model, server, prep, traffic, earlier=[*(history or []), *rows],
+            evaluate_clients=evaluate_clients,
+        )  # fmt: skip
         rows.append(row)
-        if on_row is not None:
-            on_row(row)
         if after_round is not None:
             after_round(row, server, model)
     return rows, model, server
@@ -337,23 +310,3 @@ def _client_view(model, server: Server, client: int, adapter: str | None):
     finally:
         restore_base(model, snapshot)
         model.set_adapter("default")
-
-
-_MOVED = {name: "fedexlora.run.engine" for name in _engine.__all__}
-_MOVED["fold_and_measure"] = "fedexlora.bridge.steps.apply_outcome"
-
-
-def __getattr__(name: str):
-    """The shared steps moved to :mod:`fedexlora.run.engine`; old imports still work, warned."""
-    if name in _MOVED:
-        warnings.warn(
-            f"fedexlora.run.simulation.{name} moved to {_MOVED[name]}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        if name == "fold_and_measure":
-            from fedexlora.bridge.steps import apply_outcome
-
-            return apply_outcome
-        return getattr(_engine, name)
-    raise AttributeError(f"module 'fedexlora.run.simulation' has no attribute {name!r}")

@@ -26,7 +26,7 @@ from fedexlora.core.messages import (
     example_count,
     validate_upload,
 )
-from fedexlora.core.methods import REGISTRY, method_names
+from fedexlora.core.methods import get_method, method_names
 from fedexlora.core.sampling import sample_size
 from fedexlora.core.secure import SecureSums
 from fedexlora.core.state import AdapterState, LayerInfo, aggregate_states
@@ -125,10 +125,10 @@ class Server:
         self.state = state.clone()
         self.layers = dict(layers)
         self.method = method
+        self.spec = get_method(method)  # an unknown name: a clear error here
         self.num_clients = num_clients
         self.fraction = fraction
-        spec = REGISTRY.get(method)
-        self.weighting = weighting or (spec.weighting if spec is not None else "examples")
+        self.weighting = weighting or self.spec.weighting
         self.seed = seed
         self.residual_rank = residual_rank
         self.side_rank = side_rank
@@ -141,7 +141,7 @@ class Server:
         self.feedback: dict[str, Residual] = {}  # lossy mode: residual kept back
         self.record = DeltaRecord(self.layers)  # everything folded since W0, per layer
         self.client_layers = {int(c): dict(v) for c, v in (client_layers or {}).items()}
-        if self.client_layers and not self._has("hetero_ranks"):
+        if self.client_layers and not self.spec.hetero_ranks:
             hetero = " or ".join(repr(m) for m in method_names(hetero_ranks=True))
             raise ValueError(f"heterogeneous client ranks need method {hetero}, got {method!r}")
         self.remainder: dict[int, dict[str, Residual]] = {}  # hetero: T_i each client holds
@@ -149,15 +149,6 @@ class Server:
         self.client_rank: dict[int, int] = {}  # HetLoRA: the rank a client pruned itself to
         self._busy = 0.0  # the server's seconds in the current round, so far
         self.last_round_seconds = 0.0  # the server's own seconds in the latest round
-
-    def _has(self, flag: str) -> bool:
-        """Whether the method's spec sets ``flag`` (an unknown method, none: it fails later).
-
-        An unknown name is refused where it is aggregated
-        (:func:`fedexlora.core.aggregation.aggregate`), as before the registry.
-        """
-        spec = REGISTRY.get(self.method)
-        return spec is not None and bool(getattr(spec, flag))
 
     # -- sampling and payloads -------------------------------------------------------
     def sample(self, rnd: int) -> list[int]:
@@ -170,8 +161,7 @@ class Server:
 
     def _uploaded(self, rnd: int) -> tuple[bool, bool]:
         """Whether clients upload A and B in round ``rnd`` (the factors the server updates)."""
-        spec = REGISTRY.get(self.method)
-        return (True, True) if spec is None else spec.uploaded(rnd)
+        return self.spec.uploaded(rnd)
 
     def upload_template(self, rnd: int | None = None) -> AdapterState:
         """What a valid upload in round ``rnd`` contains (default: the coming round).
@@ -187,7 +177,7 @@ class Server:
                 k: (A if train_A else None, B if train_B else None)
                 for k, (A, B) in self.state.factors.items()
             },
-            extra={} if self._has("personal_B") else self.state.extra,
+            extra=self.state.extra if self.spec.shares_head else {},
         )
 
     def catch_up(self, since: int) -> dict[str, Residual] | None:
@@ -239,10 +229,8 @@ class Server:
             residuals = self.deltas()
             self.remainder.pop(client_id, None)  # heterogeneous ranks: nothing folded
         state = self.state
-        if self._has("frozen_A") and not self._has("refactors_A") and not reset:
-            state = self.upload_template(self.round + 1)  # A is frozen and already held
-        elif self._has("personal_B") and not reset:
-            state = self.upload_template(self.round + 1)  # Ā only: the client keeps its B
+        if self.spec.sends_uploaded_parts_only(reset):  # it holds the rest (or keeps its own)
+            state = self.upload_template(self.round + 1)
         if reset:
             self.client_rank.pop(client_id, None)  # a client that starts over: its full rank
         if client_id in self.client_layers:
@@ -329,10 +317,10 @@ class Server:
             self.layers,
             layers_c,
             generator=gen,
-            slices=self._has("hetero_slices"),
-            orthonormal_A=self._has("hetero_orthonormal_A"),
+            slices=self.spec.hetero_slices,
+            orthonormal_A=self.spec.hetero_orthonormal_A,
         )
-        if self._has("hetero_drops_tail"):  # FlexLoRA, HetLoRA: the truncation, nothing else
+        if self.spec.hetero_drops_tail:  # FlexLoRA, HetLoRA: the truncation, nothing else
             t_new = {}
         t_old = self.remainder.get(c, {})
         out = {}
@@ -541,9 +529,9 @@ class Server:
             weights = [float(example_count(u.num_examples)[0]) for u in accepted]
         else:
             weights = None
-        if generator is None and self._has("fresh_adapter"):
+        if generator is None and self.spec.fresh_adapter:
             generator = torch.Generator().manual_seed(self.seed * 7919 + self.round)
-        if self._has("prunes_rank"):  # HetLoRA: a client's zero tail is the rank it pruned to
+        if self.spec.prunes_rank:  # HetLoRA: a client's zero tail is the rank it pruned to
             for u in accepted:
                 used = used_rank(u.state)
                 full = self.client_layers.get(u.client_id, self.layers)
@@ -600,7 +588,7 @@ class Server:
         """
         from fedexlora.core.secure import secure_refusal
 
-        why = secure_refusal(REGISTRY[self.method])
+        why = secure_refusal(self.spec)
         if why:
             raise ValueError(why)
         if not (math.isfinite(protocol_seconds) and protocol_seconds >= 0):
@@ -612,7 +600,7 @@ class Server:
         if sums is None or not clients:
             return RoundOutcome({}, [], rejected, {}, {}, previous=self.state, unchanged=True)
         generator = None
-        if self._has("fresh_adapter"):
+        if self.spec.fresh_adapter:
             generator = torch.Generator().manual_seed(self.seed * 7919 + self.round)
         agg = aggregate_states(
             [sums.state], None, self.method, global_state=self.state, generator=generator,
@@ -664,7 +652,7 @@ class Server:
             residuals, capped, feedback_norm = self._cap_side(residuals)
         new_state = state
         train_A, train_B = self._uploaded(self.round)
-        if not (train_A and train_B) and not self._has("refactors_A"):
+        if self.spec.keeps_global_factors(self.round):
             # keep the frozen global factor bit for bit (latent, Fed-SB: A = I; RoLoRA;
             # FedSA-LoRA's B, which the clients keep)
             new_state = AdapterState(
@@ -675,7 +663,7 @@ class Server:
                     )
                     for k, (A, B) in new_state.factors.items()
                 },  # fmt: skip
-                extra=self.state.extra if self._has("personal_B") else new_state.extra,
+                extra=new_state.extra if self.spec.shares_head else self.state.extra,
             )
         previous, self.state = self.state, new_state
         nonzero = {k: r for k, r in residuals.items() if not r.is_zero}

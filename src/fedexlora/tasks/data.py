@@ -34,9 +34,7 @@ from fedexlora.tasks.base import _CALCULATOR, _CAUSAL_METRICS, GLUE_TASKS, Task
 from fedexlora.tasks.metrics import compute_metrics, exact_match, extract_final_number
 
 __all__ = [
-    "GLUE_TASKS",
     "TASK_NAMES",
-    "Task",
     "compute_metrics",
     "exact_match",
     "extract_final_number",

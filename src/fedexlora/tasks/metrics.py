@@ -27,7 +27,7 @@ __all__ = [
 
 
 class MetricTask(Protocol):
-    """What metrics need of a task (:class:`fedexlora.tasks.data.Task` is one); no import of it.
+    """What metrics need of a task (:class:`fedexlora.tasks.base.Task` is one); no import of it.
 
     Attributes:
         kind: ``classification``, ``regression`` or ``causal_lm``.

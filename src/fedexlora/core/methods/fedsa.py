@@ -40,6 +40,6 @@ SPEC = MethodSpec(
     linear=True,
     bytes_per_round="up 4krn; down 4krn",
     aggregate=aggregate,
-    personal_B=True,
+    keeps=("B", "head"),
     weighting="uniform",
 )

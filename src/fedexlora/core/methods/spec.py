@@ -68,7 +68,7 @@ class MethodSpec:
         trains: What each client trains (``fedexlora methods``; documentation only).
         keeps_local: What a client keeps and never sends (documentation only).
         uploads: What a client sends the server each round (documentation only; what
-            really travels follows ``frozen_A``, ``alternating``, ``personal_B``).
+            really travels follows ``frozen_A``, ``alternating``, ``keeps``).
         downloads: What the server sends a client each round (documentation only).
         exact: A promise on the server math and on every run of the method. The math:
             :attr:`aggregate`'s new global factors and residual satisfy
@@ -112,9 +112,13 @@ class MethodSpec:
         latent: Clients train an ``r x r`` core between frozen A and B (Fed-SB); the
             server sees it in latent coordinates (``A = I``, ``B = R``). Needs
             ``frozen_A``.
-        personal_B: Each client keeps its own B: it trains A and B but uploads only A,
-            and receives only the global A (FedSA-LoRA). There is no global model: the
-            run evaluates each client's own (global A, its B), and reports no deviation.
+        keeps: The parts of the adapter each client keeps for itself, of ``"A"``, ``"B"``
+            and ``"head"`` (the task head and other trainable extras): it trains them,
+            never uploads them, and is never sent the global ones (after its first round;
+            FedSA-LoRA keeps B and the head). The engines honour it generically: they
+            keep each client's parts between its rounds, and since there is then no one
+            global model (:attr:`personalized`), evaluate each client's own model on its
+            own test split and report no deviation.
         hetero_ranks: Clients may train adapters of different ranks (``client_ranks``).
         hetero_drops_tail: A client of a lower rank gets the truncation of the global
             adapter and nothing else (FlexLoRA); otherwise what the truncation leaves out
@@ -165,7 +169,7 @@ class MethodSpec:
     frozen_A: bool = False
     refactors_A: bool = False
     alternating: bool = False
-    personal_B: bool = False
+    keeps: tuple[str, ...] = ()
     latent: bool = False
     hetero_ranks: bool = False
     hetero_drops_tail: bool = False
@@ -194,8 +198,14 @@ class MethodSpec:
             raise ValueError(f"method {self.name!r}: `alternating` freezes A or B by round")
         if self.refactors_A and not self.frozen_A:
             raise ValueError(f"method {self.name!r}: `refactors_A` needs `frozen_A`")
-        if self.personal_B and (self.frozen_A or self.alternating or self.hetero_ranks):
-            raise ValueError(f"method {self.name!r}: `personal_B` trains A and B at one rank")
+        if not set(self.keeps) <= {"A", "B", "head"}:
+            raise ValueError(
+                f"method {self.name!r}: `keeps` takes 'A', 'B' and 'head', got {self.keeps!r}"
+            )
+        if set(self.keeps) >= {"A", "B"}:
+            raise ValueError(f"method {self.name!r}: a client that keeps A and B shares nothing")
+        if self.keeps and (self.frozen_A or self.alternating or self.hetero_ranks):
+            raise ValueError(f"method {self.name!r}: `keeps` trains A and B at one rank")
         if (self.hetero_slices or self.prunes_rank) and not self.hetero_ranks:
             raise ValueError(f"method {self.name!r}: rank slicing and pruning need `hetero_ranks`")
         if self.secure_products and self.linear:
@@ -220,9 +230,45 @@ class MethodSpec:
         return not self.frozen_A, True
 
     def uploaded(self, rnd: int) -> tuple[bool, bool]:
-        """Whether clients upload A and B in round ``rnd`` (what they train, less B kept local)."""
+        """Whether clients upload A and B in round ``rnd``: what they train, less what they keep."""
         train_A, train_B = self.trained(rnd)
-        return train_A, train_B and not self.personal_B
+        return train_A and "A" not in self.keeps, train_B and "B" not in self.keeps
+
+    @property
+    def personalized(self) -> bool:
+        """Whether clients keep parts of their own (:attr:`keeps`): no one global model."""
+        return bool(self.keeps)
+
+    @property
+    def shares_head(self) -> bool:
+        """Whether the task head (and other trainable extras) travels and is averaged."""
+        return "head" not in self.keeps
+
+    def kept_parts(self) -> dict[str, bool]:
+        """What a client keeps, as :func:`fedexlora.bridge.adapters.get_state` reads it."""
+        return {
+            "include_A": "A" in self.keeps,
+            "include_B": "B" in self.keeps,
+            "include_extra": "head" in self.keeps,
+        }
+
+    def sends_uploaded_parts_only(self, reset: bool) -> bool:
+        """Whether a client that holds the current base is sent only what clients upload.
+
+        It already holds the rest: a frozen A sent once (not re-factored every round),
+        or the parts it keeps for itself. A client that starts over (``reset``) gets all.
+        """
+        if reset:
+            return False
+        return (self.frozen_A and not self.refactors_A) or self.personalized
+
+    def keeps_global_factors(self, rnd: int) -> bool:
+        """Whether the server keeps, bit for bit, the factors round ``rnd`` did not upload.
+
+        A frozen A, Fed-SB's ``A = I``, RoLoRA's other factor, a B the clients keep; not
+        when it re-factors both every round (FedSVD).
+        """
+        return not all(self.uploaded(rnd)) and not self.refactors_A
 
     @property
     def server(self) -> str:
