@@ -361,11 +361,6 @@ class RunConfig:
                 "`trainer` 'trl' cannot train in fp16 on a CPU (transformers' Trainer mixes "
                 "fp16 on a GPU only); fix: --dtype bf16 or fp32, or --device cuda",
             )
-            for m in self._methods_where(lambda s: s.prunes_rank):
-                errs.append(
-                    f"`trainer` 'trl' cannot train method {m!r} (its rank-pruning "
-                    "regularizer is part of the builtin trainer's loss); fix: --trainer builtin"
-                )
         need(self.device in _DEVICES, f"`device` must be one of {_DEVICES}, got {self.device!r}")
         need(self.dtype in _DTYPES, f"`dtype` must be one of {_DTYPES}, got {self.dtype!r}")
         if self.quantization is not None:
@@ -440,38 +435,8 @@ class RunConfig:
             self.fedsb_init_samples >= 1,
             f"`fedsb_init_samples` must be >= 1, got {self.fedsb_init_samples}",
         )
-        if self._methods_where(lambda s: s.latent) and self.fedsb_init_resolved == "gradient":
-            if self.dp:
-                errs.append(
-                    "`fedsb_init` gradient reads the clients' examples without noise, so it "
-                    "cannot be combined with --dp-epsilon; fix: --fedsb-init random (or auto)"
-                )
-            if self.engine == "flower":
-                errs.append(
-                    "`fedsb_init` gradient needs the sum of every client's gradient before "
-                    "round 1, which the Flower engine does not collect; fix: --fedsb-init random"
-                )
-        for m in self._methods_where(lambda s: s.lora_init is not None):
-            need(
-                self.quantization is None,
-                f"method {m!r} starts its adapter from the SVD of each pretrained weight, "
-                "which a quantized base does not hold; fix: drop --quantization (a bf16 "
-                "base works: --dtype bf16)",
-            )
         if self.dp:
-            cannot = []
-            for m in self._methods_where(lambda s: not s.federated):
-                cannot.append(f"method {m!r} (it has no clients to hold budgets)")
-            for m in self._methods_where(lambda s: s.prunes_rank):
-                cannot.append(
-                    f"method {m!r} (its rank-pruning regularizer is not part of the "
-                    "per-sample gradients DP-SGD clips)"
-                )
-            for m in self._methods_where(lambda s: s.alternating):
-                cannot.append(
-                    f"method {m!r} (its trained factor changes by round, and the DP-SGD "
-                    "checks are made for one set of trained parameters)"
-                )
+            cannot = []  # what the methods cannot run with, each method says (`check`)
             if self.gradient_checkpointing:
                 cannot.append("--gradient-checkpointing (per-sample gradients need the hooks)")
             if self.low_precision:
@@ -538,6 +503,8 @@ class RunConfig:
                 f"`residual_rank` applies to {' and '.join(method_names(residual_rank=True))} "
                 f"only; it cannot be combined with methods {lossless}",
             )
+        for m in self._methods_where(lambda s: s.check is not None):
+            errs.extend(REGISTRY[m].check(self))  # each method's own (MethodSpec.check)
         if self.num_clients >= 1 and self.max_train is not None:
             need(
                 self.max_train >= self.num_clients * self.min_partition_size,

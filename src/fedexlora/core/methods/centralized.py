@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from fedexlora.core.methods.spec import MethodSpec
 
+
+def check(cfg) -> list[str]:
+    """The pooled baseline has no clients: no per-client privacy budgets."""
+    if cfg.dp:
+        return [
+            "`dp_epsilon`: DP-SGD cannot be combined with method 'centralized' (it has no "
+            "clients to hold budgets)"
+        ]
+    return []
+
+
 SPEC = MethodSpec(
     name="centralized",
     title="Centralized LoRA",
@@ -18,4 +29,5 @@ SPEC = MethodSpec(
     federated=False,
     server_method="fedex",  # one client holding all the data: its server is FedEx's
     flower=False,
+    check=check,
 )

@@ -5,6 +5,25 @@ from __future__ import annotations
 from fedexlora.core.methods.ffa import shared_A_aggregate
 from fedexlora.core.methods.spec import MethodSpec
 
+
+def check(cfg) -> list[str]:
+    """Fed-SB's gradient initialisation reads every client's examples before round 1."""
+    if cfg.fedsb_init_resolved != "gradient":
+        return []
+    errs = []
+    if cfg.dp:
+        errs.append(
+            "`fedsb_init` gradient reads the clients' examples without noise, so it cannot "
+            "be combined with --dp-epsilon; fix: --fedsb-init random (or auto)"
+        )
+    if cfg.engine == "flower":
+        errs.append(
+            "`fedsb_init` gradient needs the sum of every client's gradient before round 1, "
+            "which the Flower engine does not collect; fix: --fedsb-init random"
+        )
+    return errs
+
+
 SPEC = MethodSpec(
     name="fedsb",
     title="Fed-SB",
@@ -22,4 +41,5 @@ SPEC = MethodSpec(
     frozen_A=True,
     latent=True,
     claims=(("fedex", "Fed-SB ahead of FedEx-LoRA under DP (Fed-SB, arXiv 2502.15436)"),),
+    check=check,
 )

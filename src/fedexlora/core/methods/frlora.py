@@ -34,6 +34,17 @@ def aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6, st
     return A0.clone(), B0.clone(), residual
 
 
+def check(cfg) -> list[str]:
+    """FRLoRA starts from the SVD of each pretrained weight, which a quantized base lacks."""
+    if cfg.quantization is not None:
+        return [
+            "method 'frlora' starts its adapter from the SVD of each pretrained weight, "
+            "which a quantized base does not hold; fix: drop --quantization (a bf16 base "
+            "works: --dtype bf16)"
+        ]
+    return []
+
+
 SPEC = MethodSpec(
     name="frlora",
     title="FRLoRA",
@@ -48,4 +59,5 @@ SPEC = MethodSpec(
     aggregate=aggregate,
     restarts=True,
     lora_init="pissa",
+    check=check,
 )

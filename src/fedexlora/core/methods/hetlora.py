@@ -55,6 +55,22 @@ def pruning_tail(rank: int) -> int:
     return math.floor(GAMMA * rank)
 
 
+def check(cfg) -> list[str]:
+    """What HetLoRA cannot run with: its rank-pruning term lives in the builtin loss."""
+    errs = []
+    if cfg.trainer == "trl":
+        errs.append(
+            "`trainer` 'trl' cannot train method 'hetlora' (its rank-pruning regularizer is "
+            "part of the builtin trainer's loss); fix: --trainer builtin"
+        )
+    if cfg.dp:
+        errs.append(
+            "`dp_epsilon`: DP-SGD cannot be combined with method 'hetlora' (its rank-pruning "
+            "regularizer is not part of the per-sample gradients DP-SGD clips)"
+        )
+    return errs
+
+
 SPEC = MethodSpec(
     name="hetlora",
     title="HetLoRA",
@@ -71,4 +87,5 @@ SPEC = MethodSpec(
     hetero_drops_tail=True,
     hetero_slices=True,
     prunes_rank=True,
+    check=check,
 )

@@ -37,6 +37,17 @@ def aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6):
     return A_new, B_new, Residual.zero(d, n, dtype=A.dtype, device=A.device)
 
 
+def check(cfg) -> list[str]:
+    """What RoLoRA cannot run with: DP-SGD's checks are made for one trained factor set."""
+    if cfg.dp:
+        return [
+            "`dp_epsilon`: DP-SGD cannot be combined with method 'rolora' (its trained "
+            "factor changes by round, and the DP-SGD checks are made for one set of trained "
+            "parameters)"
+        ]
+    return []
+
+
 SPEC = MethodSpec(
     name="rolora",
     title="RoLoRA",
@@ -50,4 +61,5 @@ SPEC = MethodSpec(
     bytes_per_round="up 4krd (odd rounds) or 4krn (even); down 4kr(d+n)",
     aggregate=aggregate,
     alternating=True,
+    check=check,
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -148,6 +149,11 @@ class MethodSpec:
             (``--weighting``): ``examples`` (each client's local dataset size) or
             ``uniform`` (FedSA-LoRA, whose release weights by the samples a client
             processes in the round: the same for every client at a fixed step count).
+        check: The method's own validation of a run's configuration: given the
+            :class:`fedexlora.config.RunConfig` (read by its field names: this layer does
+            not import the configuration), each problem as one message that names the
+            setting and the fix. ``RunConfig.errors()`` asks it of every method of the
+            run; ``None``: the method adds no check of its own.
         baseline: The inexact method this one is measured against in reports.
         claims: Published claims a private comparison checks: ``(other method, text)``
             read as "this method ahead of the other".
@@ -184,6 +190,7 @@ class MethodSpec:
     flower: bool = True
     effective_is_deviation: bool = False
     weighting: str = "examples"
+    check: Callable[[Any], list[str]] | None = None
     baseline: str | None = None
     claims: tuple[tuple[str, str], ...] = ()
 
