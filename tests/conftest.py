@@ -213,14 +213,14 @@ def task_identity(monkeypatch):
 
 
 @pytest.fixture()
-def seen_updates(monkeypatch):
-    """Every in-process client's round: ``(round, client) -> (state before training, state
-    after, upload)``, recorded around the engine's own ``local_update``."""
-    import fedexlora.run.simulation as sim
+def seen_updates():
+    """``(seen, spy)``: ``spy`` is the in-process engine's client step (pass it as
+    ``local_update=``), recording in ``seen`` every client's round as ``(round, client) ->
+    (state before training, state after, upload)``."""
     from fedexlora.bridge.adapters import get_state
+    from fedexlora.run.engine import local_update as real
 
     seen = {}
-    real = sim.local_update
 
     def spy(cfg_, method, model, data, rnd, client, **kw):
         before = get_state(model)
@@ -228,5 +228,4 @@ def seen_updates(monkeypatch):
         seen[(rnd, client)] = (before, get_state(model), up)
         return up
 
-    monkeypatch.setattr(sim, "local_update", spy)
-    return seen
+    return seen, spy

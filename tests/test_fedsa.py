@@ -83,8 +83,8 @@ def test_fedsa_end_to_end_each_client_keeps_its_B_on_both_engines(
     from test_flower_parity import _close, _flower
 
     cfg = tiny_cfg.replace(methods=["fedsa"], rounds=2, lr=2e-2)
-    seen = seen_updates
-    local = run_experiment(cfg, tmp_path / "local", progress=False)
+    seen, spy = seen_updates
+    local = run_experiment(cfg, tmp_path / "local", progress=False, local_update=spy)
     task = load_task_for(cfg)
     model, tok = new_model(cfg, task, "fedsa")
     prep = prepare(cfg, tok, task)

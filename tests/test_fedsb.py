@@ -24,9 +24,8 @@ def _effective(model):
 
 
 @pytest.mark.parametrize("init", ["gradient", "random"])
-def test_fedsb_global_model_is_the_average_of_the_clients_models(tiny_cfg, init, monkeypatch):
+def test_fedsb_global_model_is_the_average_of_the_clients_models(tiny_cfg, init):
     """Each round's effective weights equal, by hand in fp64, W0 + s B (sum p_i R_i) A."""
-    import fedexlora.run.simulation as simulation
     from fedexlora.bridge.adapters import base_weight
     from fedexlora.bridge.layers import lora_layers
     from fedexlora.run.engine import new_model, prepare
@@ -50,13 +49,11 @@ def test_fedsb_global_model_is_the_average_of_the_clients_models(tiny_cfg, init,
     scale = {name: float(layer.scaling["default"]) for name, layer in lora_layers(model).items()}
     prep = prepare(cfg, tok, task)
     uploads, seen = [], []
-    real_update = simulation.local_update
+    from fedexlora.run.engine import local_update as real_update
 
     def keep(*args, **kwargs):  # what the server receives
         uploads.append(real_update(*args, **kwargs))
         return uploads[-1]
-
-    monkeypatch.setattr(simulation, "local_update", keep)
 
     def after_round(row, server, mdl):
         total = sum(u.num_examples for u in uploads)
@@ -72,8 +69,9 @@ def test_fedsb_global_model_is_the_average_of_the_clients_models(tiny_cfg, init,
         uploads.clear()
 
     rows, model, _ = run_method(
-        cfg, "fedsb", prep, progress=False, model=model, after_round=after_round
-    )
+        cfg, "fedsb", prep, progress=False, model=model, after_round=after_round,
+        local_update=keep,
+    )  # fmt: skip
     assert len(seen) == len(bases) * cfg.rounds
     assert max(seen) < 1e-5, seen
     after = _bases(model)

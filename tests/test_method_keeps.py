@@ -64,8 +64,8 @@ def test_a_method_that_keeps_A_runs_on_both_engines(
     from test_flower_parity import _close, _flower
 
     cfg = tiny_cfg.replace(methods=[KEEP_A.name], rounds=2, lr=2e-2)
-    seen = seen_updates
-    local = run_experiment(cfg, tmp_path / "local", progress=False)
+    seen, spy = seen_updates
+    local = run_experiment(cfg, tmp_path / "local", progress=False, local_update=spy)
     task = load_task_for(cfg)
     model, tok = new_model(cfg, task, KEEP_A.name)
     prep = prepare(cfg, tok, task)

@@ -212,7 +212,7 @@ def test_merged_export_of_bf16_run_is_fp32_and_exact(tiny_cfg, tmp_path):
     assert "rounded" in rounded.note
 
 
-def test_hetero_clients_on_the_shared_model_start_from_the_global_model(tiny_cfg, monkeypatch):
+def test_hetero_clients_on_the_shared_model_start_from_the_global_model(tiny_cfg):
     """Each client of another rank holds the exact global model when it starts training."""
     import fedexlora.run.simulation as sim
     from fedexlora.run.engine import new_model, prepare
@@ -222,7 +222,7 @@ def test_hetero_clients_on_the_shared_model_start_from_the_global_model(tiny_cfg
     model, tok = new_model(cfg, task, "fedex")
     prep = prepare(cfg, tok, task)
     glob, gaps = {}, []
-    real = sim.local_update
+    from fedexlora.run.engine import local_update as real
 
     def spy(cfg_, method, mdl, data, rnd, client, **kw):
         if glob:
@@ -236,8 +236,9 @@ def test_hetero_clients_on_the_shared_model_start_from_the_global_model(tiny_cfg
         glob.clear()
         glob.update({n: effective_weight(layer) for n, layer in lora_layers(mdl).items()})
 
-    monkeypatch.setattr(sim, "local_update", spy)
-    sim.run_method(cfg, "fedex", prep, model=model, progress=False, after_round=after)
+    sim.run_method(
+        cfg, "fedex", prep, model=model, progress=False, after_round=after, local_update=spy
+    )
     assert len(gaps) == 2 * 3 * len(lora_layers(model))
     assert max(gaps) < 1e-6
 

@@ -54,21 +54,19 @@ def test_noise_multiplier_spends_the_budget_by_an_independent_accountant(tiny_cf
         assert less > epsilon  # 1% less noise would pass the budget
 
 
-def test_dp_run_is_private_by_its_log_and_fedex_stays_exact(tiny_cfg, monkeypatch):
-    import fedexlora.run.simulation as simulation
+def test_dp_run_is_private_by_its_log_and_fedex_stays_exact(tiny_cfg):
     from fedexlora.run.engine import new_model, prepare
     from fedexlora.run.pipeline import load_task_for
     from fedexlora.run.simulation import run_method
     from test_examples import _weights, hand_ideal
 
     uploads = []  # what the clients of the current round sent
-    real_update = simulation.local_update
+    from fedexlora.run.engine import local_update as real_update
 
     def keep(*args, **kwargs):
         uploads.append(real_update(*args, **kwargs))
         return uploads[-1]
 
-    monkeypatch.setattr(simulation, "local_update", keep)
     cfg = tiny_cfg.replace(dp_epsilon=3.0, dp_delta=1e-3, rounds=2, local_steps=4).validate()
     task = load_task_for(cfg)
     rows_by = {}
@@ -83,8 +81,9 @@ def test_dp_run_is_private_by_its_log_and_fedex_stays_exact(tiny_cfg, monkeypatc
             uploads.clear()
 
         rows, model, _ = run_method(
-            cfg, method, prep, progress=False, model=model, after_round=after_round
-        )
+            cfg, method, prep, progress=False, model=model, after_round=after_round,
+            local_update=keep,
+        )  # fmt: skip
         rows_by[method] = rows
         if method == "fedex":  # the global model is the ideal average of the DP uploads
             got, want = _weights(model), hand_ideal(w0, history, scale=cfg.lora_alpha / cfg.lora_r)

@@ -198,13 +198,13 @@ def _scale_cfg(tiny_bert_dir, clients=200, rounds=20):
 
 
 def _watch_payloads(monkeypatch, server, on_payload):
-    """Calls ``on_payload(client, payload, model)`` for each client the in-process engine
-    trains, as it starts: ``model`` then holds the global model the payload must bring
-    the client to."""
-    import fedexlora.run.simulation as simulation
+    """A client step for the in-process engine that calls ``on_payload(client, payload,
+    model)`` for each client it trains, as it starts: ``model`` then holds the global
+    model the payload must bring the client to."""
+    from fedexlora.run.engine import local_update as real_update
 
     sent = {}
-    real_payload_for, real_update = server.payload_for, simulation.local_update
+    real_payload_for = server.payload_for
 
     def payload_for(client):
         sent[client] = real_payload_for(client)
@@ -215,7 +215,7 @@ def _watch_payloads(monkeypatch, server, on_payload):
         return real_update(cfg, method, model, data, rnd, client, **kwargs)
 
     monkeypatch.setattr(server, "payload_for", payload_for)
-    monkeypatch.setattr(simulation, "local_update", local_update)
+    return local_update
 
 
 def test_200_clients_in_process_each_sampled_client_is_exact_after_its_payload(
@@ -253,10 +253,11 @@ def test_200_clients_in_process_each_sampled_client_is_exact_after_its_payload(
             r.nbytes for r in newest.values()
         )
 
-    _watch_payloads(monkeypatch, server, on_payload)
+    watched = _watch_payloads(monkeypatch, server, on_payload)
     rows, _, _ = run_method(
-        cfg, "fedex", prep, progress=False, model=model, server=server, after_round=after_round
-    )
+        cfg, "fedex", prep, progress=False, model=model, server=server, after_round=after_round,
+        local_update=watched,
+    )  # fmt: skip
     assert len(rows) == 20 and all(len(r["sampled"]) == 2 for r in rows)
     assert len(gaps) == 40 and max(gaps) <= 1e-6
     assert server.version >= 15  # the global model moved: the check compared real updates
@@ -280,10 +281,11 @@ def test_200_virtual_clients_under_flower_match_the_in_process_engine(
     server = new_server(cfg, "fedex", model)
     last_keep = {}  # client -> what its latest payload said
     with pytest.MonkeyPatch.context() as watch:  # the Flower run trains its clients unwatched
-        _watch_payloads(watch, server, lambda c, p, m: last_keep.__setitem__(c, p.keep))
+        watched = _watch_payloads(watch, server, lambda c, p, m: last_keep.__setitem__(c, p.keep))
         local, _, _ = run_method(
-            cfg, "fedex", prepare(cfg, tok, task), progress=False, model=model, server=server
-        )
+            cfg, "fedex", prepare(cfg, tok, task), progress=False, model=model, server=server,
+            local_update=watched,
+        )  # fmt: skip
     from test_flower_parity import _flower
 
     flower, _ = _flower(  # client state on disk, where run_flower_experiment puts it

@@ -268,7 +268,7 @@ def test_local_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dro
 
         monkeypatch.setattr(protocol.ServerSession, stage, spy)
     uploads = {}
-    orig_update = simulation.local_update
+    from fedexlora.run.engine import local_update as orig_update
 
     def keep(cfg, method, model, data, rnd, client, **kw):
         up = orig_update(cfg, method, model, data, rnd, client, **kw)
@@ -279,7 +279,6 @@ def test_local_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dro
         uploads[(rnd, client)] = up
         return up
 
-    monkeypatch.setattr(simulation, "local_update", keep)
     orig_reply, calls = simulation.secure_reply, []
 
     def reply(session, setup, message, upload):
@@ -290,7 +289,7 @@ def test_local_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dro
 
     monkeypatch.setattr(simulation, "secure_reply", reply)
     cfg = _secure_cfg(tiny_cfg, rounds=2)
-    rows = run_experiment(cfg, tmp_path, progress=False)
+    rows = run_experiment(cfg, tmp_path, progress=False, local_update=keep)
     assert calls == [0, 1, 2] * 2
     assert [r["accepted"] for r in rows] == [[0, 1], [0, 2]]
     assert rows[0]["dropped"] == [2] and "NaN" in rows[0]["rejected"]["2"]

@@ -106,20 +106,18 @@ def test_all_rejected_changes_nothing():
     assert server.version == 0
 
 
-def _play_faulty_clients(monkeypatch, tamper):
-    """Every upload of the in-process engine passes ``tamper(round, client, upload)``
-    on its way from the client to the server."""
-    import fedexlora.run.simulation as simulation
-
-    real_update = simulation.local_update
+def _faulty_clients(tamper):
+    """A client step for the in-process engine whose every upload passes
+    ``tamper(round, client, upload)`` on its way from the client to the server."""
+    from fedexlora.run.engine import local_update as real_update
 
     def local_update(cfg, method, model, data, rnd, client, **kwargs):
         return tamper(rnd, client, real_update(cfg, method, model, data, rnd, client, **kwargs))
 
-    monkeypatch.setattr(simulation, "local_update", local_update)
+    return local_update
 
 
-def test_engine_records_rejections_and_warns(tiny_cfg, tmp_path, monkeypatch):
+def test_engine_records_rejections_and_warns(tiny_cfg, tmp_path):
     from fedexlora.run.pipeline import run_experiment
     from fedexlora.run.report import read_metrics
 
@@ -129,11 +127,10 @@ def test_engine_records_rejections_and_warns(tiny_cfg, tmp_path, monkeypatch):
             B[0, 0] = math.nan
         return up
 
-    _play_faulty_clients(monkeypatch, tamper)
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rows = run_experiment(cfg, tmp_path, progress=False)
+        rows = run_experiment(cfg, tmp_path, progress=False, local_update=_faulty_clients(tamper))
     assert any("rejected client 1" in str(w.message) for w in caught)
     on_disk = read_metrics(tmp_path / "metrics.jsonl")
     for r in on_disk:
@@ -144,15 +141,15 @@ def test_engine_records_rejections_and_warns(tiny_cfg, tmp_path, monkeypatch):
     assert rows == on_disk
 
 
-def test_engine_all_rejected_round_says_so(tiny_cfg, tmp_path, monkeypatch):
+def test_engine_all_rejected_round_says_so(tiny_cfg, tmp_path):
     from fedexlora.run.pipeline import run_experiment
 
     def tamper(rnd, client, up):
         up.num_examples = 0
         return up
 
-    _play_faulty_clients(monkeypatch, tamper)
-    rows = run_experiment(tiny_cfg.replace(methods=["fedex"], rounds=1), tmp_path, progress=False)
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=1)
+    rows = run_experiment(cfg, tmp_path, progress=False, local_update=_faulty_clients(tamper))
     assert rows[0]["accepted"] == [] and rows[0]["note"] == (
         "every upload was rejected; the global model is unchanged"
     )

@@ -8,7 +8,7 @@ each method's rounds in this process (:func:`fedexlora.run.simulation.run_method
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fedexlora.config import RunConfig
@@ -24,6 +24,7 @@ from fedexlora.run.restore import (
     restore_run,
 )
 from fedexlora.run.simulation import run_method
+from fedexlora.server.server import ClientUpload
 
 __all__ = [
     "RunError",
@@ -118,6 +119,7 @@ def run_experiment(
     resume: bool = False,
     progress: bool = True,
     console=None,
+    local_update: Callable[..., ClientUpload] | None = None,
 ) -> list[dict]:
     """Runs every method of ``cfg`` in this process and writes the run directory.
 
@@ -131,6 +133,8 @@ def run_experiment(
         resume: Continue a run in ``out_dir`` from its last complete round.
         progress: Show progress bars.
         console: A ``rich`` console for messages (plain ``print`` when ``None``).
+        local_update: Each client's training step (:func:`fedexlora.run.engine.local_update`
+            when ``None``): a caller may wrap it to watch clients or play faulty ones.
 
     Returns:
         All metrics rows.
@@ -153,5 +157,6 @@ def run_experiment(
             after_round=lambda row, _srv, _mdl, _m=current: run.record(_m, row),
             history=current.rows,
             personal=current.personal,
+            **({} if local_update is None else {"local_update": local_update}),
         )
     return run.finish()

@@ -38,7 +38,7 @@ from fedexlora.run.engine import (
 )
 from fedexlora.run.layout import RunLayout
 from fedexlora.run.rounds import RoundTraffic, close_round
-from fedexlora.server.server import Server
+from fedexlora.server.server import ClientUpload, Server
 
 __all__ = ["run_method"]
 
@@ -55,12 +55,12 @@ def run_method(
     after_round: Callable[[dict, Server, torch.nn.Module], None] | None = None,
     history: list[dict] | None = None,
     personal: dict[int, dict[str, torch.Tensor]] | None = None,
+    local_update: Callable[..., ClientUpload] = local_update,
 ):
     """Runs one method for ``cfg.rounds`` rounds and returns ``(rows, model, server)``.
 
-    Each sampled client gets ``server.payload_for(client)`` and trains through this
-    module's ``local_update`` (:func:`fedexlora.run.engine.local_update`), looked up when
-    called: tests wrap those two to watch payloads or play faulty clients.
+    Each sampled client gets ``server.payload_for(client)`` and trains through
+    ``local_update``.
 
     Args:
         cfg: The run configuration.
@@ -76,6 +76,9 @@ def run_method(
             head, as flat tensors, :meth:`~fedexlora.core.state.AdapterState.to_flat`),
             filled in as clients train; the caller checkpoints it (a resume passes it
             back). Each client really holds its own, as under Flower.
+        local_update: A client's training step, called as
+            :func:`fedexlora.run.engine.local_update` (its default) is, returning the
+            client's upload: a caller may wrap it to watch clients or play faulty ones.
     """
     from fedexlora.core.methods import get_method
 
