@@ -13,18 +13,18 @@ def _run(*args):
 @pytest.mark.parametrize(
     "args,match",
     [
-        (["--model", "/no/such/model"], "`model` '/no/such/model': no such local directory"),
+        (["--model", "/no/such/model"], "`--model` '/no/such/model': no such local directory"),
         (["--task", "imagenet"], "unknown task 'imagenet'"),
-        (["--method", "fedex,fedavg"], "`methods`: unknown ['fedavg']"),
-        (["--alpha", "0"], "`alpha` must be > 0, got 0.0"),
-        (["--fraction", "1.5"], "`fraction` must be in (0, 1], got 1.5"),
-        (["--method", "ffa", "--residual-rank", "2"], "`residual_rank` applies to fedex only"),
-        (["--device", "tpu"], "`device` must be one of"),
-        (["--dtype", "bf16", "--side-rank", "0"], "`side_rank` must be >= 1, got 0; fix"),
-        (["--side-rank", "4", "--no-fp32-side-branch"], "`side_rank` caps the side branch"),
-        (["--side-rank", "4", "--method", "fedit"], "`side_rank` caps the side branch"),
-        (["--quantization", "nf3"], "`quantization` must be one of ('nf4', 'fp4', 'int8')"),
-        (["--double-quant"], "`double_quant` applies to 4-bit quantization only"),
+        (["--method", "fedex,fedavg"], "`--method`: unknown ['fedavg']"),
+        (["--alpha", "0"], "`--alpha` must be > 0, got 0.0"),
+        (["--fraction", "1.5"], "`--fraction` must be in (0, 1], got 1.5"),
+        (["--method", "ffa", "--residual-rank", "2"], "`--residual-rank` applies to fedex only"),
+        (["--device", "tpu"], "`--device` must be one of"),
+        (["--dtype", "bf16", "--side-rank", "0"], "`--side-rank` must be >= 1, got 0; fix"),
+        (["--side-rank", "4", "--no-fp32-side-branch"], "`--side-rank` caps the side branch"),
+        (["--side-rank", "4", "--method", "fedit"], "`--side-rank` caps the side branch"),
+        (["--quantization", "nf3"], "`--quantization` must be one of ('nf4', 'fp4', 'int8')"),
+        (["--double-quant"], "`--double-quant` applies to 4-bit quantization only"),
         (["--export-format", "merged", "--export-dtype", "bf16"], "so it cannot be exact; fix"),
     ],
 )
@@ -439,7 +439,8 @@ def test_a_missing_local_model_says_so_before_training(model, tmp_path):
     res = _run("run", "--model", model, "--out", str(tmp_path / "o"), "--no-progress")
     assert res.exit_code == 2, res.output
     out = " ".join(res.output.split())
-    assert f"`model` '{model}': no such local directory (give minilm, smollm2-135m, a hub " in out
+    # named as typed: the flag here, the TOML key below
+    assert f"`--model` '{model}': no such local directory (give minilm, smollm2-135m, a hub " in out
     assert "Repo id" not in out and "Traceback" not in out
     assert not (tmp_path / "o").exists()  # nothing ran
     cfg = tmp_path / "c.toml"
@@ -466,3 +467,22 @@ def test_model_names_that_may_be_models_pass_without_the_network(tmp_path):
     with pytest.raises(ValueError, match="model '/nonexistent': no such local directory"):
         resolve_model("/nonexistent")
     assert resolve_model("prajjwal1/bert-tiny").path == "prajjwal1/bert-tiny"
+
+
+def test_errors_name_the_flag_typed_and_client_ranks_give_the_rank_everywhere(tmp_path):
+    """`--rank 0` is answered about `--rank`, not the key `lora_r`; a TOML file's key
+    stays its key. `client_ranks` alone gives the global rank (their largest) from the
+    command line and from a TOML file alike."""
+    from fedexlora.config import load_config
+
+    res = _run("run", "--rank", "0", "--out", str(tmp_path / "o"), "--no-progress")
+    assert res.exit_code == 2 and "`--rank` must be >= 1, got 0" in res.output
+    assert "lora_r" not in res.output
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("lora_r = 0\n")
+    res = _run("run", "--config", str(cfg), "--out", str(tmp_path / "o"), "--no-progress")
+    assert res.exit_code == 2 and "`lora_r` must be >= 1, got 0" in res.output
+    cfg.write_text("num_clients = 3\nclient_ranks = [2, 6, 4]\n")
+    assert load_config(cfg).lora_r == 6  # not the default 8
+    res = _run("validate", str(cfg))
+    assert res.exit_code == 0, res.output

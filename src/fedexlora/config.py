@@ -591,6 +591,10 @@ def validate_mapping(data: dict[str, Any]) -> tuple[RunConfig | None, list[str]]
         if norm == "methods" and isinstance(value, str):
             value = [m.strip() for m in value.split(",")]
         known[norm] = value
+    ranks = known.get("client_ranks")
+    if "lora_r" not in known and isinstance(ranks, list) and ranks:
+        if all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+            known["lora_r"] = max(ranks)  # the global rank: the largest client's
     try:
         cfg = RunConfig(**known)
     except TypeError as exc:  # pragma: no cover - all keys are checked above

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fedexlora.cli._common import console, fail, quiet_libraries
-from fedexlora.config import RESUME_SAFE
+from fedexlora.config import RESUME_SAFE, ConfigError
 from fedexlora.core.methods import REGISTRY
 
 __all__ = ["RUN_FLAGS", "run_cmd"]
@@ -404,7 +404,7 @@ def run_cmd(
 ) -> None:
     """Federated LoRA fine-tuning: every method on identical partitions, reported side by side."""
     quiet_libraries()
-    from fedexlora.config import ConfigError, RunConfig, load_config, validate_mapping
+    from fedexlora.config import RunConfig, load_config, validate_mapping
 
     given = dict(locals())
     overrides = {}
@@ -419,8 +419,6 @@ def run_cmd(
                 value = [int(v) for v in str(value).split(",") if v.strip()]
             except ValueError:
                 fail(f"--client-ranks must be a comma list of integers, got {value!r}")
-            if rank is None and value:
-                overrides["lora_r"] = max(value)
         if isinstance(value, Path):
             value = str(value)
         overrides[key] = value
@@ -439,12 +437,33 @@ def run_cmd(
                 raise ConfigError(errs)
             cfg = cfg_or_none or RunConfig()
     except ConfigError as exc:
-        fail(str(exc))
+        fail(str(in_flags(exc, overrides)))
     if out is None:
         import time
 
         out = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     _execute(cfg, out, resume=resume is not None, progress=not no_progress, tasks=recipe_tasks)
+
+
+def in_flags(exc: ConfigError, typed: dict) -> ConfigError:
+    """``exc`` with each setting the user gave as a flag named as the flag they typed.
+
+    The configuration names its keys (`lora_r`); a user who typed ``--rank`` reads
+    `--rank`. Settings from a TOML file keep their key, which is what the file says.
+    """
+    import click
+
+    flag_of = {}
+    for param in click.get_current_context().command.params:
+        key = RUN_FLAGS.get(param.name or "")
+        if key in typed and param.opts:
+            flag_of[key] = param.opts[0]
+    errors = []
+    for message in exc.errors:
+        for key, flag in flag_of.items():
+            message = message.replace(f"`{key}`", f"`{flag}`")
+        errors.append(message)
+    return type(exc)(errors)
 
 
 def _resumed_config(resume: Path, overrides: dict, config: Path | None, out: Path | None):
