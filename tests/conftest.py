@@ -15,43 +15,23 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # Under pytest-xdist, scripts/test.sh runs with --dist loadfile: a file's tests share a
 # worker, so a module-scoped fixture (a whole Flower deployment, a killed and resumed run)
-# runs once, not once per worker. The files that start Flower runs go first, so that the
-# two workers do not end with one of them alone on a long file. (Measured: running the
-# multi-process tests one at a time on one worker, the other running the rest, was
-# slower: 1182 s against 1041 s, 2026-12-05.)
-SLOW_FIRST = [
-    "test_flower_deploy.py",
-    "test_flower_simulation.py",
-    "test_resume.py",
-    "test_flower.py",
-    "test_smollm2_integration.py",
-    "test_precision.py",
-    "test_privacy.py",
-    "test_compare.py",
-    "test_paper_methods.py",
-    "test_fedsa.py",
-    "test_hetlora.py",
-    "test_paper_tasks.py",
-    "test_secure_aggregation.py",
-    "test_flower_parity.py",
-    "test_recipes.py",
-    "test_scale.py",
-    "test_examples.py",
-    "test_trl_sft.py",
-    "test_flowertune_app.py",
-    "test_trainer_trl.py",
-    "test_fp32_side_branch.py",
-    "test_bench_payloads.py",
-    "test_guards.py",
-    "test_dp_sampling.py",
-    "test_round_timing.py",
-]
+# runs once, not once per worker. The slow files go first, longest first, so that the two
+# workers do not end with one of them alone on a long file. A file says it is slow
+# itself, with its measured seconds: `pytestmark = pytest.mark.slow(seconds=N)` (and
+# `pytest -m "not slow"` leaves those files out). (Measured: running the multi-process
+# tests one at a time on one worker, the other running the rest, was slower: 1182 s
+# against 1041 s, 2026-12-05.)
+
+
+def _seconds(item) -> float:
+    """The measured seconds of ``item``'s file when it is marked slow, else 0."""
+    mark = item.get_closest_marker("slow")
+    return float(mark.kwargs.get("seconds", 1)) if mark is not None else 0.0
 
 
 def pytest_collection_modifyitems(config, items):
-    """Slow files first (stable: each file's tests keep their order)."""
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    """Slow files first, longest first (stable: each file's tests keep their order)."""
+    items.sort(key=lambda item: -_seconds(item))
 
 
 ONE_ACTOR = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 1}}

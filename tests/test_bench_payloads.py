@@ -16,6 +16,9 @@ from fedexlora.experiments.bench import (
     shape_from_model,
 )
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=7)
+
 FEDERATED = [m for m, spec in REGISTRY.items() if spec.federated]
 RANK, CLIENTS, LABELS, SB_RANK = 4, 3, 3, 4
 # q and v are 32 x 32; intermediate.dense maps 32 -> 48: a layer that is not square, where

@@ -3,6 +3,9 @@ from typer.testing import CliRunner
 
 from fedexlora.cli import app
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=12)
+
 runner = CliRunner()
 
 

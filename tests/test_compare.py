@@ -8,6 +8,9 @@ from typer.testing import CliRunner
 from fedexlora.cli import app
 from fedexlora.experiments.stats import paired
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=13)
+
 runner = CliRunner()
 
 

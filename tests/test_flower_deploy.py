@@ -18,6 +18,9 @@ from fedexlora.run.pipeline import load_task_for, restore_model
 from fedexlora.run.report import read_metrics
 from test_flower import ROOT, VENV_BIN, _final_model, _state_dict_rel_diff
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=134)
+
 
 # -- a real deployment on 127.0.0.1: SuperLink, two SuperNodes, TLS, node auth --------
 def _free_port() -> int:

@@ -15,6 +15,9 @@ from fedexlora.run.pipeline import run_experiment
 from fedexlora.run.report import read_metrics
 from test_flower import InProcessGrid, _final_model, _model_rel_diff, _state_dict_rel_diff
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=19)
+
 
 def _flower(cfg, run_dir, *, grid=None, **settings):
     from fedexlora.flower.client_app import make_client_app

@@ -30,6 +30,9 @@ from test_flower_deploy import _descendants
 from test_resume import _args, _tensors_of
 from test_resume import _rows_without_timing as _rows
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=175)
+
 METHODS = ["fedex", "fedit", "ffa", "flora"]
 ROUNDS = 2  # round 2 is where the kill lands and where the resume picks up
 

@@ -20,6 +20,9 @@ from flwr.common.config import flatten_dict, get_project_config
 
 from test_examples import hand_ideal
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=8)
+
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "examples" / "flowertune_llm"
 

@@ -17,6 +17,9 @@ from fedexlora.core.messages import ClientUpload
 from fedexlora.run.pipeline import run_experiment
 from fedexlora.server import Server
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=9)
+
 
 def _factors(k=4, r=3, d=10, n=12, seed=0, shared_A=False):
     g = torch.Generator().manual_seed(seed)

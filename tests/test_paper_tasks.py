@@ -13,6 +13,9 @@ from typer.testing import CliRunner
 
 from fedexlora.cli import app
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=8)
+
 runner = CliRunner()
 
 

@@ -18,6 +18,9 @@ from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
 from fedexlora.run.export import export_model
 from fedexlora.run.pipeline import load_task_for, restore_model, run_experiment
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=13)
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "verify_export.py"
 _spec = importlib.util.spec_from_file_location("verify_export", SCRIPT)
 verify = importlib.util.module_from_spec(_spec)

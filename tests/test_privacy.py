@@ -6,6 +6,9 @@ import opacus  # noqa: F401, E402
 import pytest
 import torch
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=11)
+
 
 def independent_epsilon(noise_multiplier, sample_rate, steps, delta, orders=None):
     """Google's dp-accounting (its own RDP code; its default orders unless given), not Opacus."""
@@ -230,8 +233,8 @@ def test_delta_must_be_below_one_over_the_smallest_client():
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--dp-epsilon", "0"], "`dp_epsilon` must be > 0"),
-        (["--dp-epsilon", "1", "--dp-delta", "0"], "`dp_delta` must be in (0, 1)"),
+        (["--dp-epsilon", "0"], "`--dp-epsilon` must be > 0"),
+        (["--dp-epsilon", "1", "--dp-delta", "0"], "`--dp-delta` must be in (0, 1)"),
         (
             ["--dp-epsilon", "1", "--method", "fedsb", "--fedsb-init", "gradient"],
             "gradient reads the clients' examples without noise",

@@ -8,6 +8,9 @@ from typer.testing import CliRunner
 
 from fedexlora.cli import app
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=10)
+
 runner = CliRunner()
 SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra",
             "number_theory", "prealgebra", "precalculus")  # fmt: skip

@@ -16,6 +16,9 @@ from fedexlora.run.checkpoint import CheckpointError, latest_checkpoint
 from fedexlora.run.pipeline import run_experiment
 from fedexlora.run.report import read_metrics
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=65)
+
 
 def _cfg_file(tmp_path, tiny_bert_dir, tiny_csv):
     p = tmp_path / "cfg.toml"

@@ -16,6 +16,9 @@ from fedexlora.bridge.models import load_model
 from fedexlora.core.state import AdapterState
 from fedexlora.server import ClientUpload
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=6)
+
 
 def _model(path):
     model, _ = load_model(path, causal=False, num_labels=3, r=4, alpha=8, dropout=0.0, seed=0)

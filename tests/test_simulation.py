@@ -8,6 +8,9 @@ from fedexlora.run.export import export_model
 from fedexlora.run.pipeline import RunError, load_task_for, restore_model, run_experiment
 from fedexlora.run.report import read_metrics
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=8)
+
 FIELDS = {
     "method",
     "round",

@@ -17,7 +17,7 @@ import torch
 
 from test_examples import _load, hand_ideal
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow(seconds=146)]
 
 
 def _rel(got, want, w0) -> float:

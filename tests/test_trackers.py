@@ -132,7 +132,7 @@ def test_report_to_errors_are_one_line(tmp_path, monkeypatch):
     import importlib.util
 
     res = runner.invoke(app, ["run", "--out", str(tmp_path / "o"), "--report-to", "wandb"])
-    assert res.exit_code == 2 and "`report_to`: unknown 'wandb'; choose from" in res.output
+    assert res.exit_code == 2 and "`--report-to`: unknown 'wandb'; choose from" in res.output
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: None if n == "mlflow" else real(n, *a)

@@ -18,6 +18,9 @@ from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
 from fedexlora.run.pipeline import load_task_for, restore_model, run_experiment
 from test_precision import _rel, ideal_from_client_adapters
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=19)
+
 
 @pytest.fixture()
 def trl_cfg(tiny_llama_dir, tiny_qa_jsonl):
@@ -94,7 +97,7 @@ def test_trl_refuses_a_classification_task_by_name(tiny_bert_dir, tiny_csv, tmp_
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--trainer", "keras"], "`trainer` must be one of"),
+        (["--trainer", "keras"], "`--trainer` must be one of"),
         (["--trainer", "trl", "--method", "hetlora", "--client-ranks", "2,4,4"], "hetlora"),
         (["--trainer", "trl", "--dtype", "fp16"], "cannot train in fp16 on a CPU"),
     ],

@@ -13,6 +13,9 @@ from peft import PeftModel
 from test_examples import _load, hand_ideal
 from test_fp32_side_branch import _forward_weights as _weights  # W0 + side branch + s B A
 
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=8)
+
 # The chat template SmolLM2-135M-Instruct ships (ChatML), given to the test's tokenizer
 # as data: TRL applies it, nothing here formats a conversation.
 CHATML = (
