@@ -5,10 +5,10 @@ import typer
 from typer.testing import CliRunner
 
 from fedexlora.experiments.bench import (
-    COMM_METHODS,
     LayerShape,
     ModelShape,
     bench_app,
+    comm_methods,
     comm_table,
     embedded_shape,
     llama7b_shape,
@@ -47,7 +47,7 @@ def test_roberta_factored_residual_is_48x_smaller_than_dense():
     assert by["flora"]["residual_rank"] == {"query,value 768x768": k * r}
     assert by["flora"]["down_per_client"] == layers * (ab + k * r * (d + n) * F32)
     assert by["full-ft"]["down_per_client"] == by["full-ft"]["up_per_client"] == layers * d * n * 4
-    assert [r["method"] for r in comm_table(roberta_base_shape(), r, k)] == list(COMM_METHODS)
+    assert [r["method"] for r in comm_table(roberta_base_shape(), r, k)] == list(comm_methods())
 
 
 def test_residual_falls_back_to_dense_when_factors_are_larger():

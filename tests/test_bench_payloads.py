@@ -8,8 +8,8 @@ from typer.testing import CliRunner
 from fedexlora.core.methods import REGISTRY
 from fedexlora.core.units import format_bytes
 from fedexlora.experiments.bench import (
-    COMM_METHODS,
     bench_app,
+    comm_methods,
     comm_table,
     embedded_shape,
     roberta_base_shape,
@@ -44,7 +44,7 @@ def predicted(tiny_bert_dir):
 
 
 def test_comm_lists_every_federated_method():
-    assert set(FEDERATED) <= set(COMM_METHODS)
+    assert set(FEDERATED) <= set(comm_methods())
 
 
 @pytest.mark.parametrize("method", FEDERATED)

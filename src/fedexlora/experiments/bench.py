@@ -44,7 +44,7 @@ from fedexlora.core.methods import REGISTRY
 from fedexlora.core.units import format_bytes
 
 __all__ = [
-    "COMM_METHODS",
+    "comm_methods",
     "LayerShape",
     "ModelShape",
     "bench_app",
@@ -58,15 +58,17 @@ __all__ = [
 # The method measured against a baseline (FedEx-LoRA): the table's reference, last of the
 # registered methods, after its bench-only dense variant.
 _OURS = next(name for name, spec in REGISTRY.items() if spec.baseline)
-_FEDERATED = tuple(name for name, spec in REGISTRY.items() if spec.federated)
-# Every federated method of the registry, then two rows of the bench's own: FedEx-LoRA's
-# dense residual as the released code sends it, and full fine-tuning.
-COMM_METHODS = (
-    *(m for m in _FEDERATED if m != _OURS),
-    "fedex-dense",
-    _OURS,
-    "full-ft",
-)
+
+
+def comm_methods() -> tuple[str, ...]:
+    """The table's rows: every federated method of the registry, then the bench's own.
+
+    The registry is asked now, so a method added later counts. The bench's own rows are
+    FedEx-LoRA's dense residual as the released code sends it, and full fine-tuning.
+    """
+    federated = [name for name, spec in REGISTRY.items() if spec.federated]
+    return (*(m for m in federated if m != _OURS), "fedex-dense", _OURS, "full-ft")
+
 
 _LABELS = {
     "fedit": "FedIT",
@@ -384,7 +386,7 @@ _FIGURES = (
 def comm_table(
     shape: ModelShape, rank: int, clients: int, *, seed: int = 0, fedsb_rank: int = 64
 ) -> list[dict]:
-    """Bytes of round 2, down and up, for every method of :data:`COMM_METHODS`.
+    """Bytes of round 2, down and up, for every method of :func:`comm_methods`.
 
     Each federated method's figures are those its server's payloads and the uploads it
     accepts carry (see the module's description); ``fedex-dense`` and ``full-ft`` are
@@ -421,7 +423,9 @@ def comm_table(
         raise ValueError(f"`clients` must be positive, got {clients}")
     extra = sum(_nbytes(torch.empty(s, dtype=torch.float32)) for s in shape.extra)
     measured: dict[str, dict] = {}
-    for m in _FEDERATED:
+    for m in comm_methods():
+        if m not in REGISTRY:
+            continue  # the bench's own rows, below
         measured.update(_method_bytes(m, shape, rank, clients, seed, fedsb_rank))
     weights = sum(
         g.count * _nbytes(torch.empty(g.d, g.n, dtype=torch.float32)) for g in shape.layers
@@ -436,7 +440,7 @@ def comm_table(
         "extra_bytes": extra,
     }
     rows = []
-    for m in COMM_METHODS:
+    for m in comm_methods():
         row = {
             "model": shape.name,
             "method": m,
@@ -511,7 +515,7 @@ def _print_table(rows: list[dict], console) -> None:
 
 def _print_legend(console) -> None:
     console.print("methods (down = server to one client, up = one client to server):")
-    for m in COMM_METHODS:
+    for m in comm_methods():
         console.print(f"  {m:<12} {_label(m)}", highlight=False)
     console.print(
         "  down/up are round 2, counted from the server's payloads and the uploads it "

@@ -93,30 +93,25 @@ def new_model(cfg: RunConfig, task, method: str):
     from fedexlora.bridge.models import load_model
 
     spec = get_method(method)
-    latent = spec.latent  # Fed-SB: an r x r core between frozen A and B, at its own rank
     model, tokenizer = load_model(
         cfg.model,
         causal=task.kind == "causal_lm",
         num_labels=max(task.num_labels, 1),
-        r=cfg.fedsb_rank if latent else cfg.lora_r,
-        alpha=float(cfg.fedsb_rank) if latent else cfg.lora_alpha,  # Fed-SB: alpha = r
         dropout=cfg.lora_dropout,
         target_modules=cfg.target_modules,
         rslora=cfg.rslora,
         seed=cfg.seed,
-        # a latent method's frozen A (and B) are set by its own install below
-        freeze_A=spec.frozen_A and not latent,
         dtype=torch_dtype(cfg.dtype),
         quantization=cfg.quantization,
         double_quant=cfg.double_quant,
-        init=spec.lora_init,  # FRLoRA: the principal components of the pretrained weight
+        **spec.adapter_setup(cfg.lora_r, cfg.lora_alpha, cfg.fedsb_rank),
     )
     check_max_length(cfg, model)
     if cfg.fp32_side_branch_resolved:
         from fedexlora.bridge.adapters import use_side_branch
 
         use_side_branch(model)
-    if latent:
+    if spec.latent:  # Fed-SB: its frozen A and B, and the r x r core between them
         _install_fedsb(cfg, task, model, tokenizer)
     for r in sorted(set(cfg.client_ranks or [])):
         if spec.hetero_ranks and r != cfg.lora_r:  # heterogeneous client ranks

@@ -529,8 +529,8 @@ class Server:
             weights = [float(example_count(u.num_examples)[0]) for u in accepted]
         else:
             weights = None
-        if generator is None and self.spec.fresh_adapter:
-            generator = torch.Generator().manual_seed(self.seed * 7919 + self.round)
+        if generator is None:
+            generator = self.spec.round_generator(self.seed, self.round)
         if self.spec.prunes_rank:  # HetLoRA: a client's zero tail is the rank it pruned to
             for u in accepted:
                 used = used_rank(u.state)
@@ -599,9 +599,7 @@ class Server:
         rejected = dict(rejected or {})
         if sums is None or not clients:
             return RoundOutcome({}, [], rejected, {}, {}, previous=self.state, unchanged=True)
-        generator = None
-        if self.spec.fresh_adapter:
-            generator = torch.Generator().manual_seed(self.seed * 7919 + self.round)
+        generator = self.spec.round_generator(self.seed, self.round)
         agg = aggregate_states(
             [sums.state], None, self.method, global_state=self.state, generator=generator,
             effective=False,

@@ -269,6 +269,27 @@ class MethodSpec:
             return False
         return (self.frozen_A and not self.refactors_A) or self.personalized
 
+    def round_generator(self, seed: int, rnd: int) -> torch.Generator | None:
+        """The seeded randomness the server math needs in round ``rnd``, or ``None``.
+
+        A method whose adapter restarts every round (``fresh_adapter``, FLoRA) draws the
+        new A from the run's seed and the round, so every engine draws the same one.
+        """
+        if not self.fresh_adapter:
+            return None
+        return torch.Generator().manual_seed(seed * 7919 + rnd)
+
+    def adapter_setup(self, rank: int, alpha: float, latent_rank: int) -> dict:
+        """How a run loads this method's adapter (rank, alpha, a frozen A, peft's init).
+
+        A latent method (Fed-SB) trains an ``r x r`` core at its own rank, ``alpha = r``;
+        its frozen factors are set by its own install, not by freezing A here.
+        """
+        if self.latent:
+            return {"r": latent_rank, "alpha": float(latent_rank), "freeze_A": False,
+                    "init": self.lora_init}  # fmt: skip
+        return {"r": rank, "alpha": alpha, "freeze_A": self.frozen_A, "init": self.lora_init}
+
     def keeps_global_factors(self, rnd: int) -> bool:
         """Whether the server keeps, bit for bit, the factors round ``rnd`` did not upload.
 
