@@ -33,7 +33,7 @@ def measure(model: str, rounds: int) -> list[tuple[int, int, int, int]]:
     from fedexlora.config import RunConfig
     from fedexlora.flower.records import to_array_record
     from fedexlora.run.engine import new_model, prepare
-    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.restore import load_task_for
     from fedexlora.run.simulation import run_method
 
     smol = model.startswith("smollm2")

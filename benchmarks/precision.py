@@ -45,7 +45,7 @@ def child(args) -> dict:
     from fedexlora.bridge.layers import lora_layers
     from fedexlora.config import RunConfig
     from fedexlora.run.engine import autocast_dtype, new_model, prepare
-    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.restore import load_task_for
     from fedexlora.run.simulation import run_method
     from fedexlora.training.local import train_local
 

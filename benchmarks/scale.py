@@ -102,7 +102,7 @@ def child(args) -> dict:
     from fedexlora.bridge.layers import lora_layers
     from fedexlora.bridge.steps import apply_payload
     from fedexlora.run.engine import new_model, new_server, prepare
-    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.restore import load_task_for
     from fedexlora.run.simulation import run_method
 
     torch.set_num_threads(args.threads)

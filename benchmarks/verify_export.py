@@ -44,7 +44,7 @@ from safetensors.torch import load_file
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.config import load_config
 from fedexlora.run.engine import new_model
-from fedexlora.run.pipeline import load_task_for
+from fedexlora.run.restore import load_task_for
 
 
 def w0(layer):

@@ -43,7 +43,7 @@ def test_dp_refuses_only_clients_beyond_their_share_and_budget(tiny_cfg):
     """``--dp-epsilon 8 --clients 5 --fraction 0.5``: no client is refused before it has
     spent its budget or trained its share of the rounds, and none spends beyond it."""
     from fedexlora.run.engine import new_model, prepare
-    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.restore import load_task_for
     from fedexlora.run.simulation import run_method
 
     cfg = tiny_cfg.replace(methods=["fedex"], dp_epsilon=8.0, dp_delta=1e-3, num_clients=5,

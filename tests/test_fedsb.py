@@ -29,7 +29,7 @@ def test_fedsb_global_model_is_the_average_of_the_clients_models(tiny_cfg, init)
     from fedexlora.bridge.adapters import base_weight
     from fedexlora.bridge.layers import lora_layers
     from fedexlora.run.engine import new_model, prepare
-    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.restore import load_task_for
     from fedexlora.run.simulation import run_method
 
     cfg = tiny_cfg.replace(methods=["fedsb"], fedsb_rank=6, fedsb_init=init).validate()
@@ -84,7 +84,7 @@ def test_fedsb_gradient_init_is_the_svd_of_a_sign_step(tiny_cfg):
     """The authors' init: B S A is the rank-r SVD part of -lr/T sign(G), R = S / scale."""
     from fedexlora.bridge.layers import lora_layers
     from fedexlora.run.engine import new_model
-    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.restore import load_task_for
     from fedexlora.training.local import encode, estimate_gradients
 
     cfg = tiny_cfg.replace(methods=["fedsb"], fedsb_rank=4, fedsb_init="gradient").validate()

@@ -13,8 +13,8 @@ import pytest
 from flwr.serverapp import Grid
 
 from fedexlora.run.checkpoint import latest_checkpoint
-from fedexlora.run.pipeline import load_task_for, restore_model
 from fedexlora.run.report import read_metrics
+from fedexlora.run.restore import load_task_for, restore_model
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -328,7 +328,7 @@ def test_simulation_goes_through_flwr_run_on_loopback_with_statistics_off(
     import os
 
     import fedexlora.flower.simulation as sim
-    from fedexlora.run.pipeline import RunError
+    from fedexlora.run.layout import RunError
 
     seen = {}
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fedexlora.run.pipeline import load_task_for, restore_model
 from fedexlora.run.report import read_metrics
+from fedexlora.run.restore import load_task_for, restore_model
 from test_flower import ROOT, VENV_BIN, _final_model, _state_dict_rel_diff
 
 # slow: the test order puts it first (tests/conftest.py); its seconds, measured

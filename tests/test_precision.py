@@ -16,7 +16,8 @@ from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.models import load_model
 from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
 from fedexlora.run.export import export_model
-from fedexlora.run.pipeline import load_task_for, restore_model, run_experiment
+from fedexlora.run.pipeline import run_experiment
+from fedexlora.run.restore import load_task_for, restore_model
 
 # slow: the test order puts it first (tests/conftest.py); its seconds, measured
 pytestmark = pytest.mark.slow(seconds=13)
@@ -199,7 +200,7 @@ def test_lossy_mode_reports_the_update_actually_applied(tiny_cfg, tmp_path):
 
 
 def test_merged_export_of_bf16_run_is_fp32_and_exact(tiny_cfg, tmp_path):
-    from fedexlora.run.pipeline import RunError
+    from fedexlora.run.layout import RunError
 
     cfg = _cfg(tiny_cfg, dtype="bf16")
     run_experiment(cfg, tmp_path, progress=False)

@@ -59,7 +59,7 @@ def test_noise_multiplier_spends_the_budget_by_an_independent_accountant(tiny_cf
 
 def test_dp_run_is_private_by_its_log_and_fedex_stays_exact(tiny_cfg):
     from fedexlora.run.engine import new_model, prepare
-    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.restore import load_task_for
     from fedexlora.run.simulation import run_method
     from test_examples import _weights, hand_ideal
 
@@ -140,7 +140,7 @@ def test_a_resume_past_the_plan_refuses_every_client(tiny_cfg, tmp_path):
 
 def test_partial_participation_refuses_a_client_sampled_beyond_its_plan(tiny_cfg):
     from fedexlora.run.engine import new_model, prepare
-    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.restore import load_task_for
     from fedexlora.run.simulation import run_method
     from fedexlora.training.privacy import planned_rounds
 

@@ -124,7 +124,7 @@ def test_checkpoint_from_other_config_is_refused(tiny_cfg, tmp_path):
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tiny_cfg, tmp_path, monkeypatch):
     """Everything of a checkpoint lands before it is renamed into place and older ones pruned."""
     import fedexlora.run.checkpoint as checkpoint
-    from fedexlora.run.pipeline import restore_model
+    from fedexlora.run.restore import restore_model
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=1, keep_checkpoints=1)
     run_experiment(cfg, tmp_path, progress=False)
@@ -142,7 +142,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tiny_cfg, tmp_p
     ckpt = latest_checkpoint(tmp_path / "checkpoints" / "fedex")
     assert ckpt.name == "round-0001"
     from fedexlora.run.checkpoint import config_fingerprint
-    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.restore import load_task_for
 
     task = load_task_for(cfg)
     server = restore_model(cfg, task, "fedex", ckpt, config_fingerprint(cfg))[2]
@@ -273,7 +273,7 @@ def test_load_checkpoint_restores_all_or_nothing(tiny_cfg, tmp_path):
     """A checkpoint missing one of its parts raises CheckpointError; the server is untouched."""
     from fedexlora.run.checkpoint import load_checkpoint
     from fedexlora.run.engine import new_model, new_server
-    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.restore import load_task_for
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=1)
     run_experiment(cfg, tmp_path, progress=False)

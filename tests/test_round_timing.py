@@ -149,7 +149,7 @@ def test_a_secure_run_reports_the_rounds_server_seconds(tiny_cfg, monkeypatch):
     """The in-process engine: each row's ``server_seconds`` holds its round's unmasking
     and aggregation (measured here), and fits in the round's ``seconds``."""
     from fedexlora.run.engine import new_model, prepare
-    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.restore import load_task_for
     from fedexlora.run.simulation import run_method
 
     watch = _watch_aggregation(monkeypatch)

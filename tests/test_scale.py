@@ -228,7 +228,7 @@ def test_200_clients_in_process_each_sampled_client_is_exact_after_its_payload(
     global model; the server's memory stays within its bound every round."""
     from fedexlora.bridge.adapters import load_side_state, side_state
     from fedexlora.run.engine import new_model, new_server, prepare
-    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.restore import load_task_for
     from fedexlora.run.simulation import run_method
 
     cfg = _scale_cfg(tiny_bert_dir)
@@ -275,7 +275,7 @@ def test_200_virtual_clients_under_flower_match_the_in_process_engine(
     message through Flower's protobuf). Flower's simulation runtime itself (Ray, a
     SuperLink, a SIGKILL) is ``test_flower_simulation.py``'s."""
     from fedexlora.run.engine import new_model, new_server, prepare
-    from fedexlora.run.pipeline import load_task_for
+    from fedexlora.run.restore import load_task_for
     from fedexlora.run.simulation import run_method
 
     cfg = _scale_cfg(tiny_bert_dir, rounds=4)

@@ -229,7 +229,7 @@ def _verify():
 def _model_vs_ideal(cfg, run_dir):
     from fedexlora.bridge.adapters import effective_weight, lora_layers
     from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
-    from fedexlora.run.pipeline import load_task_for, restore_model
+    from fedexlora.run.restore import load_task_for, restore_model
 
     v = _verify()
     ideal, w0 = v.ideal_from_client_adapters(run_dir, cfg)

@@ -5,8 +5,10 @@ import torch
 
 from fedexlora.run.checkpoint import latest_checkpoint
 from fedexlora.run.export import export_model
-from fedexlora.run.pipeline import RunError, load_task_for, restore_model, run_experiment
+from fedexlora.run.layout import RunError
+from fedexlora.run.pipeline import run_experiment
 from fedexlora.run.report import read_metrics
+from fedexlora.run.restore import load_task_for, restore_model
 
 # slow: the test order puts it first (tests/conftest.py); its seconds, measured
 pytestmark = pytest.mark.slow(seconds=8)

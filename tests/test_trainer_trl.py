@@ -15,7 +15,8 @@ from fedexlora.bridge.adapters import effective_weight
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.cli import app
 from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
-from fedexlora.run.pipeline import load_task_for, restore_model, run_experiment
+from fedexlora.run.pipeline import run_experiment
+from fedexlora.run.restore import load_task_for, restore_model
 from test_precision import _rel, ideal_from_client_adapters
 
 # slow: the test order puts it first (tests/conftest.py); its seconds, measured

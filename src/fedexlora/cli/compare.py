@@ -315,7 +315,8 @@ def compare_cmd(
 def _check_paths(cfg, out: Path, report: Path | None) -> None:
     """``--out``, ``--report`` and the task, checked before the grid writes or trains."""
     from fedexlora.run.export import output_dir_error
-    from fedexlora.run.pipeline import RunError, check_inputs
+    from fedexlora.run.layout import RunError
+    from fedexlora.run.pipeline import check_inputs
 
     try:  # --out may hold an earlier grid, whose cells are reused
         check_inputs(cfg, out)

@@ -36,7 +36,7 @@ def export_cmd(
     quiet_libraries()
     from fedexlora.run.checkpoint import CheckpointError
     from fedexlora.run.export import export_model
-    from fedexlora.run.pipeline import RunError
+    from fedexlora.run.layout import RunError
 
     try:
         res = export_model(

@@ -531,8 +531,8 @@ def _recipe_config(overrides: dict, config: Path | None):
 def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
     from fedexlora.run.checkpoint import CheckpointError
     from fedexlora.run.export import export_model
-    from fedexlora.run.layout import RunLayout
-    from fedexlora.run.pipeline import RunError, check_inputs, run_experiment
+    from fedexlora.run.layout import RunError, RunLayout
+    from fedexlora.run.pipeline import check_inputs, run_experiment
     from fedexlora.training.privacy import DPCheckError
 
     try:  # everything the run reads and writes, before it writes anything

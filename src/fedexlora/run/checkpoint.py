@@ -113,7 +113,7 @@ def save_checkpoint(
     """Writes ``directory/round-XXXX`` atomically and keeps the last ``keep`` of them.
 
     Everything, ``base`` included (``base_deltas.safetensors``: what was folded into the
-    model, see :func:`fedexlora.run.pipeline.base_deltas`), is written into a temporary
+    model, see :func:`fedexlora.run.restore.base_deltas`), is written into a temporary
     directory that is renamed into place only when complete, and older checkpoints are
     pruned only after that, so a crash at any moment leaves the previous one intact.
 

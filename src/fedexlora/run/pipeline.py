@@ -13,33 +13,13 @@ from pathlib import Path
 
 from fedexlora.config import RunConfig
 from fedexlora.run.export import output_dir_error
-from fedexlora.run.layout import RunError, append_row, write_atomic, write_rows
+from fedexlora.run.layout import RunError
 from fedexlora.run.lifecycle import Run
-from fedexlora.run.restore import (
-    apply_base_deltas,
-    base_deltas,
-    load_task_for,
-    restore_latest,
-    restore_model,
-    restore_run,
-)
+from fedexlora.run.restore import load_task_for
 from fedexlora.run.simulation import run_method
 from fedexlora.server.server import ClientUpload
 
-__all__ = [
-    "RunError",
-    "append_row",
-    "apply_base_deltas",
-    "base_deltas",
-    "check_inputs",
-    "load_task_for",
-    "restore_latest",
-    "restore_model",
-    "restore_run",
-    "run_experiment",
-    "write_atomic",
-    "write_rows",
-]
+__all__ = ["check_inputs", "run_experiment"]
 
 
 _FLOWER_FIX = "fix: pip install 'fedex-lora[flower]'"
