@@ -78,8 +78,9 @@ def test_fedsa_end_to_end_each_client_keeps_its_B_on_both_engines(
     own B and head) on the client's own test split; Flower's clients, each holding its own
     model, agree."""
     from fedexlora.core.state import AdapterState
-    from fedexlora.run.engine import evaluate_personal, new_model, prepare
+    from fedexlora.run.engine import new_model, prepare
     from fedexlora.run.restore import load_task_for
+    from fedexlora.run.rounds import evaluate_personal
     from test_flower_parity import _close, _flower
 
     cfg = tiny_cfg.replace(methods=["fedsa"], rounds=2, lr=2e-2)

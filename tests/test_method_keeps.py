@@ -59,8 +59,9 @@ def test_a_spec_refuses_what_cannot_be_kept():
 def test_a_method_that_keeps_A_runs_on_both_engines(
     keep_a, tiny_cfg, tmp_path, task_identity, seen_updates
 ):
-    from fedexlora.run.engine import evaluate_personal, new_model, prepare
+    from fedexlora.run.engine import new_model, prepare
     from fedexlora.run.restore import load_task_for
+    from fedexlora.run.rounds import evaluate_personal
     from test_flower_parity import _close, _flower
 
     cfg = tiny_cfg.replace(methods=[KEEP_A.name], rounds=2, lr=2e-2)

@@ -18,7 +18,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from fedexlora.config import ADDED_LATER, RESUME_SAFE, RunConfig, validate_mapping
+from fedexlora.config import ADDED_LATER, RESUME_SAFE, RunConfig, load_run_config
 from fedexlora.core.methods import REGISTRY
 from fedexlora.experiments.cells import Cell, Setting
 from fedexlora.experiments.compare_report import (
@@ -253,12 +253,7 @@ def run_grid(
 
 
 def _saved_config(d: Path) -> RunConfig:
-    toml = RunLayout(d).config
-    stored = tomllib.loads(toml.read_text())
-    cfg, errs = validate_mapping({**ADDED_LATER, **stored})  # a cell from before: as it ran
-    if errs:  # pragma: no cover - written by run_experiment itself
-        raise ValueError(f"{toml}: {'; '.join(errs)}")
-    return cfg
+    return load_run_config(RunLayout(d).config)  # a cell from before: as it ran
 
 
 def _status(d: Path, cfg: RunConfig) -> tuple[str, str]:

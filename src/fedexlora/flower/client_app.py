@@ -513,7 +513,7 @@ def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -
             client does not hold the base version the server expects.
     """
     from fedexlora.core.state import AdapterState
-    from fedexlora.run.engine import evaluate_personal
+    from fedexlora.run.rounds import evaluate_personal
 
     c = _client_for(msg, context, defaults)
     state = AdapterState.from_flat(from_array_record(msg.content["arrays"]))

@@ -5,7 +5,7 @@ in-process engine builds (:func:`fedexlora.run.pipeline`'s helpers), drives it w
 :class:`fedexlora.flower.strategy.FedExLoRA` strategy, and after each round evaluates the
 global model it holds (residuals folded into its base, global factors loaded) exactly as
 the in-process engine does. It writes the same run directory: ``config.toml``,
-``metrics.jsonl`` (rows from :func:`fedexlora.run.engine.round_row`, with ``dropped``
+``metrics.jsonl`` (rows from :func:`fedexlora.run.rounds.round_row`, with ``dropped``
 filled in), checkpoints, ``summary.md`` and the plots.
 
 The run directory is the run config's ``run-dir`` (give an absolute path when the
@@ -117,7 +117,7 @@ def run_server(
             traffic = RoundTraffic(
                 rec.round, rec.sampled, rec.uploads, rec.outcome, rec.started, rec.bytes_up,
                 rec.bytes_down, rec.bytes_down_max, dropped=rec.dropped,
-                refused=sorted(rec.refused), privacy=privacy,
+                refused=rec.refused, privacy=privacy,
             )  # fmt: skip
             row = close_round(
                 cfg, m, mdl, srv, prep, traffic, earlier=cur.rows,

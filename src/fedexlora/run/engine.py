@@ -12,33 +12,28 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from fedexlora.bridge.adapters import folded_delta, get_state, layer_info, set_state
-from fedexlora.bridge.steps import apply_outcome, make_upload
+from fedexlora.bridge.steps import make_upload
 from fedexlora.config import RunConfig
 from fedexlora.core.methods import get_method
-from fedexlora.server.server import ClientUpload, RoundOutcome, Server, example_count
-from fedexlora.training.local import Encoded, encode, evaluate, train_local
+from fedexlora.server.server import ClientUpload, Server
+from fedexlora.training.local import Encoded, encode, train_local
 
 __all__ = [
     "Prepared",
-    "apply_round",
     "autocast_dtype",
     "client_adapter",
     "client_seed",
-    "evaluate_personal",
     "local_update",
     "new_model",
     "new_server",
-    "personal_metrics",
     "prepare",
     "resolve_device",
-    "round_row",
     "save_client_adapter",
     "torch_dtype",
 ]
@@ -268,114 +263,6 @@ def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
     return Prepared(task, parts, train, test, tokenizer, table, test_parts)
 
 
-def _summ(values: dict[str, float]) -> dict:
-    if not values:
-        return {"mean": 0.0, "max": 0.0, "per_layer": {}}
-    short = {k.removeprefix("base_model.model."): float(v) for k, v in values.items()}
-    return {
-        "mean": sum(short.values()) / len(short),
-        "max": max(short.values()),
-        "per_layer": short,
-    }
-
-
-def round_row(
-    method: str,
-    rnd: int,
-    metrics: dict,
-    outcome: RoundOutcome,
-    uploads: list[ClientUpload],
-    *,
-    seconds: float,
-    bytes_up: int,
-    bytes_down: int,
-    approximate: bool,
-    sampled: list[int],
-    dropped: list[int] | None = None,
-    effective: dict[str, float] | None = None,
-    bytes_down_max: int = 0,
-    server_bytes: dict[str, int] | None = None,
-    test_examples: int = 0,
-    server_seconds: float = 0.0,
-    personalized: dict[int, tuple[dict[str, float], int]] | None = None,
-) -> dict:
-    """One ``metrics.jsonl`` row (one method, one round).
-
-    ``effective`` is the per-layer deviation measured on the model
-    (:func:`fedexlora.bridge.steps.apply_outcome`); without it the server's own figure is used.
-    ``bytes_down_max`` is the largest payload one client received; ``server_bytes`` is
-    :meth:`fedexlora.server.Server.nbytes` after the round; ``test_examples`` is how many
-    examples ``metrics`` were measured on; ``server_seconds`` is the server's own work
-    in the round (payloads, validation, aggregation: ``Server.last_round_seconds``).
-    ``personalized`` (a personalized method: no global model) is each evaluated client's
-    ``(metrics, test examples)``: ``metrics`` are then their weighted mean, the clients'
-    own go under ``personalized``, and no deviation is reported (``None``).
-    """
-    losses = [u.train_loss for u in uploads if u.client_id in outcome.accepted]
-    row = {
-        "method": method,
-        "round": rnd,
-        "metrics": metrics,
-        "test_examples": test_examples,
-        "train_loss": sum(losses) / len(losses) if losses else float("nan"),
-        "seconds": seconds,
-        "server_seconds": server_seconds,
-        "bytes_up": bytes_up,
-        "bytes_down": bytes_down,
-        "bytes_down_max": bytes_down_max,
-        "server_bytes": dict(server_bytes or {}),
-        "deviation": _summ(outcome.deviation),
-        "effective_deviation": {
-            k: v
-            for k, v in _summ(
-                outcome.effective_deviation if effective is None else effective
-            ).items()
-            if k != "per_layer"
-        },
-        "residual_rank": {
-            k.removeprefix("base_model.model."): r.rank for k, r in outcome.residuals.items()
-        },
-        "sampled": sampled,
-        "accepted": outcome.accepted,
-        "rejected": {str(k): v for k, v in outcome.rejected.items()},
-        "dropped": dropped or [],
-        "num_examples": sum(
-            example_count(u.num_examples)[0] for u in uploads if u.client_id in outcome.accepted
-        ),
-        "approximate": approximate,
-    }
-    if personalized is not None:
-        row["personalized"] = {
-            "clients": {str(c): m for c, (m, n) in sorted(personalized.items()) if n},
-            "test_examples": {str(c): n for c, (_, n) in sorted(personalized.items()) if n},
-        }
-        row["test_examples"] = sum(n for _, n in personalized.values())
-        row["deviation"] = {"mean": None, "max": None, "per_layer": {}}
-        row["effective_deviation"] = {"mean": None, "max": None}
-    if approximate:
-        # lossy --residual-rank: how far the applied model is from the exact one, per layer
-        # (Frobenius norm of the residual kept back as error feedback, before the scale)
-        row["approximation_gap"] = {
-            k: v for k, v in _summ(outcome.feedback_norm).items() if k != "per_layer"
-        }
-    if outcome.secure is not None:  # secure aggregation: read from the sums
-        row["secure"] = {"clipped": int(outcome.secure["clipped"])}
-        row["train_loss"] = float(outcome.secure["train_loss"])
-        row["num_examples"] = outcome.secure["num_examples"]  # None: uniform weights
-        # what the sums cannot tell is not measured (None), never reported as 0:
-        # FedIT's loss needs the products; the model's deviation needs the uploads
-        if not outcome.deviation:
-            row["deviation"] = {"mean": None, "max": None, "per_layer": {}}
-        if not effective:
-            row["effective_deviation"] = {"mean": None, "max": None}
-    if effective and outcome.rounding and row["effective_deviation"].get("max") is not None:
-        # what fp32's rounding of the weights alone may explain (the exactness check's floor)
-        row["rounding_floor"] = max(outcome.rounding.values())
-    if not outcome.accepted:
-        row["note"] = "every upload was rejected; the global model is unchanged"
-    return row
-
-
 def local_update(
     cfg: RunConfig,
     method: str,
@@ -486,104 +373,6 @@ def _rank_pruning(model):
                 set_state(model, cut_rank(get_state(model, include_extra=False), cut))
 
     return (lambda: LAMBDA * tail_norm(model, cut, rank)), prune
-
-
-def apply_round(
-    cfg: RunConfig,
-    method: str,
-    rnd: int,
-    model,
-    server: Server,
-    outcome: RoundOutcome,
-    prep: Prepared,
-    uploads: list[ClientUpload],
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Brings the server's model to the new global state and evaluates it (every engine).
-
-    Folds the round's residuals into the base, loads the global factors, measures how far
-    the model is from the ideal (:func:`fedexlora.bridge.steps.apply_outcome`), warns about
-    rejected uploads, and evaluates on the test split. A personalized method (FedSA-LoRA)
-    has no global model: nothing is measured or evaluated here (``({}, {})``); the
-    engine evaluates each client's own model (:func:`evaluate_personal`).
-
-    Returns:
-        ``(metrics, deviation)``: the task metrics, and per layer the measured relative
-        deviation of the model from the ideal average of the clients' models.
-    """
-    personal = get_method(method).personalized
-    measured = {} if personal else apply_outcome(model, server, outcome, uploads)
-    if personal:
-        set_state(model, server.state)
-    for cid, why in outcome.rejected.items():
-        warnings.warn(f"{method} round {rnd}: rejected client {cid}: {why}", stacklevel=2)
-    if uploads and not outcome.accepted:
-        warnings.warn(
-            f"{method} round {rnd}: every upload was rejected; the global model is unchanged",
-            stacklevel=2,
-        )
-    if personal:
-        return {}, measured
-    return _test_metrics(cfg, model, prep, prep.test), measured
-
-
-def _test_metrics(cfg: RunConfig, model, prep: Prepared, data: Encoded) -> dict[str, float]:
-    """The task metrics of ``model`` on ``data`` (some or all of the test split)."""
-    return evaluate(
-        model,
-        data,
-        prep.task,
-        batch_size=cfg.eval_batch_size,
-        max_new_tokens=cfg.max_new_tokens,
-        num_beams=cfg.num_beams,
-        tokenizer=prep.tokenizer,
-        device=next(model.parameters()).device,
-        autocast=autocast_dtype(cfg),
-    )
-
-
-@torch.no_grad()
-def evaluate_personal(
-    cfg: RunConfig, method: str, model, prep: Prepared, client: int, state, own=None
-) -> tuple[dict[str, float], int]:
-    """One client's own model on its own test split (personalized methods).
-
-    The model takes the parts of ``state`` (the global ones) that the method's clients do
-    not keep (:attr:`MethodSpec.keeps`), and the parts the client keeps (``own``; ``None``:
-    the model holds the client's own already).
-
-    Returns:
-        ``(metrics, n)``: the task metrics and the size of the client's test split
-        (``({}, 0)`` when it has none).
-    """
-    rows = prep.test_parts[client] if prep.test_parts else []
-    if not rows:
-        return {}, 0
-    from fedexlora.core.state import AdapterState
-
-    keeps = get_method(method).keeps
-    shared = AdapterState(
-        factors={
-            k: (None if "A" in keeps else A, None if "B" in keeps else B)
-            for k, (A, B) in state.factors.items()
-        },
-        extra={} if "head" in keeps else state.extra,
-    )
-    set_state(model, shared)
-    if own is not None:
-        set_state(model, own)
-    return _test_metrics(cfg, model, prep, prep.test.subset(rows)), len(rows)
-
-
-def personal_metrics(per_client: dict[int, tuple[dict[str, float], int]]) -> dict:
-    """The clients' own metrics, averaged weighted by their test examples."""
-    total = sum(n for _, n in per_client.values())
-    if total == 0:
-        return {}
-    keys = list(dict.fromkeys(k for m, n in per_client.values() if n for k in m))
-    return {  # in the metrics' own order: the headline metric first
-        k: sum(float(m[k]) * n for m, n in per_client.values() if n and k in m) / total
-        for k in keys
-    }
 
 
 def save_client_adapter(

@@ -30,14 +30,13 @@ from fedexlora.core.state import AdapterState
 from fedexlora.run.engine import (
     Prepared,
     client_adapter,
-    evaluate_personal,
     local_update,
     new_model,
     new_server,
     save_client_adapter,
 )
 from fedexlora.run.layout import RunLayout
-from fedexlora.run.rounds import RoundTraffic, close_round
+from fedexlora.run.rounds import RoundTraffic, close_round, evaluate_personal
 from fedexlora.server.server import ClientUpload, Server
 
 __all__ = ["run_method"]
