@@ -32,9 +32,9 @@ def measure(model: str, rounds: int) -> list[tuple[int, int, int, int]]:
     from fedexlora.bridge.steps import client_state
     from fedexlora.config import RunConfig
     from fedexlora.flower.records import to_array_record
-    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.build import new_model, prepare
+    from fedexlora.run.inprocess import run_method
     from fedexlora.run.restore import load_task_for
-    from fedexlora.run.simulation import run_method
 
     smol = model.startswith("smollm2")
     cfg = RunConfig(

@@ -44,9 +44,9 @@ def child(args) -> dict:
     from fedexlora.bridge.adapters import side_nbytes
     from fedexlora.bridge.layers import lora_layers
     from fedexlora.config import RunConfig
-    from fedexlora.run.engine import autocast_dtype, new_model, prepare
+    from fedexlora.run.build import autocast_dtype, new_model, prepare
+    from fedexlora.run.inprocess import run_method
     from fedexlora.run.restore import load_task_for
-    from fedexlora.run.simulation import run_method
     from fedexlora.training.local import train_local
 
     torch.set_num_threads(args.threads)

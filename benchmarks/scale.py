@@ -97,13 +97,13 @@ def child(args) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
-    import fedexlora.run.simulation as simulation
     from fedexlora.bridge.adapters import effective_weight, load_side_state, side_state
     from fedexlora.bridge.layers import lora_layers
     from fedexlora.bridge.steps import apply_payload
-    from fedexlora.run.engine import new_model, new_server, prepare
+    from fedexlora.run.build import new_model, new_server, prepare
+    from fedexlora.run.client_step import local_update
+    from fedexlora.run.inprocess import run_method
     from fedexlora.run.restore import load_task_for
-    from fedexlora.run.simulation import run_method
 
     torch.set_num_threads(args.threads)
     cfg = config(args, args.clients, args.fraction)
@@ -161,24 +161,23 @@ def child(args) -> dict:
     # the global model: the engine's payload_for and local_update are wrapped (this child
     # process runs one configuration and exits).
     sent = {}
-    real_payload_for, real_update = server.payload_for, simulation.local_update
+    real_payload_for = server.payload_for
 
     def payload_for(c):
         sent[c] = real_payload_for(c)
         return sent[c]
 
-    def local_update(run_cfg, method, mdl, data, rnd, c, **kwargs):
+    def watched_update(run_cfg, method, mdl, data, rnd, c, **kwargs):
         on_payload(c, sent.pop(c), mdl)
-        return real_update(run_cfg, method, mdl, data, rnd, c, **kwargs)
+        return local_update(run_cfg, method, mdl, data, rnd, c, **kwargs)
 
     server.payload_for = payload_for
-    simulation.local_update = local_update
     try:
         rows, _, server = run_method(
-            cfg, "fedex", prep, progress=False, model=model, server=server, after_round=after_round
-        )
+            cfg, "fedex", prep, progress=False, model=model, server=server,
+            after_round=after_round, local_update=watched_update,
+        )  # fmt: skip
     finally:
-        simulation.local_update = real_update
         del server.payload_for
     import resource
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 def run(cfg, bits: int | None) -> list[dict]:
     """The rows of ``cfg`` with ``bits`` bits per number (``None``: fedex-lora's own)."""
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
     from fedexlora.secagg.encoding import Quantization
 
     original = Quantization.__dict__["for_clients"]

@@ -39,7 +39,7 @@ def _uploads(server, rnd: int, k: int, seed: int = 0):
 
 def measure(cfg, method: str, k: int) -> dict:
     """One secure round and one plain round of ``method`` on ``k`` clients' uploads."""
-    from fedexlora.run.engine import new_model, new_server
+    from fedexlora.run.build import new_model, new_server
     from fedexlora.run.restore import load_task_for
     from fedexlora.secagg.protocol import ClientSession
     from fedexlora.secagg.rounds import SecureRound, client_reply, client_session_reply

@@ -23,7 +23,7 @@ from fedexlora.bridge.adapters import fold_residuals
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.config import RunConfig
 from fedexlora.core.factors import Residual
-from fedexlora.run.engine import new_model
+from fedexlora.run.build import new_model
 from fedexlora.run.restore import load_task_for
 
 

@@ -43,7 +43,7 @@ from safetensors.torch import load_file
 
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.config import load_config
-from fedexlora.run.engine import new_model
+from fedexlora.run.build import new_model
 from fedexlora.run.restore import load_task_for
 
 

@@ -198,7 +198,7 @@ def seen_updates():
     ``local_update=``), recording in ``seen`` every client's round as ``(round, client) ->
     (state before training, state after, upload)``."""
     from fedexlora.bridge.adapters import get_state
-    from fedexlora.run.engine import local_update as real
+    from fedexlora.run.client_step import local_update as real
 
     seen = {}
 

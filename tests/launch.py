@@ -29,7 +29,7 @@ PRELOAD = [
     "transformers",
     "peft",
     "fedexlora.cli",
-    "fedexlora.run.pipeline",
+    "fedexlora.run.inprocess",
     "fedexlora.bridge.adapters",
     "fedexlora.flower.simulation",
 ]

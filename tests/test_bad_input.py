@@ -239,14 +239,14 @@ def _run_options():
     """Every option name of ``fedexlora run`` that sets one config key: name -> key."""
     import typer.main
 
-    from fedexlora.cli.run import RUN_FLAGS
+    from fedexlora.config import FLAGS
 
     command = typer.main.get_command(app).commands["run"]
     names = {}
     for param in command.params:
-        if param.name in RUN_FLAGS:
+        if param.name in FLAGS:  # an option of a config key is named after the key
             for opt in param.opts:
-                names[opt.lstrip("-")] = RUN_FLAGS[param.name]
+                names[opt.lstrip("-")] = param.name
     return names
 
 

@@ -50,7 +50,7 @@ def test_comm_lists_every_federated_method():
 @pytest.mark.parametrize("method", FEDERATED)
 def test_comm_equals_the_bytes_a_real_run_writes(method, tiny_cfg, tmp_path, predicted):
     """Round 2 of a real run: bytes_down and bytes_up in metrics.jsonl are the table's."""
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
 
     # Arrange: the tiny model, all clients every round, as comm_table assumes
     cfg = tiny_cfg.replace(

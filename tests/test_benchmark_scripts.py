@@ -43,7 +43,7 @@ def test_verify_export_judges_a_merged_export_by_fp32_rounding_of_its_weights(
     from safetensors.torch import load_file, save_file
 
     from fedexlora.run.export import export_model
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
 
     # Arrange: lr 1e-4 keeps each round's update small next to the weight, so fp32's
     # rounding of the fold is over 1e-5 of the update (tests/test_precision.py uses 2e-2

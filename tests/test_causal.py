@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from fedexlora.run.pipeline import run_experiment
+from fedexlora.run.inprocess import run_experiment
 
 
 def test_causal_lm_run_reports_loss_perplexity_exact_match(tiny_llama_dir, tiny_qa_jsonl, tmp_path):

@@ -170,17 +170,26 @@ def test_compare_grid_writes_comparison(tiny_bert_dir, tiny_csv, tmp_path):
     assert "(4 of 4 runs reused from an earlier invocation)" in (out / "comparison.md").read_text()
 
 
-def test_every_config_field_is_a_run_flag():
+def test_every_config_field_is_a_run_flag_that_sets_it():
     from dataclasses import fields
 
-    from fedexlora.cli.run import RUN_FLAGS
-    from fedexlora.config import RunConfig
+    from fedexlora.config import FLAGS, RunConfig
 
-    assert {f.name for f in fields(RunConfig)} == set(RUN_FLAGS.values())
     res = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "300", "TERM": "dumb"})
-    for flag in RUN_FLAGS:
-        if flag != "rank":
-            assert "--" + flag.replace("_", "-") in res.output, flag
+    for f in fields(RunConfig):
+        assert FLAGS[f.name] in res.output, f.name
+    # the generated option sets its key: a value off its default, for every kind of field
+    given = ["--rank", "4", "--client-ranks", "2,4,4", "--method", "fedex,fedit", "--rslora",
+             "--lr", "0.5", "--target-modules", "query,value", "--clients", "3"]  # fmt: skip
+    from fedexlora.cli.options import from_flags
+
+    cmd = _click_command("run")
+    ctx = cmd.make_context("run", list(given))
+    mapping, errs = from_flags(ctx.params)
+    assert not errs
+    assert mapping == {"lora_r": 4, "client_ranks": [2, 4, 4], "methods": ["fedex", "fedit"],
+                       "rslora": True, "lr": 0.5, "target_modules": ["query", "value"],
+                       "num_clients": 3}  # fmt: skip
 
 
 def test_compare_best_of_a_loss_is_its_minimum():
@@ -372,7 +381,6 @@ def _same(written, value):
 def test_run_defaults_are_written_once_and_match_the_config():
     from dataclasses import fields
 
-    from fedexlora.cli.run import RUN_FLAGS
     from fedexlora.config import RunConfig
 
     out = " ".join(_help("run").split())
@@ -380,11 +388,11 @@ def test_run_defaults_are_written_once_and_match_the_config():
     assert out.count("(default: dirichlet)") == 1 and out.count("(default: minilm)") == 1
     written = _defaults_in_help(_click_command("run"))
     config = {f.name: getattr(RunConfig(), f.name) for f in fields(RunConfig)}
-    for flag, key in RUN_FLAGS.items():
-        if config[key] is None:
+    for key, value in config.items():
+        if value is None:
             continue  # unset by default: the help says what that means, if anything
-        assert flag in written, f"--{flag} does not say its default {config[key]!r}"
-        assert _same(written[flag], config[key]), (flag, written[flag], config[key])
+        assert key in written, f"{key} does not say its default {value!r}"
+        assert _same(written[key], value), (key, written[key], value)
 
 
 def test_compare_defaults_are_written_once_and_match_the_grid():

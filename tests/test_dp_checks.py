@@ -184,7 +184,7 @@ def _dp(tiny_cfg, method="fedex"):
 
 
 def test_model_moved_after_wrapping_is_stopped(tiny_cfg, tmp_path, moved_after_wrapping):
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
 
     stray = r"'base_model\.model\..*lora_A.*' .*trainable in the model but not among the "
     with pytest.raises(DPCheckError, match=stray + r"parameters DP-SGD updates.*issue 820"):
@@ -195,7 +195,7 @@ def test_model_moved_after_wrapping_is_stopped(tiny_cfg, tmp_path, moved_after_w
 
 @pytest.mark.parametrize("method", ["fedex", "fedsb"])
 def test_adapter_that_does_not_move_is_stopped(tiny_cfg, tmp_path, optimizer_never_steps, method):
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
 
     which = "core" if method == "fedsb" else "lora_"
     with pytest.raises(DPCheckError, match=rf"'[^']*{which}[^']*'.* got a gradient in the first "

@@ -42,9 +42,9 @@ def test_plan_and_server_sample_the_same_clients_per_round(clients, fraction, pe
 def test_dp_refuses_only_clients_beyond_their_share_and_budget(tiny_cfg):
     """``--dp-epsilon 8 --clients 5 --fraction 0.5``: no client is refused before it has
     spent its budget or trained its share of the rounds, and none spends beyond it."""
-    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.build import new_model, prepare
+    from fedexlora.run.inprocess import run_method
     from fedexlora.run.restore import load_task_for
-    from fedexlora.run.simulation import run_method
 
     cfg = tiny_cfg.replace(methods=["fedex"], dp_epsilon=8.0, dp_delta=1e-3, num_clients=5,
                            fraction=0.5, rounds=5, local_steps=1).validate()  # fmt: skip

@@ -8,7 +8,7 @@ import torch
 from fedexlora.bridge.adapters import get_state, layer_info
 from fedexlora.core.aggregation import aggregate
 from fedexlora.core.messages import ClientUpload
-from fedexlora.run.pipeline import run_experiment
+from fedexlora.run.inprocess import run_experiment
 from fedexlora.server import Server
 from test_paper_methods import _factors
 
@@ -78,7 +78,7 @@ def test_fedsa_end_to_end_each_client_keeps_its_B_on_both_engines(
     own B and head) on the client's own test split; Flower's clients, each holding its own
     model, agree."""
     from fedexlora.core.state import AdapterState
-    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.build import new_model, prepare
     from fedexlora.run.restore import load_task_for
     from fedexlora.run.rounds import evaluate_personal
     from test_flower_parity import _close, _flower

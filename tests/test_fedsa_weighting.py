@@ -63,7 +63,7 @@ def test_a_method_spec_refuses_an_unknown_weighting():
 
 def test_run_config_leaves_the_weighting_to_each_method(tiny_cfg):
     """No ``weighting`` given: each method's server uses its own; one given: every server."""
-    from fedexlora.run.engine import new_model, new_server
+    from fedexlora.run.build import new_model, new_server
     from fedexlora.run.restore import load_task_for
 
     cfg = tiny_cfg.replace(methods=["fedsa", "fedex"])

@@ -28,9 +28,9 @@ def test_fedsb_global_model_is_the_average_of_the_clients_models(tiny_cfg, init)
     """Each round's effective weights equal, by hand in fp64, W0 + s B (sum p_i R_i) A."""
     from fedexlora.bridge.adapters import base_weight
     from fedexlora.bridge.layers import lora_layers
-    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.build import new_model, prepare
+    from fedexlora.run.inprocess import run_method
     from fedexlora.run.restore import load_task_for
-    from fedexlora.run.simulation import run_method
 
     cfg = tiny_cfg.replace(methods=["fedsb"], fedsb_rank=6, fedsb_init=init).validate()
     task = load_task_for(cfg)
@@ -49,7 +49,7 @@ def test_fedsb_global_model_is_the_average_of_the_clients_models(tiny_cfg, init)
     scale = {name: float(layer.scaling["default"]) for name, layer in lora_layers(model).items()}
     prep = prepare(cfg, tok, task)
     uploads, seen = [], []
-    from fedexlora.run.engine import local_update as real_update
+    from fedexlora.run.client_step import local_update as real_update
 
     def keep(*args, **kwargs):  # what the server receives
         uploads.append(real_update(*args, **kwargs))
@@ -83,7 +83,7 @@ def test_fedsb_global_model_is_the_average_of_the_clients_models(tiny_cfg, init)
 def test_fedsb_gradient_init_is_the_svd_of_a_sign_step(tiny_cfg):
     """The authors' init: B S A is the rank-r SVD part of -lr/T sign(G), R = S / scale."""
     from fedexlora.bridge.layers import lora_layers
-    from fedexlora.run.engine import new_model
+    from fedexlora.run.build import new_model
     from fedexlora.run.restore import load_task_for
     from fedexlora.training.local import encode, estimate_gradients
 
@@ -116,7 +116,7 @@ def test_fedsb_refusals(tiny_cfg):
         tiny_cfg.replace(methods=["fedsb"], fedsb_init="gradient", dp_epsilon=3.0).validate()
     with pytest.raises(ConfigError, match="Flower engine does not collect"):
         tiny_cfg.replace(methods=["fedsb"], engine="flower").validate()
-    with pytest.raises(ConfigError, match="fedsb_init. must be auto"):
+    with pytest.raises(ConfigError, match="fedsb_init. must be one of"):
         tiny_cfg.replace(methods=["fedsb"], fedsb_init="svd").validate()
     assert tiny_cfg.replace(dp_epsilon=3.0).fedsb_init_resolved == "random"
     assert tiny_cfg.fedsb_init_resolved == "gradient"

@@ -140,6 +140,11 @@ def test_pyproject_declares_the_apps_and_every_key():
     # `flwr run -c` overrides only declared keys: every setting must be there
     everything = to_run_config(RunConfig(max_train=1, local_steps=1, max_test=1))
     assert set(FLOWER_KEYS) | set(everything) <= set(flwr["config"])
+    # and at the configuration's defaults ("" for unset), but for the deployment guide's
+    # two SuperNodes (docs/DEPLOY.md): one source, which this copy Flower needs follows
+    defaults = to_run_config(RunConfig())
+    declared = {k: v for k, v in flwr["config"].items() if k in everything}
+    assert declared == {**{k: "" for k in everything}, **defaults, "num-clients": 2}
 
 
 def test_centralized_is_refused(tiny_cfg, tmp_path):
@@ -264,8 +269,8 @@ def test_dropout_then_resync_stays_exact(tiny_cfg, tmp_path, task_identity):
     from fedexlora.flower.client_app import make_client_app
     from fedexlora.flower.records import resolve_run_config, to_run_config
     from fedexlora.flower.server_app import run_server
-    from fedexlora.run.engine import new_model, new_server, prepare
-    from fedexlora.run.simulation import run_method
+    from fedexlora.run.build import new_model, new_server, prepare
+    from fedexlora.run.inprocess import run_method
 
     method = "fedex"
     cfg = tiny_cfg.replace(methods=[method], rounds=3)

@@ -330,9 +330,9 @@ def deployed(tiny_bert_dir, tiny_csv, tmp_path_factory):
     deployments: each ClientApp message starts a process that imports torch, transformers
     and peft, and on the 2-core CI machine that is what a deployment test costs.)
     """
+    from fedexlora.run.build import new_model, new_server, prepare
     from fedexlora.run.checkpoint import latest_checkpoint
-    from fedexlora.run.engine import new_model, new_server, prepare
-    from fedexlora.run.simulation import run_method
+    from fedexlora.run.inprocess import run_method
     from warm import WarmServer
 
     root = tmp_path_factory.mktemp("deployment")

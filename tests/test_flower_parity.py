@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedexlora.run.pipeline import run_experiment
+from fedexlora.run.inprocess import run_experiment
 from fedexlora.run.report import read_metrics
 from test_flower import InProcessGrid, _final_model, _model_rel_diff, _state_dict_rel_diff
 

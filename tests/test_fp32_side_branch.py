@@ -128,7 +128,7 @@ def test_a_default_first_run_is_exact_on_fp32_and_writes_how_it_ran(tiny_cfg, tm
     """``fedexlora run`` at its defaults, small updates: the side branch is on, the model
     within 1e-6 of the ideal, config.toml says so, and nothing about rounding is said."""
     from fedexlora.config import load_run_config
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
 
     cfg = tiny_cfg.replace(methods=["fedex"], lr=1e-4)
     assert cfg.fp32_side_branch is None  # unset, as a first run leaves it
@@ -146,7 +146,7 @@ def test_fp32_rounding_is_a_line_of_the_summary_not_a_warning(tiny_cfg, tmp_path
 
     The run did nothing wrong (its aggregation is exact), so no note or warning on screen.
     """
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
 
     cfg = tiny_cfg.replace(methods=["fedex"], lr=1e-4, fp32_side_branch=beside)
     rows = run_experiment(cfg, tmp_path, progress=False)

@@ -75,7 +75,7 @@ def test_a_client_smaller_than_the_batch_samples_at_rate_one(tiny_cfg, tmp_path)
     is rate 1's by an independent accountant, within the budget and spending it."""
     import json
 
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=1, local_steps=2, batch_size=128,
                            dp_epsilon=8.0, dp_delta=1e-3)  # fmt: skip

@@ -135,7 +135,7 @@ def test_hetero_refuses_methods_that_cannot_be_exact():
 
 def test_engine_with_client_ranks_is_exact_and_resumes(tiny_cfg, tmp_path):
     from fedexlora.run.checkpoint import latest_checkpoint
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=2, lora_r=8, client_ranks=[2, 4, 8])
     rows = run_experiment(cfg, tmp_path / "a", progress=False)

@@ -9,7 +9,7 @@ from fedexlora.bridge.adapters import effective_weight, get_state
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.core.aggregation import aggregate
 from fedexlora.core.messages import ClientUpload
-from fedexlora.run.pipeline import run_experiment
+from fedexlora.run.inprocess import run_experiment
 from fedexlora.server import Server
 from test_paper_methods import _factors, _two_rank_model
 

@@ -13,7 +13,7 @@ import torch
 from fedexlora.core.factors import Residual
 from fedexlora.core.methods import REGISTRY, MethodSpec
 from fedexlora.core.state import AdapterState
-from fedexlora.run.pipeline import run_experiment
+from fedexlora.run.inprocess import run_experiment
 
 
 def _aggregate(A, B, p, *, out_dtype=None, generator=None, **_):
@@ -59,7 +59,7 @@ def test_a_spec_refuses_what_cannot_be_kept():
 def test_a_method_that_keeps_A_runs_on_both_engines(
     keep_a, tiny_cfg, tmp_path, task_identity, seen_updates
 ):
-    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.build import new_model, prepare
     from fedexlora.run.restore import load_task_for
     from fedexlora.run.rounds import evaluate_personal
     from test_flower_parity import _close, _flower

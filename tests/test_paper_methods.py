@@ -14,7 +14,7 @@ from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.steps import apply_payload
 from fedexlora.core.aggregation import aggregate
 from fedexlora.core.messages import ClientUpload
-from fedexlora.run.pipeline import run_experiment
+from fedexlora.run.inprocess import run_experiment
 from fedexlora.server import Server
 
 # slow: the test order puts it first (tests/conftest.py); its seconds, measured
@@ -274,7 +274,7 @@ def _frlora_model(run_dir, cfg):
     adapters. The frlora model's start, ``W0 - s B0 A0`` plus ``s B0 A0``, is checked
     against W (fp32 rounding of W's split, relative to W), and ``s B0 A0`` against the
     rank-r truncation of our own SVD of W. Returns (W, want, s B0 A0)."""
-    from fedexlora.run.engine import new_model
+    from fedexlora.run.build import new_model
     from fedexlora.run.restore import load_task_for
     from test_precision import _w0
 

@@ -16,7 +16,7 @@ from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.models import load_model
 from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
 from fedexlora.run.export import export_model
-from fedexlora.run.pipeline import run_experiment
+from fedexlora.run.inprocess import run_experiment
 from fedexlora.run.restore import load_task_for, restore_model
 
 # slow: the test order puts it first (tests/conftest.py); its seconds, measured
@@ -218,15 +218,15 @@ def test_merged_export_of_bf16_run_is_fp32_and_exact(tiny_cfg, tmp_path):
 
 def test_hetero_clients_on_the_shared_model_start_from_the_global_model(tiny_cfg):
     """Each client of another rank holds the exact global model when it starts training."""
-    import fedexlora.run.simulation as sim
-    from fedexlora.run.engine import new_model, prepare
+    import fedexlora.run.inprocess as inprocess
+    from fedexlora.run.build import new_model, prepare
 
     cfg = tiny_cfg.replace(methods=["fedex"], client_ranks=[2, 4, 4], rounds=3, lr=2e-2)
     task = load_task_for(cfg)
     model, tok = new_model(cfg, task, "fedex")
     prep = prepare(cfg, tok, task)
     glob, gaps = {}, []
-    from fedexlora.run.engine import local_update as real
+    from fedexlora.run.client_step import local_update as real
 
     def spy(cfg_, method, mdl, data, rnd, client, **kw):
         if glob:
@@ -240,7 +240,7 @@ def test_hetero_clients_on_the_shared_model_start_from_the_global_model(tiny_cfg
         glob.clear()
         glob.update({n: effective_weight(layer) for n, layer in lora_layers(mdl).items()})
 
-    sim.run_method(
+    inprocess.run_method(
         cfg, "fedex", prep, model=model, progress=False, after_round=after, local_update=spy
     )
     assert len(gaps) == 2 * 3 * len(lora_layers(model))

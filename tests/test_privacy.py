@@ -58,13 +58,13 @@ def test_noise_multiplier_spends_the_budget_by_an_independent_accountant(tiny_cf
 
 
 def test_dp_run_is_private_by_its_log_and_fedex_stays_exact(tiny_cfg):
-    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.build import new_model, prepare
+    from fedexlora.run.inprocess import run_method
     from fedexlora.run.restore import load_task_for
-    from fedexlora.run.simulation import run_method
     from test_examples import _weights, hand_ideal
 
     uploads = []  # what the clients of the current round sent
-    from fedexlora.run.engine import local_update as real_update
+    from fedexlora.run.client_step import local_update as real_update
 
     def keep(*args, **kwargs):
         uploads.append(real_update(*args, **kwargs))
@@ -119,7 +119,7 @@ def test_dp_run_is_private_by_its_log_and_fedex_stays_exact(tiny_cfg):
 
 
 def test_a_resume_past_the_plan_refuses_every_client(tiny_cfg, tmp_path):
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
     from fedexlora.run.report import read_metrics
 
     cfg = tiny_cfg.replace(methods=["fedex"], dp_epsilon=8.0, dp_delta=1e-3, rounds=1)
@@ -139,9 +139,9 @@ def test_a_resume_past_the_plan_refuses_every_client(tiny_cfg, tmp_path):
 
 
 def test_partial_participation_refuses_a_client_sampled_beyond_its_plan(tiny_cfg):
-    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.build import new_model, prepare
+    from fedexlora.run.inprocess import run_method
     from fedexlora.run.restore import load_task_for
-    from fedexlora.run.simulation import run_method
     from fedexlora.training.privacy import planned_rounds
 
     cfg = tiny_cfg.replace(methods=["fedex"], dp_epsilon=8.0, dp_delta=1e-3, rounds=4,
@@ -162,7 +162,7 @@ def test_partial_participation_refuses_a_client_sampled_beyond_its_plan(tiny_cfg
 def test_under_flower_the_clients_account_and_the_server_records(tiny_cfg, tmp_path, task_identity):
     """The real ClientApp and strategy: each client plans, counts and refuses by itself;
     the rows equal the in-process engine's (same sampling, noise, refusals, epsilons)."""
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
     from test_flower_parity import _close, _flower
 
     cfg = tiny_cfg.replace(methods=["fedex", "fedsb"], fedsb_rank=4, dp_epsilon=8.0,

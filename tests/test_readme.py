@@ -90,8 +90,7 @@ def _same_default(cell: str, default) -> bool:
 def test_readme_option_table_flags_exist_with_their_real_defaults():
     from dataclasses import MISSING, fields
 
-    from fedexlora.cli.run import RUN_FLAGS
-    from fedexlora.config import RunConfig
+    from fedexlora.config import FLAGS, RunConfig
 
     params = _option_params(_commands()["run"])
     defaults = {
@@ -101,8 +100,8 @@ def test_readme_option_table_flags_exist_with_their_real_defaults():
     for flag, cell in _table_rows():
         assert flag in params, f"README's table: {flag} is not an option of `fedexlora run`"
         name = params[flag].name
-        assert name in RUN_FLAGS, f"README's table: {flag} sets no config key, so it has no default"
-        default = defaults[RUN_FLAGS[name]]
+        assert name in FLAGS, f"README's table: {flag} sets no config key, so it has no default"
+        default = defaults[name]
         assert _same_default(cell, default), (
             f"README's table: {flag} defaults to {default!r}, not {cell!r}"
         )
@@ -137,32 +136,30 @@ def test_every_flag_the_readme_names_is_an_option_of_a_command_or_of_the_tool_it
 
 
 def test_readme_toml_keys_are_the_flags_as_it_says():
-    from fedexlora.cli.run import RUN_FLAGS
-    from fedexlora.config import validate_mapping
+    from fedexlora.config import FLAGS, validate_mapping
 
     run = _commands()["run"]
     text = _section("The options you reach for first")
-    renamed = {name: key for name, key in RUN_FLAGS.items() if name != key}
-    assert renamed == {"rank": "lora_r", "method": "methods"}
-    for name, key in renamed.items():
-        assert f"`--{name}` is `{key}`" in text
-    keyless = {p.name for p in run.params if p.name not in RUN_FLAGS}
+    renamed = {key: flag for key, flag in FLAGS.items() if flag != "--" + key.replace("_", "-")}
+    assert renamed == {"lora_r": "--rank", "methods": "--method"}
+    for key, flag in renamed.items():
+        assert f"`{flag}` is `{key}`" in text
+    keyless = {p.name for p in run.params if p.name not in FLAGS}
     listing = r"((?:`--[a-z-]+`(?:,\s+|\s+and\s+))+`--[a-z-]+`)\s+have no key"
     said = re.search(listing, text).group(1)
     by_name = {p.name: p for p in run.params}
     assert set(re.findall(r"`(--[a-z-]+)`", said)) == {by_name[n].opts[0] for n in keyless}
-    for name in RUN_FLAGS:  # the long flag, dashes for underscores
-        assert by_name[name].opts[0] == "--" + name.replace("_", "-"), by_name[name].opts
+    for key, flag in FLAGS.items():  # the long flag: the key's, dashes for underscores
+        assert by_name[key].opts[0] == flag, by_name[key].opts
     assert "--clients" in by_name["num_clients"].opts
     cfg, errs = validate_mapping({"local-steps": 8, "method": "fedex,fedit", "lora_r": 4})
     assert not errs and cfg.local_steps == 8 and cfg.methods == ["fedex", "fedit"]
 
 
 def test_readme_resume_flags_are_exactly_those_that_leave_results_alone():
-    from fedexlora.cli.run import RUN_FLAGS
-    from fedexlora.config import RESUME_SAFE
+    from fedexlora.config import FLAGS, RESUME_SAFE
 
-    flag_of = {key: "--" + name.replace("_", "-") for name, key in RUN_FLAGS.items()}
+    flag_of = FLAGS
     said = re.search(
         r"leave the results alone apply there:(.*?); any flag", README.read_text(), re.S
     )

@@ -226,7 +226,7 @@ def test_multi_task_recipe_runs_every_task_under_flower(tmp_path, hub_dir, tiny_
 
     import fedexlora.flower.simulation as flower_sim
     from fedexlora.run import recipes
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
 
     two = dataclasses.replace(recipes.RECIPES["paper-glue-roberta-base"],
                               tasks=("glue/sst2", "glue/rte"))  # fmt: skip

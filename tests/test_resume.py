@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import launch
 from fedexlora.run.checkpoint import CheckpointError, latest_checkpoint
-from fedexlora.run.pipeline import run_experiment
+from fedexlora.run.inprocess import run_experiment
 from fedexlora.run.report import read_metrics
 
 # slow: the test order puts it first (tests/conftest.py); its seconds, measured
@@ -271,8 +271,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tiny_cfg, tmp_pa
 
 def test_load_checkpoint_restores_all_or_nothing(tiny_cfg, tmp_path):
     """A checkpoint missing one of its parts raises CheckpointError; the server is untouched."""
+    from fedexlora.run.build import new_model, new_server
     from fedexlora.run.checkpoint import load_checkpoint
-    from fedexlora.run.engine import new_model, new_server
     from fedexlora.run.restore import load_task_for
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=1)

@@ -11,12 +11,13 @@ import time
 import pytest
 import torch
 
+from fedexlora.core.messages import ClientUpload
 from fedexlora.core.state import AdapterState, LayerInfo
 from fedexlora.secagg import protocol
 from fedexlora.secagg.protocol import ClientSession
 from fedexlora.secagg.rounds import SecureRound, client_reply, client_session_reply
-from fedexlora.server import server as server_module
-from fedexlora.server.server import ClientUpload, Server
+from fedexlora.server import aggregation as aggregation_module
+from fedexlora.server.server import Server
 
 
 def _server(k=3, r=3, d=40, n=30, seed=0):
@@ -98,7 +99,7 @@ def _secure_round(server, rnd, g):
 def _watch_aggregation(monkeypatch) -> _Stopwatch:
     watch = _Stopwatch()
     watch.wrap(monkeypatch, protocol.ServerSession, "take_unmask")
-    watch.wrap(monkeypatch, server_module, "aggregate_states")
+    watch.wrap(monkeypatch, aggregation_module, "aggregate_states")
     watch.wrap(monkeypatch, Server, "_commit")
     return watch
 
@@ -121,7 +122,7 @@ def test_a_secure_round_counts_its_unmasking_and_aggregation(monkeypatch):
 
 def test_a_clear_round_counts_its_payloads_and_aggregation(monkeypatch):
     watch = _Stopwatch()
-    watch.wrap(monkeypatch, server_module, "aggregate_states")
+    watch.wrap(monkeypatch, aggregation_module, "aggregate_states")
     watch.wrap(monkeypatch, Server, "_commit")
     server, g = _server()
     for rnd in (1, 2):
@@ -148,9 +149,9 @@ def test_protocol_seconds_must_be_a_duration(bad):
 def test_a_secure_run_reports_the_rounds_server_seconds(tiny_cfg, monkeypatch):
     """The in-process engine: each row's ``server_seconds`` holds its round's unmasking
     and aggregation (measured here), and fits in the round's ``seconds``."""
-    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.build import new_model, prepare
+    from fedexlora.run.inprocess import run_method
     from fedexlora.run.restore import load_task_for
-    from fedexlora.run.simulation import run_method
 
     watch = _watch_aggregation(monkeypatch)
     cfg = tiny_cfg.replace(methods=["fedex"], secure_aggregation=True, rounds=2).validate()

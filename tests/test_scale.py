@@ -204,7 +204,7 @@ def _watch_payloads(monkeypatch, server, on_payload):
     """A client step for the in-process engine that calls ``on_payload(client, payload,
     model)`` for each client it trains, as it starts: ``model`` then holds the global
     model the payload must bring the client to."""
-    from fedexlora.run.engine import local_update as real_update
+    from fedexlora.run.client_step import local_update as real_update
 
     sent = {}
     real_payload_for = server.payload_for
@@ -227,9 +227,9 @@ def test_200_clients_in_process_each_sampled_client_is_exact_after_its_payload(
     """Every sampled client's model, rebuilt from what it held plus its payload, is the
     global model; the server's memory stays within its bound every round."""
     from fedexlora.bridge.adapters import load_side_state, side_state
-    from fedexlora.run.engine import new_model, new_server, prepare
+    from fedexlora.run.build import new_model, new_server, prepare
+    from fedexlora.run.inprocess import run_method
     from fedexlora.run.restore import load_task_for
-    from fedexlora.run.simulation import run_method
 
     cfg = _scale_cfg(tiny_bert_dir)
     task = load_task_for(cfg)
@@ -274,9 +274,9 @@ def test_200_virtual_clients_under_flower_match_the_in_process_engine(
     ClientApp over the in-process grid of ``test_flower.py`` (one Context per node, every
     message through Flower's protobuf). Flower's simulation runtime itself (Ray, a
     SuperLink, a SIGKILL) is ``test_flower_simulation.py``'s."""
-    from fedexlora.run.engine import new_model, new_server, prepare
+    from fedexlora.run.build import new_model, new_server, prepare
+    from fedexlora.run.inprocess import run_method
     from fedexlora.run.restore import load_task_for
-    from fedexlora.run.simulation import run_method
 
     cfg = _scale_cfg(tiny_bert_dir, rounds=4)
     task = load_task_for(cfg)

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from fedexlora.core.messages import ClientUpload
 from fedexlora.core.methods import REGISTRY, get_method
 from fedexlora.core.secure import SecureLayout, client_vector, read_sums, secure_refusal
 from fedexlora.core.state import AdapterState, LayerInfo
 from fedexlora.secagg.encoding import Quantization
 from fedexlora.secagg.protocol import ClientSession, SecAggError, ServerSession, run_round
-from fedexlora.server.server import ClientUpload, Server
+from fedexlora.server.server import Server
 
 SECURE = sorted(n for n, s in REGISTRY.items() if secure_refusal(s) is None)
 
@@ -254,8 +255,8 @@ def test_local_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dro
     shares and masked vectors; (c) client 1 trains in round 2 but its masked vector never
     arrives: the round is exact over clients 0 and 2.
     """
-    from fedexlora.run import simulation
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run import inprocess
+    from fedexlora.run.inprocess import run_experiment
     from fedexlora.secagg import protocol
 
     received = []
@@ -268,7 +269,7 @@ def test_local_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dro
 
         monkeypatch.setattr(protocol.ServerSession, stage, spy)
     uploads = {}
-    from fedexlora.run.engine import local_update as orig_update
+    from fedexlora.run.client_step import local_update as orig_update
 
     def keep(cfg, method, model, data, rnd, client, **kw):
         up = orig_update(cfg, method, model, data, rnd, client, **kw)
@@ -279,7 +280,7 @@ def test_local_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dro
         uploads[(rnd, client)] = up
         return up
 
-    orig_reply, calls = simulation.secure_reply, []
+    orig_reply, calls = inprocess.secure_reply, []
 
     def reply(session, setup, message, upload):
         calls.append(session.client)
@@ -287,7 +288,7 @@ def test_local_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dro
             return None
         return orig_reply(session, setup, message, upload)
 
-    monkeypatch.setattr(simulation, "secure_reply", reply)
+    monkeypatch.setattr(inprocess, "secure_reply", reply)
     cfg = _secure_cfg(tiny_cfg, rounds=2)
     rows = run_experiment(cfg, tmp_path, progress=False, local_update=keep)
     assert calls == [0, 1, 2] * 2

@@ -8,7 +8,7 @@ import torch
 from fedexlora.core.aggregation import residuals_to_flat
 from fedexlora.core.state import AdapterState, LayerInfo
 from fedexlora.server import ClientUpload, Server
-from fedexlora.server.server import ServerStateMismatch
+from fedexlora.server.snapshot import ServerStateMismatch
 
 SHAPES = {"l0": (6, 5), "l1": (5, 7), "l2": (4, 4)}
 

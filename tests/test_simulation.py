@@ -5,8 +5,8 @@ import torch
 
 from fedexlora.run.checkpoint import latest_checkpoint
 from fedexlora.run.export import export_model
+from fedexlora.run.inprocess import run_experiment
 from fedexlora.run.layout import RunError
-from fedexlora.run.pipeline import run_experiment
 from fedexlora.run.report import read_metrics
 from fedexlora.run.restore import load_task_for, restore_model
 
@@ -108,7 +108,7 @@ def test_export_reproduces_global_model_logits(tiny_cfg, tmp_path, beside):
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification
 
-    from fedexlora.run.engine import prepare
+    from fedexlora.run.build import prepare
     from fedexlora.training.local import predict
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=2, fp32_side_branch=beside)

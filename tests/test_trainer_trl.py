@@ -15,7 +15,7 @@ from fedexlora.bridge.adapters import effective_weight
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.cli import app
 from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
-from fedexlora.run.pipeline import run_experiment
+from fedexlora.run.inprocess import run_experiment
 from fedexlora.run.restore import load_task_for, restore_model
 from test_precision import _rel, ideal_from_client_adapters
 
@@ -70,7 +70,7 @@ def test_trl_labels_are_the_completion_only(trl_cfg):
     """What TRL trains on: the prompt masked, exactly as the builtin trainer masks it."""
     from trl import SFTTrainer
 
-    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.build import new_model, prepare
     from fedexlora.training.sft import encoded_dataset, sft_config
 
     task = load_task_for(trl_cfg)

@@ -159,7 +159,7 @@ def test_lossy_residual_rank_keeps_the_remainder_as_error_feedback():
 
 
 def test_lossy_run_is_labelled_approximate_and_logs_its_gap(tiny_cfg, tmp_path):
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
 
     rows = run_experiment(
         tiny_cfg.replace(methods=["fedex"], residual_rank=1), tmp_path, progress=False

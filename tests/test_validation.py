@@ -109,7 +109,7 @@ def test_all_rejected_changes_nothing():
 def _faulty_clients(tamper):
     """A client step for the in-process engine whose every upload passes
     ``tamper(round, client, upload)`` on its way from the client to the server."""
-    from fedexlora.run.engine import local_update as real_update
+    from fedexlora.run.client_step import local_update as real_update
 
     def local_update(cfg, method, model, data, rnd, client, **kwargs):
         return tamper(rnd, client, real_update(cfg, method, model, data, rnd, client, **kwargs))
@@ -118,7 +118,7 @@ def _faulty_clients(tamper):
 
 
 def test_engine_records_rejections_and_warns(tiny_cfg, tmp_path):
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
     from fedexlora.run.report import read_metrics
 
     def tamper(rnd, client, up):
@@ -142,7 +142,7 @@ def test_engine_records_rejections_and_warns(tiny_cfg, tmp_path):
 
 
 def test_engine_all_rejected_round_says_so(tiny_cfg, tmp_path):
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
 
     def tamper(rnd, client, up):
         up.num_examples = 0

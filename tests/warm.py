@@ -46,7 +46,8 @@ PRELOAD = [
     "fedexlora.flower.client_app",
     "fedexlora.flower.server_app",
     "fedexlora.bridge.steps",
-    "fedexlora.run.engine",
+    "fedexlora.run.build",
+    "fedexlora.run.client_step",
     "fedexlora.run.lifecycle",
 ]
 

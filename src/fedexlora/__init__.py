@@ -13,9 +13,9 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Server": "server.server",
-    "Payload": "server.server",
-    "ClientUpload": "server.server",
-    "RoundOutcome": "server.server",
+    "Payload": "core.messages",
+    "ClientUpload": "core.messages",
+    "RoundOutcome": "core.messages",
     "apply_payload": "bridge.steps",
     "make_upload": "bridge.steps",
     "apply_outcome": "bridge.steps",

@@ -24,21 +24,20 @@ from fedexlora.core.methods import REGISTRY, MethodSpec, method_names
 from fedexlora.core.sampling import sample_size
 
 __all__ = [
+    "FLAGS",
     "ConfigError",
+    "Option",
     "RunConfig",
+    "load_run_config",
+    "resumed_config",
     "load_config",
     "model_name_error",
     "validate_mapping",
 ]
 
-_PARTITIONS = ("iid", "dirichlet")
-_WEIGHTINGS = ("examples", "uniform")
-_ENGINES = ("local", "flower")
-_DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("fp32", "bf16", "fp16")
 _QUANTIZATIONS = ("nf4", "fp4", "int8")
 _EXPORT_FORMATS = ("adapter", "merged")
-_TRAINERS = ("builtin", "trl")
 RESUME_SAFE = (
     "rounds",
     "data_dir",
@@ -97,71 +96,338 @@ class ConfigError(ValueError):
         super().__init__("invalid configuration:\n" + "\n".join(f"  - {e}" for e in errors))
 
 
+PANELS = (
+    "Settings",
+    "Model and LoRA",
+    "Data",
+    "Method",
+    "Federation",
+    "Training",
+    "Evaluation",
+    "Device, precision and memory",
+    "Privacy",
+    "Output and resume",
+    "Export",
+)
+"""The panels of ``fedexlora run --help``, in the order they are shown."""
+SETTINGS, MODEL, DATA, METHOD, FEDERATION, TRAINING, EVALUATION, PRECISION, PRIVACY, OUTPUT, \
+    EXPORT = PANELS  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Option:
+    """What one setting is to a user: its flag, its help, its panel and its own check.
+
+    Declared once, beside the field (:func:`setting`); the ``run`` and ``compare``
+    options are generated from it (:mod:`fedexlora.cli.options`), and
+    :meth:`RunConfig.errors` asks :meth:`problem` of every field.
+
+    Attributes:
+        help: One sentence, without its default.
+        panel: The ``--help`` panel (:data:`PANELS`).
+        flags: The flags, the long one first; empty: ``--`` and the key, dashes for
+            underscores.
+        default_text: How the help states the default; ``None``: the field's default,
+            written out (nothing when that is unset); ``""``: no default is stated.
+        low, high: Bounds of a number (``None``: unbounded); ``low_open``,
+            ``high_open``: whether the bound itself is excluded.
+        choices: The values a string may take.
+        fix: Appended to the problem, ``"; fix: ..."``.
+    """
+
+    help: str
+    panel: str
+    flags: tuple[str, ...] = ()
+    default_text: str | None = None
+    low: float | None = None
+    low_open: bool = False
+    high: float | None = None
+    high_open: bool = False
+    choices: tuple[str, ...] | None = None
+    fix: str | None = None
+
+    def problem(self, key: str, value: Any) -> str | None:
+        """What is wrong with ``value`` for the setting ``key`` (set, and of its type)."""
+        if value is None:
+            return None
+        if self.choices is not None and value not in self.choices:
+            return f"`{key}` must be one of {self.choices}, got {value!r}"
+        lo_ok = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        hi_ok = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        if lo_ok and hi_ok:
+            return None
+        if self.high is None:
+            bound = f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        else:
+            bound = (
+                f"in {'(' if self.low_open else '['}{_number(self.low)}, "
+                f"{_number(self.high)}{')' if self.high_open else ']'}"
+            )
+        fix = f"; fix: {self.fix}" if self.fix else ""
+        return f"`{key}` must be {bound}, got {value}{fix}"
+
+
+def _number(x: float | None) -> str:
+    """A bound as the help and the errors write it: ``0``, ``1``, ``1e-5``."""
+    text = format(x, "g")
+    return re.sub(r"e([+-])0*(\d)", lambda m: "e" + m.group(1).replace("+", "") + m.group(2), text)
+
+
+def shown_default(value: Any) -> str:
+    """A default as ``--help`` writes it: on/off, a comma list, a short number."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, float):
+        return _number(value)
+    return str(value)
+
+
+def setting(default: Any = None, *, factory: Callable[[], Any] | None = None, **option: Any):
+    """A :class:`RunConfig` field and its :class:`Option` (``option``: its fields)."""
+    meta = {"option": Option(**option)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _at_least_1(help: str, panel: str, **more: Any) -> dict[str, Any]:
+    return dict(help=help, panel=panel, low=1, **more)
+
+
 @dataclass
 class RunConfig:
     """Everything a federated run needs. Every field is also a TOML key and a CLI flag.
 
-    Attributes mirror ``fedexlora run --help``.
+    Each field declares its flag, help, panel and own check once (:class:`Option`, in
+    the field's metadata); ``fedexlora run --help`` is generated from them.
     """
 
-    model: str = "minilm"
-    task: str = "bbc-news"
-    methods: list[str] = field(default_factory=lambda: ["fedex"])
-    num_clients: int = 3
-    partition: str = "dirichlet"
-    alpha: float = 0.5
-    min_partition_size: int = 10
-    rounds: int = 3
-    local_epochs: float = 1.0
-    local_steps: int | None = None
-    trainer: str = "builtin"
-    batch_size: int = 16
-    eval_batch_size: int = 64
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.0
-    max_grad_norm: float = 1.0
-    max_length: int = 64
-    lora_r: int = 8
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.05
-    target_modules: list[str] | None = None
-    rslora: bool = False
-    client_ranks: list[int] | None = None
-    fraction: float = 1.0
-    weighting: str | None = None
-    seed: int = 0
-    test_fraction: float = 0.2
-    max_train: int | None = None
-    max_test: int | None = None
-    max_new_tokens: int = 64
-    num_beams: int = 1
-    residual_rank: int | None = None
-    max_update_norm: float | None = None
-    engine: str = "local"
-    device: str = "cpu"
-    dtype: str = "fp32"
-    quantization: str | None = None
-    double_quant: bool = False
-    side_rank: int | None = None
-    fp32_side_branch: bool | None = None
-    gradient_checkpointing: bool = False
-    save_client_adapters: bool = False
-    secure_aggregation: bool = False
-    keep_checkpoints: int = 2
-    export: str | None = None
-    export_format: str | None = None
-    export_dtype: str = "fp32"
-    allow_inexact: bool = False
-    report_to: list[str] | None = None
-    dp_epsilon: float | None = None
-    dp_delta: float = 1e-5
-    dp_max_grad_norm: float = 1.0
-    fedsb_rank: int = 64
-    fedsb_init: str = "auto"
-    fedsb_init_samples: int = 256
-    data_dir: str | None = None
-    recipe: str | None = None
+    # Settings
+    recipe: str | None = setting(
+        help="A paper experiment (see `fedexlora recipes`): its settings, and the paper's "
+        "figures beside this run's; other flags override it",
+        panel=SETTINGS,
+        default_text="",
+    )
+    # Model and LoRA
+    model: str = setting(
+        "minilm",
+        help="minilm, smollm2-135m, a hub name such as org/name, or a local directory",
+        panel=MODEL,
+    )
+    lora_r: int = setting(8, help="LoRA rank", panel=MODEL, flags=("--rank", "-r"), low=1)
+    lora_alpha: float = setting(16.0, help="LoRA alpha", panel=MODEL, low=0, low_open=True)
+    lora_dropout: float = setting(
+        0.05, help="LoRA dropout", panel=MODEL, low=0, high=1, high_open=True
+    )
+    target_modules: list[str] | None = setting(
+        help="Comma list of LoRA targets", panel=MODEL, default_text="per architecture"
+    )
+    rslora: bool = setting(False, help="Rank-stabilised scale", panel=MODEL)
+    # Data
+    task: str = setting(
+        "bbc-news", help="bbc-news, gsm8k, sst2..., or a .csv/.jsonl file", panel=DATA
+    )
+    data_dir: str | None = setting(
+        help="Local copies of hub datasets, in the hub's file layout, DIR/nyu-mll/glue/sst2/...",
+        panel=DATA,
+        default_text="$FEDEXLORA_DATA_DIR",
+    )
+    max_length: int = setting(64, help="Max tokens per example", panel=DATA, low=8)
+    test_fraction: float = setting(
+        0.2, help="Held-out test fraction", panel=DATA, low=0, low_open=True, high=1,
+        high_open=True,
+    )  # fmt: skip
+    max_train: int | None = setting(
+        help="Use only this many training examples", panel=DATA, default_text="all", low=1
+    )
+    max_test: int | None = setting(
+        help="Use only this many test examples", panel=DATA, default_text="all", low=1
+    )
+    # Method
+    methods: list[str] = setting(
+        factory=lambda: ["fedex"],
+        help=f"Comma list of {', '.join(REGISTRY)}; `fedexlora methods` describes each",
+        panel=METHOD,
+        flags=("--method",),
+    )
+    residual_rank: int | None = setting(
+        help="Truncate FedEx-LoRA's residuals to this rank, which is lossy",
+        panel=METHOD,
+        default_text="exact",
+        low=1,
+    )
+    fedsb_rank: int = setting(
+        64, help="Fed-SB's rank: its r x r core is what clients train and send", panel=METHOD,
+        low=1,
+    )  # fmt: skip
+    fedsb_init: str = setting(
+        "auto",
+        help="Fed-SB's frozen A and B: gradient (the authors' SVD of a sign-gradient step) "
+        "or random; auto is random with --dp-epsilon, else gradient",
+        panel=METHOD,
+        choices=("auto", "gradient", "random"),
+    )
+    fedsb_init_samples: int = setting(
+        256, help="Examples Fed-SB's gradient init is estimated on", panel=METHOD, low=1
+    )
+    # Federation
+    num_clients: int = setting(
+        3, help="Clients", panel=FEDERATION, flags=("--num-clients", "--clients"), low=1
+    )
+    partition: str = setting(
+        "dirichlet", help="iid or dirichlet", panel=FEDERATION, choices=("iid", "dirichlet")
+    )
+    alpha: float = setting(
+        0.5, help="Dirichlet concentration", panel=FEDERATION, low=0, low_open=True
+    )
+    min_partition_size: int = setting(
+        10, help="Minimum examples per client", panel=FEDERATION, low=1
+    )
+    rounds: int = setting(3, help="Federated rounds", panel=FEDERATION, low=1)
+    fraction: float = setting(
+        1.0,
+        help="Fraction of clients per round, rounded half up, at least one",
+        panel=FEDERATION,
+        low=0,
+        low_open=True,
+        high=1,
+    )
+    weighting: str | None = setting(
+        help="How client updates are weighted: examples or uniform",
+        panel=FEDERATION,
+        default_text="each method's own: uniform for fedsa, as its release; examples otherwise",
+        choices=("examples", "uniform"),
+    )
+    client_ranks: list[int] | None = setting(
+        help="Comma list: each client's LoRA rank; the global rank is the largest",
+        panel=FEDERATION,
+        default_text="every client at --rank",
+    )
+    max_update_norm: float | None = setting(
+        help="Reject client updates above this norm",
+        panel=FEDERATION,
+        default_text="off",
+        low=0,
+        low_open=True,
+    )
+    secure_aggregation: bool = setting(
+        False,
+        help="Flower's SecAgg+: the server sees only sums of the uploads, and FedEx stays "
+        "exact; see docs/PRIVACY.md",
+        panel=FEDERATION,
+    )
+    engine: str = setting(
+        "local",
+        help="local (in process) or flower, a Flower simulation",
+        panel=FEDERATION,
+        choices=("local", "flower"),
+    )
+    # Training
+    trainer: str = setting(
+        "builtin",
+        help="builtin, or trl: each client trains with TRL's SFTTrainer (causal-LM tasks; "
+        "needs the trl extra)",
+        panel=TRAINING,
+        choices=("builtin", "trl"),
+    )
+    local_epochs: float = setting(
+        1.0, help="Local epochs per round", panel=TRAINING, low=0, low_open=True
+    )
+    local_steps: int | None = setting(
+        help="Local steps per round; overrides --local-epochs", panel=TRAINING, low=1
+    )
+    batch_size: int = setting(16, help="Batch size", panel=TRAINING, low=1)
+    lr: float = setting(1e-3, help="Learning rate", panel=TRAINING, low=0, low_open=True)
+    weight_decay: float = setting(0.0, help="AdamW weight decay", panel=TRAINING, low=0)
+    warmup_ratio: float = setting(
+        0.0, help="Fraction of steps for warm-up", panel=TRAINING, low=0, high=1, high_open=True
+    )
+    max_grad_norm: float = setting(
+        1.0, help="Gradient clipping norm", panel=TRAINING, low=0, low_open=True
+    )
+    seed: int = setting(0, help="Seed for everything random", panel=TRAINING)
+    # Evaluation
+    eval_batch_size: int = setting(64, help="Evaluation batch size", panel=EVALUATION, low=1)
+    max_new_tokens: int = setting(
+        64, help="Tokens generated per answer, causal LM exact match", panel=EVALUATION, low=1
+    )
+    num_beams: int = setting(
+        1, help="Beams when generating answers; 1 is greedy", panel=EVALUATION, low=1
+    )
+    # Device, precision and memory
+    device: str = setting(
+        "cpu", help="auto, cpu or cuda", panel=PRECISION, choices=("auto", "cpu", "cuda")
+    )
+    dtype: str = setting(
+        "fp32",
+        help="fp32, bf16 or fp16: base weights and autocast",
+        panel=PRECISION,
+        choices=_DTYPES,
+    )
+    quantization: str | None = setting(
+        help="nf4, fp4 or int8: quantize the base with bitsandbytes",
+        panel=PRECISION,
+        default_text="none",
+        choices=_QUANTIZATIONS,
+    )
+    double_quant: bool = setting(False, help="Quantize the 4-bit block scales too", panel=PRECISION)
+    side_rank: int | None = setting(
+        help="Cap the fp32 side branch at this rank, lossy with error feedback",
+        panel=PRECISION,
+        default_text="exact",
+        low=1,
+        fix="--side-rank 64 (or leave it unset for the exact side branch)",
+    )
+    fp32_side_branch: bool | None = setting(
+        help="Keep an fp32 base's residuals beside it, not rounded into W: exact at any "
+        "learning rate, one more matmul per LoRA layer",
+        panel=PRECISION,
+        default_text="on for exact methods without DP; --no-fp32-side-branch folds them into W",
+    )
+    gradient_checkpointing: bool = setting(False, help="Trade compute for memory", panel=PRECISION)
+    # Privacy
+    dp_epsilon: float | None = setting(
+        help="DP-SGD on every client: total epsilon per client over the run",
+        panel=PRIVACY,
+        default_text="off",
+        low=0,
+        low_open=True,
+        fix="--dp-epsilon 8 (or leave it unset for no differential privacy)",
+    )
+    dp_delta: float = setting(
+        1e-5,
+        help="DP delta, below 1 / the smallest client's examples",
+        panel=PRIVACY,
+        low=0,
+        low_open=True,
+        high=1,
+        high_open=True,
+    )
+    dp_max_grad_norm: float = setting(
+        1.0, help="DP-SGD per-sample clipping norm", panel=PRIVACY, low=0, low_open=True
+    )
+    # Output and resume
+    keep_checkpoints: int = setting(2, help="Checkpoints kept per method", panel=OUTPUT, low=1)
+    save_client_adapters: bool = setting(False, help="Write client adapters", panel=OUTPUT)
+    report_to: list[str] | None = setting(
+        help="Comma list of tensorboard, mlflow: log every round there",
+        panel=OUTPUT,
+        default_text="none",
+    )
+    # Export
+    export: str | None = setting(help="Also export the final model here", panel=EXPORT)
+    export_format: str | None = setting(
+        help="adapter or merged",
+        panel=EXPORT,
+        default_text="merged for fp32 bases, adapter with a side branch: bf16/fp16, "
+        "quantized, --fp32-side-branch",
+        choices=_EXPORT_FORMATS,
+    )
+    export_dtype: str = setting("fp32", help="Merged export dtype", panel=EXPORT, choices=_DTYPES)
+    allow_inexact: bool = setting(False, help="Allow an export that rounds", panel=EXPORT)
 
     @property
     def dp(self) -> bool:
@@ -279,75 +545,15 @@ class RunConfig:
             if not cond:
                 errs.append(msg)
 
+        for f in fields(self):  # each setting's own check (its Option)
+            problem = f.metadata["option"].problem(f.name, getattr(self, f.name))
+            if problem:
+                errs.append(problem)
         model_error = model_name_error(self.model)
         need(model_error is None, f"`model` {model_error}")
         unknown = [m for m in self.methods if m not in REGISTRY]
         need(not unknown, f"`methods`: unknown {unknown}; choose from {list(REGISTRY)}")
         need(len(self.methods) > 0, "`methods` must name at least one method")
-        need(self.num_clients >= 1, f"`num_clients` must be >= 1, got {self.num_clients}")
-        need(
-            self.partition in _PARTITIONS,
-            f"`partition` must be one of {_PARTITIONS}, got {self.partition!r}",
-        )
-        need(self.alpha > 0, f"`alpha` must be > 0, got {self.alpha}")
-        need(
-            self.min_partition_size >= 1,
-            f"`min_partition_size` must be >= 1, got {self.min_partition_size}",
-        )
-        need(self.rounds >= 1, f"`rounds` must be >= 1, got {self.rounds}")
-        need(self.local_epochs > 0, f"`local_epochs` must be > 0, got {self.local_epochs}")
-        need(
-            self.local_steps is None or self.local_steps >= 1,
-            f"`local_steps` must be >= 1, got {self.local_steps}",
-        )
-        need(self.batch_size >= 1, f"`batch_size` must be >= 1, got {self.batch_size}")
-        need(
-            self.eval_batch_size >= 1, f"`eval_batch_size` must be >= 1, got {self.eval_batch_size}"
-        )
-        need(self.num_beams >= 1, f"`num_beams` must be >= 1, got {self.num_beams}")
-        need(self.max_new_tokens >= 1, f"`max_new_tokens` must be >= 1, got {self.max_new_tokens}")
-        need(self.lr > 0, f"`lr` must be > 0, got {self.lr}")
-        need(self.weight_decay >= 0, f"`weight_decay` must be >= 0, got {self.weight_decay}")
-        need(
-            0 <= self.warmup_ratio < 1, f"`warmup_ratio` must be in [0, 1), got {self.warmup_ratio}"
-        )
-        need(self.max_grad_norm > 0, f"`max_grad_norm` must be > 0, got {self.max_grad_norm}")
-        need(self.max_length >= 8, f"`max_length` must be >= 8, got {self.max_length}")
-        need(self.lora_r >= 1, f"`lora_r` must be >= 1, got {self.lora_r}")
-        need(self.lora_alpha > 0, f"`lora_alpha` must be > 0, got {self.lora_alpha}")
-        need(
-            0 <= self.lora_dropout < 1, f"`lora_dropout` must be in [0, 1), got {self.lora_dropout}"
-        )
-        need(0 < self.fraction <= 1, f"`fraction` must be in (0, 1], got {self.fraction}")
-        need(
-            self.weighting is None or self.weighting in _WEIGHTINGS,
-            f"`weighting` must be one of {_WEIGHTINGS}, got {self.weighting!r}",
-        )
-        need(
-            0 < self.test_fraction < 1,
-            f"`test_fraction` must be in (0, 1), got {self.test_fraction}",
-        )
-        need(
-            self.max_train is None or self.max_train >= 1,
-            f"`max_train` must be >= 1, got {self.max_train}",
-        )
-        need(
-            self.max_test is None or self.max_test >= 1,
-            f"`max_test` must be >= 1, got {self.max_test}",
-        )
-        need(
-            self.residual_rank is None or self.residual_rank >= 1,
-            f"`residual_rank` must be >= 1, got {self.residual_rank}",
-        )
-        need(
-            self.max_update_norm is None or self.max_update_norm > 0,
-            f"`max_update_norm` must be > 0, got {self.max_update_norm}",
-        )
-        need(self.engine in _ENGINES, f"`engine` must be one of {_ENGINES}, got {self.engine!r}")
-        need(
-            self.trainer in _TRAINERS,
-            f"`trainer` must be one of {_TRAINERS}, got {self.trainer!r}",
-        )
         if self.trainer == "trl":
             need(
                 importlib.util.find_spec("trl") is not None,
@@ -361,19 +567,12 @@ class RunConfig:
                 "`trainer` 'trl' cannot train in fp16 on a CPU (transformers' Trainer mixes "
                 "fp16 on a GPU only); fix: --dtype bf16 or fp32, or --device cuda",
             )
-        need(self.device in _DEVICES, f"`device` must be one of {_DEVICES}, got {self.device!r}")
-        need(self.dtype in _DTYPES, f"`dtype` must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.quantization is not None:
-            need(
-                self.quantization in _QUANTIZATIONS,
-                f"`quantization` must be one of {_QUANTIZATIONS}, got {self.quantization!r}",
-            )
-            need(
-                self.quantization not in _QUANTIZATIONS
-                or importlib.util.find_spec("bitsandbytes") is not None,
-                f"`quantization` {self.quantization!r} needs bitsandbytes, which is not "
-                "installed; fix: pip install 'fedex-lora[quantization]'",
-            )
+        need(
+            self.quantization not in _QUANTIZATIONS
+            or importlib.util.find_spec("bitsandbytes") is not None,
+            f"`quantization` {self.quantization!r} needs bitsandbytes, which is not "
+            "installed; fix: pip install 'fedex-lora[quantization]'",
+        )
         for name in self.report_to or []:
             if name not in _REPORTERS:
                 errs.append(f"`report_to`: unknown {name!r}; choose from {', '.join(_REPORTERS)}")
@@ -388,24 +587,11 @@ class RunConfig:
             "(or fp4), or drop --double-quant",
         )
         need(
-            self.side_rank is None or self.side_rank >= 1,
-            f"`side_rank` must be >= 1, got {self.side_rank}; fix: --side-rank 64 (or "
-            "leave it unset for the exact side branch)",
-        )
-        need(
             self.side_rank is None or self.side_branch,
             "`side_rank` caps the side branch, which only bf16/fp16 and quantized bases "
             "have (or fp32 ones with --fp32-side-branch, the default with an exact method); "
             "fix: add --dtype bf16, "
             "--quantization nf4 or --fp32-side-branch, or drop --side-rank",
-        )
-        need(
-            self.export_format is None or self.export_format in _EXPORT_FORMATS,
-            f"`export_format` must be one of {_EXPORT_FORMATS}, got {self.export_format!r}",
-        )
-        need(
-            self.export_dtype in _DTYPES,
-            f"`export_dtype` must be one of {_DTYPES}, got {self.export_dtype!r}",
         )
         need(
             self.export_dtype == "fp32"
@@ -415,25 +601,6 @@ class RunConfig:
             "rounds the federated update away, so it cannot be exact; fix: keep "
             "--export-dtype fp32, use --export-format adapter, or confirm with "
             "--allow-inexact",
-        )
-        need(
-            self.dp_epsilon is None or self.dp_epsilon > 0,
-            f"`dp_epsilon` must be > 0, got {self.dp_epsilon}; fix: --dp-epsilon 8 (or "
-            "leave it unset for no differential privacy)",
-        )
-        need(0 < self.dp_delta < 1, f"`dp_delta` must be in (0, 1), got {self.dp_delta}")
-        need(
-            self.dp_max_grad_norm > 0,
-            f"`dp_max_grad_norm` must be > 0, got {self.dp_max_grad_norm}",
-        )
-        need(self.fedsb_rank >= 1, f"`fedsb_rank` must be >= 1, got {self.fedsb_rank}")
-        need(
-            self.fedsb_init in ("auto", "gradient", "random"),
-            f"`fedsb_init` must be auto, gradient or random, got {self.fedsb_init!r}",
-        )
-        need(
-            self.fedsb_init_samples >= 1,
-            f"`fedsb_init_samples` must be >= 1, got {self.fedsb_init_samples}",
         )
         if self.dp:
             cannot = []  # what the methods cannot run with, each method says (`check`)
@@ -454,10 +621,6 @@ class RunConfig:
                 "`dp_epsilon` needs opacus, which is not installed; fix: pip install "
                 "'fedex-lora[privacy]'",
             )
-        need(
-            self.keep_checkpoints >= 1,
-            f"`keep_checkpoints` must be >= 1, got {self.keep_checkpoints}",
-        )
         if self.secure_aggregation:
             self._secure_errors(errs)
         if self.client_ranks is not None:
@@ -572,8 +735,19 @@ def _type_errors(f: dataclasses.Field, value: Any) -> list[str]:
 
 
 _KEYS = [f.name for f in fields(RunConfig)]
-_FLAG_NAMES = {"rank": "lora_r", "r": "lora_r", "clients": "num_clients"}
-"""``fedexlora run`` flags (``--rank``, ``-r``, ``--clients``) whose TOML key is another name."""
+FLAGS: dict[str, str] = {
+    f.name: (f.metadata["option"].flags or ("--" + f.name.replace("_", "-"),))[0]
+    for f in fields(RunConfig)
+}
+"""Each key's long flag on the command line: ``lora_r`` -> ``--rank``."""
+_FLAG_NAMES = {
+    flag.lstrip("-").replace("-", "_"): f.name
+    for f in fields(RunConfig)
+    for flag in f.metadata["option"].flags
+    if flag.lstrip("-").replace("-", "_") not in (f.name, "method")
+}
+"""Flags whose TOML key is another name (``rank``, ``r``, ``clients``), from each
+field's :class:`Option`; ``method`` is accepted as the key ``methods``."""
 
 
 def validate_mapping(data: dict[str, Any]) -> tuple[RunConfig | None, list[str]]:
@@ -622,6 +796,37 @@ ADDED_LATER: dict[str, Any] = {
 ``config.toml`` without one reads it back so (:func:`load_run_config`), and the resume
 fingerprint leaves it out at that value, so that a run from before still resumes and
 exports."""
+
+
+def resumed_config(path: str | Path, changes: dict[str, Any]) -> RunConfig:
+    """The run whose ``config.toml`` is ``path``, as a resume with ``changes`` runs it.
+
+    A resume may change only the settings that leave results alone (:data:`RESUME_SAFE`);
+    any other change, a value different from the stored one, is refused, naming its flag.
+
+    Raises:
+        ConfigError: A change that would alter the run's results, or as :func:`load_config`.
+    """
+    stored = load_run_config(path)
+    errs = []
+    for key, value in changes.items():
+        if key in RESUME_SAFE:
+            continue
+        try:
+            # getattr, not to_dict(): a setting left unset (None) is not in the dict
+            same = getattr(stored.replace(**{key: value}), key) == getattr(stored, key)
+        except (TypeError, ValueError):
+            same = False
+        if not same:
+            safe = ", ".join(FLAGS[k] for k in RESUME_SAFE)
+            errs.append(
+                f"{FLAGS.get(key, key)} {value!r} would change the results of the run being "
+                f"resumed (it was started with {getattr(stored, key)!r}); start a new run with "
+                f"--out instead. A resume may change only {safe} and --no-progress"
+            )
+    if errs:
+        raise ConfigError(errs)
+    return load_run_config(path, {k: v for k, v in changes.items() if k in RESUME_SAFE})
 
 
 def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:

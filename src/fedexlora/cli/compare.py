@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
-import typer
-
 from fedexlora.cli._common import console, fail, quiet_libraries
+from fedexlora.cli.options import command, config_params, option
+from fedexlora.config import FLAGS
 
 __all__ = ["compare_cmd"]
 
 _COMPARE_DEFAULTS = dict(
     model="minilm",
     task="bbc-news",
-    method="fedex,fedit,ffa,flora,centralized",
+    methods="fedex,fedit,ffa,flora,centralized",
     ranks="1,4",
     seeds="0,1,2",
     settings="iid-3,dir0.1-5",
@@ -31,7 +32,7 @@ _COMPARE_DEFAULTS = dict(
 # round x heterogeneity x clients at a fixed total of local steps per client.
 _STUDIES = {
     "exactness": dict(
-        method="fedex,fedit,centralized",
+        methods="fedex,fedit,centralized",
         ranks="4",
         seeds="0,1,2,3,4",
         settings="iid-3,dir1.0-3,dir0.1-3,iid-10,dir1.0-10,dir0.1-10",
@@ -43,7 +44,7 @@ _STUDIES = {
     ),
     # The private comparison (docs/PRIVACY.md): accuracy against epsilon, 4 methods.
     "privacy": dict(
-        method="fedex,fedit,ffa,fedsb",
+        methods="fedex,fedit,ffa,fedsb",
         ranks="8",
         seeds="0,1,2",
         settings="iid-3,dir0.1-3",
@@ -65,114 +66,86 @@ GRID = "Grid axes"
 DATA = "Model and data"
 TRAINING = "Training"
 PRIVACY = "Privacy and Fed-SB"
+_CONFIG_PANELS = {
+    DATA: ("model", "task", "max_length", "max_train", "max_test", "min_partition_size"),
+    TRAINING: ("rounds", "batch_size", "lr", "lora_alpha"),
+    PRIVACY: ("dp_delta", "dp_max_grad_norm", "fedsb_rank", "fedsb_init"),
+}
+"""The config fields ``compare`` offers, by panel: their options are the run's
+(:mod:`fedexlora.cli.options`), with the grid's defaults."""
 
 
-def compare_cmd(
-    # Study and output
-    study: str | None = typer.Option(
-        None,
-        help="A preset grid: 'exactness' (local steps x heterogeneity x clients) or "
-        "'privacy' (methods x epsilon, docs/PRIVACY.md).",
-        rich_help_panel=STUDY,
-    ),
-    out: Path = typer.Option(
-        Path("runs/compare"),
-        help="Directory of the grid (default: runs/compare).",
-        show_default=False,
-        rich_help_panel=STUDY,
-    ),
-    report: Path | None = typer.Option(
-        None,
-        help="Also write the study report here (with several --local-steps or --dp-epsilons).",
-        rich_help_panel=STUDY,
-    ),
-    # Grid axes
-    method: str | None = typer.Option(
-        None,
-        help="Comma list of methods (default: fedex,fedit,ffa,flora,centralized).",
-        rich_help_panel=GRID,
-    ),
-    ranks: str | None = typer.Option(
-        None, help="Comma list of LoRA ranks (default: 1,4).", rich_help_panel=GRID
-    ),
-    seeds: str | None = typer.Option(
-        None, help="Comma list of seeds (default: 0,1,2).", rich_help_panel=GRID
-    ),
-    settings: str | None = typer.Option(
-        None,
-        help="Comma list of iid-K or dirA-K, K clients and Dirichlet alpha A "
-        "(default: iid-3,dir0.1-5).",
-        rich_help_panel=GRID,
-    ),
-    local_steps: str | None = typer.Option(
-        None,
-        help="Local steps per client and round; a comma list is an axis (default: 12).",
-        rich_help_panel=GRID,
-    ),
-    total_steps: int | None = typer.Option(
-        None,
-        help="Local steps per client in all: each cell runs total/steps rounds, and "
-        "centralized runs once per client count (default: off).",
-        rich_help_panel=GRID,
-    ),
-    dp_epsilons: str | None = typer.Option(
-        None,
-        help="Comma list of DP budgets per client, inf for none (e.g. 1,3,8,inf): an axis, "
-        "reported in privacy.md or --report (default: no DP).",
-        rich_help_panel=GRID,
-    ),
-    # Model and data
-    model: str | None = typer.Option(None, help="Model (default: minilm).", rich_help_panel=DATA),
-    task: str | None = typer.Option(None, help="Task (default: bbc-news).", rich_help_panel=DATA),
-    max_length: int | None = typer.Option(
-        None, help="Max tokens per example (default: 32).", rich_help_panel=DATA
-    ),
-    max_train: int | None = typer.Option(
-        None, help="Training examples in all (default: all).", rich_help_panel=DATA
-    ),
-    max_test: int | None = typer.Option(
-        None, help="Test examples per evaluation (default: 200).", rich_help_panel=DATA
-    ),
-    full_test: bool = typer.Option(
-        False,
-        help="Evaluate on the whole test split instead of --max-test (default: off).",
-        show_default=False,
-        rich_help_panel=DATA,
-    ),
-    min_partition_size: int | None = typer.Option(
-        None, help="Minimum examples per client (default: 10).", rich_help_panel=DATA
-    ),
-    # Training
-    rounds: int | None = typer.Option(
-        None, help="Rounds per run (default: 5).", rich_help_panel=TRAINING
-    ),
-    batch_size: int | None = typer.Option(
-        None, help="Batch size (default: 16).", rich_help_panel=TRAINING
-    ),
-    lr: float | None = typer.Option(
-        None, help="Learning rate (default: 2e-3).", rich_help_panel=TRAINING
-    ),
-    lora_alpha: float | None = typer.Option(
-        None, help="LoRA alpha, the paper's 8 (default: 8).", rich_help_panel=TRAINING
-    ),
-    # Privacy and Fed-SB
-    dp_delta: float | None = typer.Option(
-        None, help="DP delta of the private cells (default: 1e-5).", rich_help_panel=PRIVACY
-    ),
-    dp_max_grad_norm: float | None = typer.Option(
-        None,
-        help="DP-SGD clipping norm of the private cells (default: 1.0).",
-        rich_help_panel=PRIVACY,
-    ),
-    fedsb_rank: int | None = typer.Option(
-        None, help="Fed-SB's rank (default: 64).", rich_help_panel=PRIVACY
-    ),
-    fedsb_init: str | None = typer.Option(
-        None,
-        help="Fed-SB's init, gradient or random; auto is random with DP (default: auto).",
-        rich_help_panel=PRIVACY,
-    ),
-) -> None:
+def _params() -> list[inspect.Parameter]:
+    def fields(panel: str) -> list[inspect.Parameter]:
+        return config_params(_CONFIG_PANELS[panel], defaults=_COMPARE_DEFAULTS, panel=panel)
+
+    return [
+        option(
+            "A preset grid: 'exactness' (local steps x heterogeneity x clients) or "
+            "'privacy' (methods x epsilon, docs/PRIVACY.md)",
+            "--study",
+            panel=STUDY,
+        ),
+        option(
+            "Directory of the grid",
+            "--out",
+            panel=STUDY,
+            default=Path("runs/compare"),
+            default_text="runs/compare",
+            kind=Path,
+        ),
+        option(
+            "Also write the study report here (with several --local-steps or --dp-epsilons)",
+            "--report",
+            panel=STUDY,
+            kind=Path,
+        ),
+        *config_params(["methods"], defaults=_COMPARE_DEFAULTS, panel=GRID),
+        option("Comma list of LoRA ranks", "--ranks", panel=GRID, default_text="1,4"),
+        option("Comma list of seeds", "--seeds", panel=GRID, default_text="0,1,2"),
+        option(
+            "Comma list of iid-K or dirA-K, K clients and Dirichlet alpha A",
+            "--settings",
+            panel=GRID,
+            default_text="iid-3,dir0.1-5",
+        ),
+        option(
+            "Local steps per client and round; a comma list is an axis",
+            "--local-steps",
+            panel=GRID,
+            default_text="12",
+        ),
+        option(
+            "Local steps per client in all: each cell runs total/steps rounds, and "
+            "centralized runs once per client count",
+            "--total-steps",
+            panel=GRID,
+            default_text="off",
+            kind=int,
+        ),
+        option(
+            "Comma list of DP budgets per client, inf for none (e.g. 1,3,8,inf): an axis, "
+            "reported in privacy.md or --report",
+            "--dp-epsilons",
+            panel=GRID,
+            default_text="no DP",
+        ),
+        *fields(DATA),
+        option(
+            "Evaluate on the whole test split instead of --max-test",
+            "--full-test",
+            panel=DATA,
+            default=False,
+            default_text="off",
+            kind=bool,
+        ),
+        *fields(TRAINING),
+        *fields(PRIVACY),
+    ]
+
+
+@command(_params())
+def compare_cmd(**given) -> None:
     """Grid of methods x settings x ranks x seeds on identical partitions -> comparison.md.
 
     The defaults are sized to finish in about 45 minutes on 2 idle CPU cores: 5 rounds of
@@ -186,29 +159,8 @@ def compare_cmd(
     from fedexlora.experiments.compare import run_grid
     from fedexlora.training.privacy import DPCheckError
 
-    given = dict(
-        model=model,
-        task=task,
-        method=method,
-        ranks=ranks,
-        seeds=seeds,
-        settings=settings,
-        rounds=rounds,
-        local_steps=local_steps,
-        total_steps=total_steps,
-        batch_size=batch_size,
-        lr=lr,
-        lora_alpha=lora_alpha,
-        max_length=max_length,
-        max_test=max_test,
-        min_partition_size=min_partition_size,
-        dp_epsilons=dp_epsilons,
-        dp_delta=dp_delta,
-        dp_max_grad_norm=dp_max_grad_norm,
-        fedsb_rank=fedsb_rank,
-        fedsb_init=fedsb_init,
-        max_train=max_train,
-    )
+    study, out, report = given.pop("study"), given.pop("out"), given.pop("report")
+    full_test, max_test = given.pop("full_test"), given["max_test"]
     if study is not None and study not in _STUDIES:
         fail(f"--study: unknown study {study!r}; choose from {', '.join(_STUDIES)}")
     opts = {**_COMPARE_DEFAULTS, **_STUDIES.get(study or "", {})}
@@ -268,7 +220,7 @@ def compare_cmd(
         dict(
             model=opts["model"],
             task=opts["task"],
-            methods=opts["method"],
+            methods=opts["methods"],
             rounds=opts["rounds"],
             local_steps=steps_list[0],
             batch_size=opts["batch_size"],
@@ -289,7 +241,8 @@ def compare_cmd(
     _check_paths(cfg, out, report)
     command = ["fedexlora compare"] + [f"--study {study}"] * (study is not None)
     command += [f"--out {out}"] + [f"--report {report}"] * (report is not None)
-    command += [f"--{k.replace('_', '-')} {v}" for k, v in given.items() if v is not None] + [
+    flag = {**FLAGS, **{k: "--" + k.replace("_", "-") for k in given if k not in FLAGS}}
+    command += [f"{flag[k]} {v}" for k, v in given.items() if v is not None] + [
         "--full-test"
     ] * full_test
     try:
@@ -316,7 +269,7 @@ def _check_paths(cfg, out: Path, report: Path | None) -> None:
     """``--out``, ``--report`` and the task, checked before the grid writes or trains."""
     from fedexlora.run.export import output_dir_error
     from fedexlora.run.layout import RunError
-    from fedexlora.run.pipeline import check_inputs
+    from fedexlora.run.preflight import check_inputs
 
     try:  # --out may hold an earlier grid, whose cells are reused
         check_inputs(cfg, out)

@@ -2,80 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
-import typer
 from rich.console import Console
 from rich.table import Table
 
 from fedexlora.cli._common import console, fail, quiet_libraries
-from fedexlora.config import RESUME_SAFE, ConfigError
-from fedexlora.core.methods import REGISTRY
+from fedexlora.cli.options import command, config_params, from_flags, option
+from fedexlora.config import FLAGS, OUTPUT, SETTINGS, ConfigError
 
-__all__ = ["RUN_FLAGS", "run_cmd"]
-
-RUN_FLAGS = {
-    # flag name -> config key, for the flags that map one to one
-    "model": "model",
-    "task": "task",
-    "method": "methods",
-    "num_clients": "num_clients",
-    "partition": "partition",
-    "alpha": "alpha",
-    "min_partition_size": "min_partition_size",
-    "rounds": "rounds",
-    "local_epochs": "local_epochs",
-    "local_steps": "local_steps",
-    "batch_size": "batch_size",
-    "lr": "lr",
-    "max_length": "max_length",
-    "rank": "lora_r",
-    "lora_alpha": "lora_alpha",
-    "lora_dropout": "lora_dropout",
-    "target_modules": "target_modules",
-    "rslora": "rslora",
-    "fraction": "fraction",
-    "weighting": "weighting",
-    "seed": "seed",
-    "max_train": "max_train",
-    "max_test": "max_test",
-    "residual_rank": "residual_rank",
-    "max_update_norm": "max_update_norm",
-    "secure_aggregation": "secure_aggregation",
-    "engine": "engine",
-    "trainer": "trainer",
-    "save_client_adapters": "save_client_adapters",
-    "keep_checkpoints": "keep_checkpoints",
-    "export": "export",
-    "device": "device",
-    "dtype": "dtype",
-    "client_ranks": "client_ranks",
-    "eval_batch_size": "eval_batch_size",
-    "max_grad_norm": "max_grad_norm",
-    "max_new_tokens": "max_new_tokens",
-    "num_beams": "num_beams",
-    "test_fraction": "test_fraction",
-    "warmup_ratio": "warmup_ratio",
-    "weight_decay": "weight_decay",
-    "gradient_checkpointing": "gradient_checkpointing",
-    "quantization": "quantization",
-    "double_quant": "double_quant",
-    "side_rank": "side_rank",
-    "fp32_side_branch": "fp32_side_branch",
-    "export_format": "export_format",
-    "export_dtype": "export_dtype",
-    "allow_inexact": "allow_inexact",
-    "report_to": "report_to",
-    "dp_epsilon": "dp_epsilon",
-    "dp_delta": "dp_delta",
-    "dp_max_grad_norm": "dp_max_grad_norm",
-    "fedsb_rank": "fedsb_rank",
-    "fedsb_init": "fedsb_init",
-    "fedsb_init_samples": "fedsb_init_samples",
-    "data_dir": "data_dir",
-    "recipe": "recipe",
-}
-"""Each ``run`` flag that sets one config key, by its parameter name."""
+__all__ = ["run_cmd"]
 
 _EXTRAS = {
     "flwr": "flower",
@@ -91,337 +28,51 @@ _EXTRAS = {
 }
 """The package extra that installs a module, by the module's top-level name."""
 
-# The panels of `fedexlora run --help`, in the order they are shown. A default is written
-# "(default: X)" in the help text: the flags default to None (unset, so that a --config
-# file or a --recipe can set them), and brackets would be read as rich markup.
-SETTINGS = "Settings"
-MODEL = "Model and LoRA"
-DATA = "Data"
-METHOD = "Method"
-FEDERATION = "Federation"
-TRAINING = "Training"
-EVALUATION = "Evaluation"
-PRECISION = "Device, precision and memory"
-PRIVACY = "Privacy"
-OUTPUT = "Output and resume"
-EXPORT = "Export"
 
-
-def run_cmd(
-    # Settings
-    config: Path | None = typer.Option(
-        None,
+def _params() -> list[inspect.Parameter]:
+    """Every config field's option (:mod:`fedexlora.cli.options`), and the run's own."""
+    fields = config_params()
+    panel = [p.default.rich_help_panel for p in fields]
+    settings = option(
+        "TOML file of settings (see `fedexlora validate`); flags override it",
         "--config",
-        help="TOML file of settings (see `fedexlora validate`); flags override it.",
-        rich_help_panel=SETTINGS,
-    ),
-    recipe: str | None = typer.Option(
-        None,
-        help="A paper experiment (see `fedexlora recipes`): its settings, and the paper's "
-        "figures beside this run's; other flags override it.",
-        rich_help_panel=SETTINGS,
-    ),
-    # Model and LoRA
-    model: str | None = typer.Option(
-        None,
-        help="minilm, smollm2-135m, a hub name such as org/name, or a local directory "
-        "(default: minilm).",
-        rich_help_panel=MODEL,
-    ),
-    rank: int | None = typer.Option(
-        None, "--rank", "-r", help="LoRA rank (default: 8).", rich_help_panel=MODEL
-    ),
-    lora_alpha: float | None = typer.Option(
-        None, help="LoRA alpha (default: 16).", rich_help_panel=MODEL
-    ),
-    lora_dropout: float | None = typer.Option(
-        None, help="LoRA dropout (default: 0.05).", rich_help_panel=MODEL
-    ),
-    target_modules: str | None = typer.Option(
-        None,
-        help="Comma list of LoRA targets (default: per architecture).",
-        rich_help_panel=MODEL,
-    ),
-    rslora: bool | None = typer.Option(
-        None,
-        "--rslora/--no-rslora",
-        help="Rank-stabilised scale (default: off).",
-        rich_help_panel=MODEL,
-    ),
-    # Data
-    task: str | None = typer.Option(
-        None,
-        help="bbc-news, gsm8k, sst2..., or a .csv/.jsonl file (default: bbc-news).",
-        rich_help_panel=DATA,
-    ),
-    data_dir: str | None = typer.Option(
-        None,
-        help="Local copies of hub datasets, in the hub's file layout, "
-        "DIR/nyu-mll/glue/sst2/... (default: $FEDEXLORA_DATA_DIR).",
-        rich_help_panel=DATA,
-    ),
-    max_length: int | None = typer.Option(
-        None, help="Max tokens per example (default: 64).", rich_help_panel=DATA
-    ),
-    test_fraction: float | None = typer.Option(
-        None, help="Held-out test fraction (default: 0.2).", rich_help_panel=DATA
-    ),
-    max_train: int | None = typer.Option(
-        None, help="Use only this many training examples (default: all).", rich_help_panel=DATA
-    ),
-    max_test: int | None = typer.Option(
-        None, help="Use only this many test examples (default: all).", rich_help_panel=DATA
-    ),
-    # Method
-    method: str | None = typer.Option(
-        None,
-        help=f"Comma list of {', '.join(REGISTRY)}; `fedexlora methods` describes each "
-        "(default: fedex).",
-        rich_help_panel=METHOD,
-    ),
-    residual_rank: int | None = typer.Option(
-        None,
-        help="Truncate FedEx-LoRA's residuals to this rank, which is lossy (default: exact).",
-        rich_help_panel=METHOD,
-    ),
-    fedsb_rank: int | None = typer.Option(
-        None,
-        help="Fed-SB's rank: its r x r core is what clients train and send (default: 64).",
-        rich_help_panel=METHOD,
-    ),
-    fedsb_init: str | None = typer.Option(
-        None,
-        help="Fed-SB's frozen A and B: gradient (the authors' SVD of a sign-gradient step) "
-        "or random; auto is random with --dp-epsilon, else gradient (default: auto).",
-        rich_help_panel=METHOD,
-    ),
-    fedsb_init_samples: int | None = typer.Option(
-        None,
-        help="Examples Fed-SB's gradient init is estimated on (default: 256).",
-        rich_help_panel=METHOD,
-    ),
-    # Federation
-    num_clients: int | None = typer.Option(
-        None,
-        "--num-clients",
-        "--clients",
-        help="Clients (default: 3).",
-        rich_help_panel=FEDERATION,
-    ),
-    partition: str | None = typer.Option(
-        None, help="iid or dirichlet (default: dirichlet).", rich_help_panel=FEDERATION
-    ),
-    alpha: float | None = typer.Option(
-        None, help="Dirichlet concentration (default: 0.5).", rich_help_panel=FEDERATION
-    ),
-    min_partition_size: int | None = typer.Option(
-        None, help="Minimum examples per client (default: 10).", rich_help_panel=FEDERATION
-    ),
-    rounds: int | None = typer.Option(
-        None, help="Federated rounds (default: 3).", rich_help_panel=FEDERATION
-    ),
-    fraction: float | None = typer.Option(
-        None,
-        help="Fraction of clients per round, rounded half up, at least one (default: 1.0).",
-        rich_help_panel=FEDERATION,
-    ),
-    weighting: str | None = typer.Option(
-        None,
-        help="How client updates are weighted: examples or uniform (default: each "
-        "method's own: uniform for fedsa, as its release; examples otherwise).",
-        rich_help_panel=FEDERATION,
-    ),
-    client_ranks: str | None = typer.Option(
-        None,
-        help="Comma list: each client's LoRA rank; the global rank is the largest "
-        "(default: every client at --rank).",
-        rich_help_panel=FEDERATION,
-    ),
-    max_update_norm: float | None = typer.Option(
-        None,
-        help="Reject client updates above this norm (default: off).",
-        rich_help_panel=FEDERATION,
-    ),
-    secure_aggregation: bool | None = typer.Option(
-        None,
-        "--secure-aggregation/--no-secure-aggregation",
-        help="Flower's SecAgg+: the server sees only sums of the uploads, and FedEx stays "
-        "exact; see docs/PRIVACY.md (default: off).",
-        rich_help_panel=FEDERATION,
-    ),
-    engine: str | None = typer.Option(
-        None,
-        help="local (in process) or flower, a Flower simulation (default: local).",
-        rich_help_panel=FEDERATION,
-    ),
-    # Training
-    trainer: str | None = typer.Option(
-        None,
-        help="builtin, or trl: each client trains with TRL's SFTTrainer (causal-LM tasks; "
-        "needs the trl extra) (default: builtin).",
-        rich_help_panel=TRAINING,
-    ),
-    local_epochs: float | None = typer.Option(
-        None, help="Local epochs per round (default: 1).", rich_help_panel=TRAINING
-    ),
-    local_steps: int | None = typer.Option(
-        None,
-        help="Local steps per round; overrides --local-epochs.",
-        rich_help_panel=TRAINING,
-    ),
-    batch_size: int | None = typer.Option(
-        None, help="Batch size (default: 16).", rich_help_panel=TRAINING
-    ),
-    lr: float | None = typer.Option(
-        None, help="Learning rate (default: 1e-3).", rich_help_panel=TRAINING
-    ),
-    weight_decay: float | None = typer.Option(
-        None, help="AdamW weight decay (default: 0).", rich_help_panel=TRAINING
-    ),
-    warmup_ratio: float | None = typer.Option(
-        None, help="Fraction of steps for warm-up (default: 0).", rich_help_panel=TRAINING
-    ),
-    max_grad_norm: float | None = typer.Option(
-        None, help="Gradient clipping norm (default: 1.0).", rich_help_panel=TRAINING
-    ),
-    seed: int | None = typer.Option(
-        None, help="Seed for everything random (default: 0).", rich_help_panel=TRAINING
-    ),
-    # Evaluation
-    eval_batch_size: int | None = typer.Option(
-        None, help="Evaluation batch size (default: 64).", rich_help_panel=EVALUATION
-    ),
-    max_new_tokens: int | None = typer.Option(
-        None,
-        help="Tokens generated per answer, causal LM exact match (default: 64).",
-        rich_help_panel=EVALUATION,
-    ),
-    num_beams: int | None = typer.Option(
-        None,
-        help="Beams when generating answers; 1 is greedy (default: 1).",
-        rich_help_panel=EVALUATION,
-    ),
-    # Device, precision and memory
-    device: str | None = typer.Option(
-        None, help="auto, cpu or cuda (default: cpu).", rich_help_panel=PRECISION
-    ),
-    dtype: str | None = typer.Option(
-        None,
-        help="fp32, bf16 or fp16: base weights and autocast (default: fp32).",
-        rich_help_panel=PRECISION,
-    ),
-    quantization: str | None = typer.Option(
-        None,
-        help="nf4, fp4 or int8: quantize the base with bitsandbytes (default: none).",
-        rich_help_panel=PRECISION,
-    ),
-    double_quant: bool | None = typer.Option(
-        None,
-        "--double-quant/--no-double-quant",
-        help="Quantize the 4-bit block scales too (default: off).",
-        rich_help_panel=PRECISION,
-    ),
-    side_rank: int | None = typer.Option(
-        None,
-        help="Cap the fp32 side branch at this rank, lossy with error feedback (default: exact).",
-        rich_help_panel=PRECISION,
-    ),
-    fp32_side_branch: bool | None = typer.Option(
-        None,
-        "--fp32-side-branch/--no-fp32-side-branch",
-        help="Keep an fp32 base's residuals beside it, not rounded into W: exact at any "
-        "learning rate, one more matmul per LoRA layer (default: on for exact methods "
-        "without DP; --no-fp32-side-branch folds them into W).",
-        rich_help_panel=PRECISION,
-    ),
-    gradient_checkpointing: bool | None = typer.Option(
-        None,
-        "--gradient-checkpointing/--no-gradient-checkpointing",
-        help="Trade compute for memory (default: off).",
-        rich_help_panel=PRECISION,
-    ),
-    # Privacy
-    dp_epsilon: float | None = typer.Option(
-        None,
-        help="DP-SGD on every client: total epsilon per client over the run (default: off).",
-        rich_help_panel=PRIVACY,
-    ),
-    dp_delta: float | None = typer.Option(
-        None,
-        help="DP delta, below 1 / the smallest client's examples (default: 1e-5).",
-        rich_help_panel=PRIVACY,
-    ),
-    dp_max_grad_norm: float | None = typer.Option(
-        None, help="DP-SGD per-sample clipping norm (default: 1.0).", rich_help_panel=PRIVACY
-    ),
-    # Output and resume
-    out: Path | None = typer.Option(
-        None, "--out", help="Run directory (default: runs/<time>).", rich_help_panel=OUTPUT
-    ),
-    resume: Path | None = typer.Option(
-        None,
+        panel=SETTINGS,
+        kind=Path,
+    )
+    out = option("Run directory", "--out", panel=OUTPUT, default_text="runs/<time>", kind=Path)
+    resume = option(
+        "Continue the run in this directory (it may change only the settings that leave "
+        "results alone)",
         "--resume",
-        help="Continue the run in this directory (it may change only the settings that "
-        "leave results alone).",
-        rich_help_panel=OUTPUT,
-    ),
-    keep_checkpoints: int | None = typer.Option(
-        None, help="Checkpoints kept per method (default: 2).", rich_help_panel=OUTPUT
-    ),
-    save_client_adapters: bool | None = typer.Option(
-        None,
-        "--save-client-adapters/--no-save-client-adapters",
-        help="Write client adapters (default: off).",
-        rich_help_panel=OUTPUT,
-    ),
-    report_to: str | None = typer.Option(
-        None,
-        help="Comma list of tensorboard, mlflow: log every round there (default: none).",
-        rich_help_panel=OUTPUT,
-    ),
-    no_progress: bool = typer.Option(
-        False, "--no-progress", help="Hide progress bars.", rich_help_panel=OUTPUT
-    ),
-    # Export
-    export: Path | None = typer.Option(
-        None, help="Also export the final model here.", rich_help_panel=EXPORT
-    ),
-    export_format: str | None = typer.Option(
-        None,
-        help="adapter or merged (default: merged for fp32 bases, adapter with a side "
-        "branch: bf16/fp16, quantized, --fp32-side-branch).",
-        rich_help_panel=EXPORT,
-    ),
-    export_dtype: str | None = typer.Option(
-        None, help="Merged export dtype (default: fp32).", rich_help_panel=EXPORT
-    ),
-    allow_inexact: bool | None = typer.Option(
-        None,
-        "--allow-inexact/--no-allow-inexact",
-        help="Allow an export that rounds (default: off).",
-        rich_help_panel=EXPORT,
-    ),
-) -> None:
+        panel=OUTPUT,
+        kind=Path,
+    )
+    no_progress = option(
+        "Hide progress bars", "--no-progress", panel=OUTPUT, default=False, kind=bool
+    )
+    first_output = panel.index(OUTPUT)
+    last_output = len(panel) - panel[::-1].index(OUTPUT)
+    return [
+        settings,
+        *fields[:first_output],
+        out,
+        resume,
+        *fields[first_output:last_output],
+        no_progress,
+        *fields[last_output:],
+    ]
+
+
+@command(_params())
+def run_cmd(**given) -> None:
     """Federated LoRA fine-tuning: every method on identical partitions, reported side by side."""
     quiet_libraries()
     from fedexlora.config import RunConfig, load_config, validate_mapping
 
-    given = dict(locals())
-    overrides = {}
-    for flag, key in RUN_FLAGS.items():
-        value = given.get(flag)
-        if value is None:
-            continue
-        if flag in ("method", "target_modules", "report_to"):
-            value = [v.strip() for v in str(value).split(",") if v.strip()]
-        if flag == "client_ranks":
-            try:
-                value = [int(v) for v in str(value).split(",") if v.strip()]
-            except ValueError:
-                fail(f"--client-ranks must be a comma list of integers, got {value!r}")
-        if isinstance(value, Path):
-            value = str(value)
-        overrides[key] = value
+    config, out, resume = given["config"], given["out"], given["resume"]
+    overrides, errs = from_flags(given)
+    if errs:
+        fail("; ".join(errs))
     recipe_tasks: tuple[str, ...] = ()
     try:
         if resume is not None:
@@ -442,7 +93,8 @@ def run_cmd(
         import time
 
         out = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    _execute(cfg, out, resume=resume is not None, progress=not no_progress, tasks=recipe_tasks)
+    progress = not given["no_progress"]
+    _execute(cfg, out, resume=resume is not None, progress=progress, tasks=recipe_tasks)
 
 
 def in_flags(exc: ConfigError, typed: dict) -> ConfigError:
@@ -451,27 +103,21 @@ def in_flags(exc: ConfigError, typed: dict) -> ConfigError:
     The configuration names its keys (`lora_r`); a user who typed ``--rank`` reads
     `--rank`. Settings from a TOML file keep their key, which is what the file says.
     """
-    import click
-
-    flag_of = {}
-    for param in click.get_current_context().command.params:
-        key = RUN_FLAGS.get(param.name or "")
-        if key in typed and param.opts:
-            flag_of[key] = param.opts[0]
     errors = []
     for message in exc.errors:
-        for key, flag in flag_of.items():
-            message = message.replace(f"`{key}`", f"`{flag}`")
+        for key in typed:
+            message = message.replace(f"`{key}`", f"`{FLAGS[key]}`")
         errors.append(message)
     return type(exc)(errors)
 
 
 def _resumed_config(resume: Path, overrides: dict, config: Path | None, out: Path | None):
-    """The stored config of the run in ``resume`` with the safe flags applied.
+    """The stored config of the run in ``resume`` with the flags applied that may change.
 
-    A flag that would change the run's results is refused, naming it; none is ignored.
+    A flag that would change the run's results is refused, naming it
+    (:func:`fedexlora.config.resumed_config`); none is ignored.
     """
-    from fedexlora.config import load_run_config
+    from fedexlora.config import resumed_config
     from fedexlora.run.layout import RunLayout
 
     stored_config = RunLayout(resume).config
@@ -481,26 +127,7 @@ def _resumed_config(resume: Path, overrides: dict, config: Path | None, out: Pat
         fail("--config cannot be combined with --resume: the run's own config.toml is used")
     if out is not None and Path(out).resolve() != Path(resume).resolve():
         fail(f"--out {str(out)!r} differs from --resume {str(resume)!r}: a run resumes in place")
-    stored = load_run_config(stored_config)
-    flag_of = {key: flag for flag, key in RUN_FLAGS.items()}
-    for key, value in overrides.items():
-        if key in RESUME_SAFE:
-            continue
-        before = getattr(stored, key)
-        try:
-            # getattr, not to_dict(): a setting left unset (None) is not in the dict
-            same = getattr(stored.replace(**{key: value}), key) == getattr(stored, key)
-        except (TypeError, ValueError):
-            same = False
-        if not same:
-            flag = "--" + flag_of.get(key, key).replace("_", "-")
-            safe = ", ".join("--" + k.replace("_", "-") for k in RESUME_SAFE)
-            fail(
-                f"{flag} {value!r} would change the results of the run being resumed "
-                f"(it was started with {before!r}); start a new run with --out instead. "
-                f"A resume may change only {safe} and --no-progress"
-            )
-    return load_run_config(stored_config, {k: v for k, v in overrides.items() if k in RESUME_SAFE})
+    return resumed_config(stored_config, overrides)
 
 
 def _recipe_config(overrides: dict, config: Path | None):
@@ -531,8 +158,9 @@ def _recipe_config(overrides: dict, config: Path | None):
 def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
     from fedexlora.run.checkpoint import CheckpointError
     from fedexlora.run.export import export_model
+    from fedexlora.run.inprocess import run_experiment
     from fedexlora.run.layout import RunError, RunLayout
-    from fedexlora.run.pipeline import check_inputs, run_experiment
+    from fedexlora.run.preflight import check_inputs
     from fedexlora.training.privacy import DPCheckError
 
     try:  # everything the run reads and writes, before it writes anything

@@ -197,7 +197,7 @@ def run_grid(
     Returns:
         The path of ``comparison.md``.
     """
-    from fedexlora.run.pipeline import run_experiment
+    from fedexlora.run.inprocess import run_experiment
 
     say = console.print if console is not None else print
     out = Path(out)

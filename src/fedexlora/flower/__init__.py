@@ -2,7 +2,7 @@
 
 Flower is transport only. The aggregation, the payloads and the server state are the
 in-process engine's (:mod:`fedexlora.server`); the clients train with the same local
-step (:func:`fedexlora.run.engine.local_update`).
+step (:func:`fedexlora.run.client_step.local_update`).
 
 - :class:`FedExLoRA` (``fedexlora.flower.strategy``): the ``FedAvg`` subclass.
 - ``fedexlora.flower.client_app:app`` and ``fedexlora.flower.server_app:app``: the apps

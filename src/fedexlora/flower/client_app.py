@@ -3,8 +3,9 @@
 Every client really holds its own model. It applies each payload to it with
 :func:`fedexlora.bridge.steps.apply_payload` (the residual folded into its own base, or its side
 branch, then the global factors loaded), trains with
-:func:`fedexlora.run.engine.local_update` (seeded by :func:`fedexlora.run.engine.client_seed`
-exactly as in-process) and replies with its upload.
+:func:`fedexlora.run.client_step.local_update` (seeded by
+:func:`fedexlora.run.client_step.client_seed` exactly as in-process) and replies with its
+upload.
 
 What a client must remember between rounds (what was folded into its base: the fp32
 weights of its adapted layers, or their side branches for a half-precision or quantized
@@ -194,7 +195,7 @@ def _partition(context: Context, num_clients: int) -> int:
 
 def _task_and_data(cfg, fingerprint: str, method: str):
     """The task and prepared data (cached per process); a fresh model when just loaded."""
-    from fedexlora.run.engine import new_model, prepare
+    from fedexlora.run.build import new_model, prepare
     from fedexlora.run.restore import load_task_for
 
     hit = _DATA.get(fingerprint)
@@ -227,7 +228,7 @@ def _client_model(
     from safetensors.torch import load_file
 
     from fedexlora.bridge.steps import load_client_state
-    from fedexlora.run.engine import new_model
+    from fedexlora.run.build import new_model
 
     adapter = client_adapter_name(cfg, method, pid)
     if since < 0:  # a new (or re-synced) client starts from the pretrained weights:
@@ -270,7 +271,7 @@ def _activate(model, adapter: str) -> None:
 
 def client_adapter_name(cfg, method: str, pid: int) -> str:
     """The peft adapter partition ``pid`` trains (its own rank under ``client_ranks``)."""
-    from fedexlora.run.engine import client_adapter
+    from fedexlora.run.build import client_adapter
 
     return client_adapter(cfg, method, pid) or "default"
 
@@ -383,8 +384,8 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
             server's, or it does not hold the base version the payload builds on.
     """
     from fedexlora.bridge.steps import apply_payload
-    from fedexlora.run.engine import local_update
-    from fedexlora.server.server import Payload
+    from fedexlora.core.messages import Payload
+    from fedexlora.run.client_step import local_update
     from fedexlora.training.privacy import DPCheckError
 
     c = _client_for(msg, context, defaults)
@@ -434,7 +435,7 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     elif str(conf.get("secagg-stage", "")) == "collect":  # masked: count and loss in the sum
         content["config"]["secagg.masked"] = _secure_upload(context, conf, up)
         if cfg.save_client_adapters and c.settings.run_dir:  # the client keeps its own
-            from fedexlora.run.engine import save_client_adapter
+            from fedexlora.run.client_step import save_client_adapter
 
             save_client_adapter(model, Path(c.settings.run_dir), rnd, pid, int(up.num_examples))
     else:

@@ -16,7 +16,7 @@ from typing import Any
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from fedexlora.server.server import RoundOutcome
+from fedexlora.core.messages import RoundOutcome
 
 __all__ = ["aggregate_secure", "secure_exchange", "secure_keys"]
 

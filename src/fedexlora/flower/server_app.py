@@ -1,7 +1,7 @@
 """The Flower ServerApp: the shared server state, evaluation and run directory.
 
 For every method of the run it builds the same :class:`fedexlora.server.Server` the
-in-process engine builds (:func:`fedexlora.run.pipeline`'s helpers), drives it with the
+in-process engine builds (:mod:`fedexlora.run.build`'s helpers), drives it with the
 :class:`fedexlora.flower.strategy.FedExLoRA` strategy, and after each round evaluates the
 global model it holds (residuals folded into its base, global factors loaded) exactly as
 the in-process engine does. It writes the same run directory: ``config.toml``,
@@ -52,7 +52,8 @@ def run_server(
     """
     from fedexlora.bridge.adapters import set_state
     from fedexlora.flower.strategy import FedExLoRA, NodeDirectory
-    from fedexlora.run.engine import client_adapter, save_client_adapter
+    from fedexlora.run.build import client_adapter
+    from fedexlora.run.client_step import save_client_adapter
     from fedexlora.run.lifecycle import Run
     from fedexlora.run.rounds import RoundTraffic, close_round
 
@@ -61,7 +62,7 @@ def run_server(
         out = Path(settings.resume)
     else:
         out = Path(settings.run_dir or Path("runs") / time.strftime("flower-%Y%m%d-%H%M%S"))
-    run = Run(
+    run = Run.open(
         cfg,
         out,
         resume=bool(settings.resume),

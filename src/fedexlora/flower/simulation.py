@@ -402,7 +402,7 @@ def client_resources(
     """
     import torch
 
-    from fedexlora.run.engine import resolve_device
+    from fedexlora.run.build import resolve_device
 
     cpus = client_cpus if client_cpus is not None else _env_float("FEDEXLORA_CLIENT_CPUS")
     gpus = client_gpus if client_gpus is not None else _env_float("FEDEXLORA_CLIENT_GPUS")

@@ -31,10 +31,11 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
+from fedexlora.core.messages import ClientUpload, RoundOutcome
 from fedexlora.core.methods import method_names
 from fedexlora.core.state import AdapterState
 from fedexlora.flower.records import from_array_record, to_array_record
-from fedexlora.server.server import ClientUpload, RoundOutcome, Server
+from fedexlora.server.server import Server
 
 __all__ = ["FedExLoRA", "NodeDirectory", "RoundRecord"]
 

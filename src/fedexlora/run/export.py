@@ -259,7 +259,7 @@ def _write_merged(cfg, task, method, model, dest: Path, dtype: torch.dtype) -> s
     """The effective model written as plain weights (dequantized, upcast, merged)."""
     from transformers.pytorch_utils import Conv1D
 
-    from fedexlora.run.engine import new_model
+    from fedexlora.run.build import new_model
 
     quantized = cfg.quantization is not None
     if quantized or cfg.dtype != "fp32":

@@ -1,20 +1,22 @@
 """The life of a run, one for both engines: its directory from the first line to the last.
 
-:class:`Run` owns the run directory (:class:`fedexlora.run.layout.RunLayout`): it refuses
-to overwrite a run, writes ``config.toml`` and ``partitions.txt``, loads the task and the
-partitions, restores every method on a resume, and after each round appends the row,
-logs it to the trackers and writes the checkpoint; at the end it writes ``summary.md``
-and the plots. An engine only trains rounds:
+:class:`Run` owns the run directory (:class:`fedexlora.run.layout.RunLayout`).
+:meth:`Run.open` refuses to overwrite a run, loads the task, the first method's model
+(whose tokenizer encodes the task) and the partitions, writes ``config.toml`` and
+``partitions.txt``, and restores every method on a resume; the run then hands out each
+method's model and server, after each round appends the row, logs it to the trackers and
+writes the checkpoint, and at the end writes ``summary.md`` and the plots. An engine only
+trains rounds:
 
 .. code-block:: python
 
-    run = Run(cfg, out, resume=resume)
+    run = Run.open(cfg, out, resume=resume)
     for m in run.methods():          # each method still to run, its model and server
         ...train the rounds after m.server.round, and after each one:
         run.record(m, row)
     rows = run.finish()
 
-The in-process engine (:func:`fedexlora.run.pipeline.run_experiment`) and the Flower
+The in-process engine (:func:`fedexlora.run.inprocess.run_experiment`) and the Flower
 ServerApp (:func:`fedexlora.flower.server_app.run_server`) both drive it.
 :func:`run_tasks` runs every task of a multi-task recipe, through either engine.
 """
@@ -30,8 +32,8 @@ from typing import Any
 
 from fedexlora.config import RunConfig, load_run_config
 from fedexlora.core.methods.spec import EXACT_BOUND, ROUNDING_MARGIN
+from fedexlora.run.build import Prepared, new_model, new_server, prepare
 from fedexlora.run.checkpoint import config_fingerprint, save_checkpoint
-from fedexlora.run.engine import Prepared, new_model, new_server, prepare
 from fedexlora.run.layout import RunError, RunLayout, append_row, write_atomic, write_rows
 from fedexlora.run.recipes import get_recipe, paper_section, recipe_section
 from fedexlora.run.report import read_metrics, write_summary
@@ -75,35 +77,89 @@ class MethodRun:
 class Run:
     """One run directory, from its checks to its summary; see the module docstring.
 
-    Args:
-        cfg: A validated configuration.
-        out: The run directory.
-        resume: Continue the run in ``out`` from each method's last intact checkpoint.
-        say: Prints a message (``print``, or a rich console's ``print``).
-        resume_hint: How the user resumes, for the message when ``out`` holds a run.
+    :meth:`open` opens a run: it checks the directory, loads the task, the first
+    method's model and the partitions, writes the run's first files and, on a resume,
+    restores every method. The constructor only holds what :meth:`open` gives it.
 
-    Raises:
-        RunError: If ``out`` holds a run and ``resume`` is not set, or the reverse.
-        CheckpointError: If a checkpoint is corrupt or does not match the configuration.
+    Args:
+        cfg: The configuration, resolved against the run's own (:meth:`open`).
+        layout: The run directory.
+        task: The loaded task.
+        prep: Its partitions and tokenized splits, shared by every method.
+        trackers: The open trackers (:func:`fedexlora.run.trackers.open_trackers`).
+        resume: Whether the run continues from its checkpoints.
+        say: Prints a message (``print``, or a rich console's ``print``).
+        first_model: The model whose tokenizer encoded the task, for the first method
+            of ``cfg.methods`` when it is not restored (it is not loaded twice);
+            ``None``: every method loads its own.
+        restored: Method -> ``(model, server, personal)`` brought back from its newest
+            intact checkpoint.
+        done_rows: Method -> the rows that checkpoint holds.
     """
 
     def __init__(
         self,
+        cfg: RunConfig,
+        layout: RunLayout,
+        task,
+        prep: Prepared,
+        *,
+        trackers,
+        resume: bool = False,
+        say: Callable[[str], Any] = print,
+        first_model=None,
+        restored: dict[str, tuple] | None = None,
+        done_rows: dict[str, list[dict]] | None = None,
+    ):
+        self.cfg = cfg
+        self.layout = layout
+        self.task = task
+        self.prep = prep
+        self.trackers = trackers
+        self.resume = resume
+        self.say = say
+        self.fingerprint = config_fingerprint(cfg)
+        self._first_model = first_model
+        self._restored: dict[str, tuple] = dict(restored or {})
+        self._done_rows: dict[str, list[dict]] = dict(done_rows or {})
+        self.all_rows: list[dict] = []
+
+    @classmethod
+    def open(
+        cls,
         cfg: RunConfig,
         out: str | Path,
         *,
         resume: bool = False,
         say: Callable[[str], Any] = print,
         resume_hint: str = "pass --resume to continue it",
-    ):
-        self.layout = layout = RunLayout(out)
+    ) -> Run:
+        """Opens the run in ``out``, new or resumed, and says what it trains on.
+
+        In this order, so that a bad input leaves nothing behind: the configuration is
+        resolved against the run's ``config.toml`` (a resume runs as the run ran) and the
+        directory checked; the task is loaded, then the first method's model (its
+        tokenizer encodes the task, and the first method trains it) and the partitions.
+        Only then is anything written: ``config.toml`` and ``partitions.txt``, and
+        ``metrics.jsonl`` (empty; on a resume, cut back to the rows of the checkpoints
+        every method is restored from).
+
+        Args:
+            cfg: A validated configuration.
+            out: The run directory.
+            resume: Continue the run in ``out`` from each method's last intact checkpoint.
+            say: Prints a message (``print``, or a rich console's ``print``).
+            resume_hint: How the user resumes, for the message when ``out`` holds a run.
+
+        Raises:
+            RunError: If ``out`` holds a run and ``resume`` is not set, or the reverse.
+            CheckpointError: If a checkpoint is corrupt or does not match the configuration.
+        """
+        layout = RunLayout(out)
         ran = None
         if resume and layout.config.is_file():
             ran = load_run_config(layout.config)
-        self.cfg = cfg = cfg.resolved(ran)  # config.toml says how the run ran
-        self.resume = resume
-        self.say = say
-        self.fingerprint = config_fingerprint(cfg)
+        cfg = cfg.resolved(ran)  # config.toml says how the run ran
         if resume:
             if not layout.config.is_file():
                 raise RunError(f"--resume: {str(layout.root)!r} holds no run (no config.toml)")
@@ -113,30 +169,31 @@ class Run:
                 "choose another directory"
             )
         # the task, the model and the partitions first: a bad input leaves nothing behind
-        self.task = load_task_for(cfg)
-        self._first_model, tokenizer = new_model(cfg, self.task, cfg.methods[0])
-        self.prep: Prepared = prepare(cfg, tokenizer, self.task)
+        task = load_task_for(cfg)
+        first_model, tokenizer = new_model(cfg, task, cfg.methods[0])
+        prep = prepare(cfg, tokenizer, task)
         if cfg.dp:  # each client checks its own too; this names the problem before round 1
             from fedexlora.training.privacy import check_delta
 
-            check_delta(cfg.dp_delta, [len(p) for p in self.prep.parts])
+            check_delta(cfg.dp_delta, [len(p) for p in prep.parts])
         layout.root.mkdir(parents=True, exist_ok=True)
         if not resume:
             write_atomic(layout.config, cfg.to_toml())
-        say(f"task {cfg.task}: {len(self.prep.task.train)} train / {len(self.prep.task.test)} test")
-        say(self._partition_summary())
+        say(f"task {cfg.task}: {len(prep.task.train)} train / {len(prep.task.test)} test")
+        say(_partition_summary(layout, prep))
         if not resume:
-            self._note_partition()
-        self._restored: dict[str, tuple] = {}
-        self._done_rows: dict[str, list[dict]] = {}
+            _note_partition(cfg, task, layout)
+        restored: dict[str, tuple] = {}
+        done_rows: dict[str, list[dict]] = {}
         if resume:
-            self._restored, self._done_rows = restore_run(
-                cfg, self.task, layout.root, self.fingerprint, say
-            )
+            restored, done_rows = restore_run(cfg, task, layout.root, config_fingerprint(cfg), say)
         else:
             layout.metrics.write_text("")
-        self.trackers = open_trackers(cfg, layout.root, resume)
-        self.all_rows: list[dict] = []
+        trackers = open_trackers(cfg, layout.root, resume)
+        return cls(
+            cfg, layout, task, prep, trackers=trackers, resume=resume, say=say,
+            first_model=first_model, restored=restored, done_rows=done_rows,
+        )  # fmt: skip
 
     # -- the methods ------------------------------------------------------------------
     def methods(self) -> Iterator[MethodRun]:
@@ -268,32 +325,32 @@ class Run:
         self.trackers.finish()
         return self.all_rows
 
-    # -- partitions -------------------------------------------------------------------
-    def _note_partition(self) -> None:
-        """Adds a comment to ``config.toml`` when the clients were not partitioned as it says."""
-        from fedexlora.run.engine import effective_partition
 
-        _, note = effective_partition(self.cfg, self.task)
-        if note:
-            path = self.layout.config
-            write_atomic(path, path.read_text() + f"\n# note: {note}\n")
+def _note_partition(cfg: RunConfig, task, layout: RunLayout) -> None:
+    """Adds a comment to ``config.toml`` when the clients were not partitioned as it says."""
+    from fedexlora.run.build import effective_partition
 
-    def _partition_summary(self) -> str:
-        """The partition table, written to ``partitions.txt``; shortened on screen when long."""
-        prep = self.prep
-        write_atomic(self.layout.partitions, prep.partition_table + "\n")
-        lines = prep.partition_table.splitlines()
-        if len(prep.parts) <= _TABLE_LINES:
-            return prep.partition_table
-        sizes = sorted(len(p) for p in prep.parts)
-        return "\n".join(
-            lines[: _TABLE_LINES // 2 + 1]
-            + [
-                f"   ... {len(sizes)} clients of {sizes[0]} to {sizes[-1]} examples "
-                f"(median {sizes[len(sizes) // 2]}): see partitions.txt",
-                lines[-1],
-            ]
-        )
+    _, note = effective_partition(cfg, task)
+    if note:
+        path = layout.config
+        write_atomic(path, path.read_text() + f"\n# note: {note}\n")
+
+
+def _partition_summary(layout: RunLayout, prep: Prepared) -> str:
+    """The partition table, written to ``partitions.txt``; shortened on screen when long."""
+    write_atomic(layout.partitions, prep.partition_table + "\n")
+    lines = prep.partition_table.splitlines()
+    if len(prep.parts) <= _TABLE_LINES:
+        return prep.partition_table
+    sizes = sorted(len(p) for p in prep.parts)
+    return "\n".join(
+        lines[: _TABLE_LINES // 2 + 1]
+        + [
+            f"   ... {len(sizes)} clients of {sizes[0]} to {sizes[-1]} examples "
+            f"(median {sizes[len(sizes) // 2]}): see partitions.txt",
+            lines[-1],
+        ]
+    )
 
 
 def run_tasks(

@@ -9,6 +9,7 @@ import torch
 
 from fedexlora.bridge.adapters import folded_weights, load_side_state, set_state, side_state
 from fedexlora.config import RunConfig
+from fedexlora.run.build import new_model, new_server
 from fedexlora.run.checkpoint import (
     BASE_DELTAS,
     CLIENTS,
@@ -16,7 +17,6 @@ from fedexlora.run.checkpoint import (
     checkpoints,
     load_checkpoint,
 )
-from fedexlora.run.engine import new_model, new_server
 from fedexlora.run.layout import RunLayout, write_rows
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The end of a round, as both engines close it, whatever carried the round.
 
-An engine (in-process, :mod:`fedexlora.run.simulation`; or Flower's ServerApp,
+An engine (in-process, :mod:`fedexlora.run.inprocess`; or Flower's ServerApp,
 :mod:`fedexlora.flower.server_app`) samples, sends payloads, trains and aggregates in its
 own way, then hands what it measured (:class:`RoundTraffic`) to :func:`close_round`, which
 brings the global model to the outcome, evaluates it (or, for a personalized method, each
@@ -23,9 +23,10 @@ import torch
 from fedexlora.bridge.adapters import set_state
 from fedexlora.bridge.steps import apply_outcome
 from fedexlora.config import RunConfig
+from fedexlora.core.messages import ClientUpload, RoundOutcome, example_count
 from fedexlora.core.methods import get_method
-from fedexlora.run.engine import Prepared, autocast_dtype
-from fedexlora.server.server import ClientUpload, RoundOutcome, Server, example_count
+from fedexlora.run.build import Prepared, autocast_dtype
+from fedexlora.server.server import Server
 from fedexlora.training.local import Encoded, evaluate
 
 __all__ = [

@@ -1,6 +1,7 @@
 """The server's state as data: what :meth:`Server.state_dict` holds, parsed and checked.
 
-Torch and the standard library only; :class:`fedexlora.server.Server` builds and loads it.
+Torch and the standard library only; :class:`fedexlora.server.Server` builds and loads it
+(:mod:`fedexlora.server.state_dict`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,15 @@
-"""The in-process engine: one base model in memory, clients trained in turn.
+"""The in-process engine: a whole run in this process, clients trained in turn.
 
-The server logic (:class:`fedexlora.server.Server`) and the aggregation are the same as in
-every other engine, and so are the shared steps (:mod:`fedexlora.run.engine`); this module is
-the loop alone: it moves tensors between the server and one shared model, and records
-what happened.
+:func:`run_experiment` runs every method of a configuration here: the run directory and
+its life (checks, config, partitions, rows, checkpoints, resume, trackers, summary) are
+:class:`fedexlora.run.lifecycle.Run`'s, and each method's rounds are
+:func:`run_method`'s. That loop keeps one base model in memory and trains the sampled
+clients on it in turn; it builds what it trains as every engine does
+(:mod:`fedexlora.run.build`), trains each client through the same step
+(:mod:`fedexlora.run.client_step`), runs the same :class:`fedexlora.server.Server` (in
+the clear, or through SecAgg+ in process) and closes each round the same way
+(:func:`fedexlora.run.rounds.close_round`). The Flower engine, its sibling, is
+:mod:`fedexlora.flower`.
 """
 
 from __future__ import annotations
@@ -26,20 +32,66 @@ from fedexlora.bridge.adapters import (
     snapshot_base,
 )
 from fedexlora.config import RunConfig
+from fedexlora.core.messages import ClientUpload
 from fedexlora.core.state import AdapterState
-from fedexlora.run.engine import (
-    Prepared,
-    client_adapter,
-    local_update,
-    new_model,
-    new_server,
-    save_client_adapter,
-)
+from fedexlora.run.build import Prepared, client_adapter, new_model, new_server
+from fedexlora.run.client_step import local_update, save_client_adapter
 from fedexlora.run.layout import RunLayout
+from fedexlora.run.lifecycle import Run
 from fedexlora.run.rounds import RoundTraffic, close_round, evaluate_personal
-from fedexlora.server.server import ClientUpload, Server
+from fedexlora.server.server import Server
 
-__all__ = ["run_method"]
+__all__ = ["run_experiment", "run_method"]
+
+
+def run_experiment(
+    cfg: RunConfig,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    console=None,
+    local_update: Callable[..., ClientUpload] | None = None,
+) -> list[dict]:
+    """Runs every method of ``cfg`` in this process and writes the run directory.
+
+    The directory gets ``config.toml``, ``metrics.jsonl`` (one row per method and round,
+    appended and fsynced as each round ends), ``summary.md``, PNG plots and, per method,
+    ``checkpoints/<method>/round-XXXX`` after every round.
+
+    Args:
+        cfg: A validated configuration.
+        out_dir: The run directory.
+        resume: Continue a run in ``out_dir`` from its last complete round.
+        progress: Show progress bars.
+        console: A ``rich`` console for messages (plain ``print`` when ``None``).
+        local_update: Each client's training step (:func:`fedexlora.run.client_step.local_update`
+            when ``None``): a caller may wrap it to watch clients or play faulty ones.
+
+    Returns:
+        All metrics rows.
+
+    Raises:
+        RunError: If ``out_dir`` holds a run and ``resume`` is not set, or the reverse.
+        CheckpointError: If a checkpoint is corrupt or does not match the configuration.
+    """
+    say = console.print if console is not None else print
+    run = Run.open(cfg, out_dir, resume=resume, say=say)
+    for current in run.methods():
+        run_method(
+            cfg,
+            current.method,
+            run.prep,
+            out_dir=run.layout.root,
+            progress=progress,
+            model=current.model,
+            server=current.server,
+            after_round=lambda row, _srv, _mdl, _m=current: run.record(_m, row),
+            history=current.rows,
+            personal=current.personal,
+            **({} if local_update is None else {"local_update": local_update}),
+        )
+    return run.finish()
 
 
 def run_method(
@@ -76,7 +128,7 @@ def run_method(
             filled in as clients train; the caller checkpoints it (a resume passes it
             back). Each client really holds its own, as under Flower.
         local_update: A client's training step, called as
-            :func:`fedexlora.run.engine.local_update` (its default) is, returning the
+            :func:`fedexlora.run.client_step.local_update` (its default) is, returning the
             client's upload: a caller may wrap it to watch clients or play faulty ones.
     """
     from fedexlora.core.methods import get_method

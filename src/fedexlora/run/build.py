@@ -1,9 +1,14 @@
-"""What both engines share: models, servers, data, local updates, rounds and their rows.
+"""What a run is built from, on either engine: its model, its server, its data.
 
-The in-process engine (:mod:`fedexlora.run.simulation`) and the Flower engine
-(:mod:`fedexlora.flower`) are siblings over this module: both load models and servers,
-prepare data, train clients and apply rounds through the same functions, so they produce
-the same global model. The model-level steps a user's own loop needs live in
+Both engines (in process, :mod:`fedexlora.run.inprocess`; Flower's ServerApp and
+ClientApp, :mod:`fedexlora.flower`) build every method the same way here, so they start
+from the same global model: :func:`new_model` (the LoRA model on the run's device, with
+Fed-SB's frozen factors and the adapters of other client ranks), :func:`new_server` (its
+:class:`~fedexlora.server.Server`), :func:`prepare` (the partitions and the tokenized
+splits, :class:`Prepared`) and the settings they read (device, dtype, the adapter a
+client of another rank trains). The name says what the module does: it builds what the
+engines run, and runs nothing itself. What a client then does in a round is
+:mod:`fedexlora.run.client_step`; the model-level steps a user's own loop needs are
 :mod:`fedexlora.bridge.steps`.
 """
 
@@ -11,37 +16,28 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from fedexlora.bridge.adapters import folded_delta, get_state, layer_info, set_state
-from fedexlora.bridge.steps import make_upload
+from fedexlora.bridge.adapters import folded_delta, get_state, layer_info
 from fedexlora.config import RunConfig
 from fedexlora.core.methods import get_method
-from fedexlora.server.server import ClientUpload, Server
-from fedexlora.training.local import Encoded, encode, train_local
+from fedexlora.server.server import Server
+from fedexlora.training.local import Encoded, encode
 
 __all__ = [
     "Prepared",
     "autocast_dtype",
+    "check_max_length",
     "client_adapter",
-    "client_seed",
-    "local_update",
+    "effective_partition",
     "new_model",
     "new_server",
     "prepare",
     "resolve_device",
-    "save_client_adapter",
     "torch_dtype",
 ]
-
-
-def client_seed(seed: int, rnd: int, client: int) -> int:
-    """The seed of one client's local training in one round (same for every method)."""
-    return (seed * 1_000_003 + rnd * 10_007 + client * 101) % (2**31)
 
 
 @dataclass
@@ -261,130 +257,3 @@ def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
         seed=cfg.seed,
     )
     return Prepared(task, parts, train, test, tokenizer, table, test_parts)
-
-
-def local_update(
-    cfg: RunConfig,
-    method: str,
-    model: torch.nn.Module,
-    data: Encoded,
-    rnd: int,
-    client: int,
-    *,
-    steps: int | None = None,
-    progress: bool = False,
-    dp=None,
-    tokenizer=None,
-) -> ClientUpload:
-    """One client's local step, shared by every engine: train, then read the upload back.
-
-    The model must already hold the global weights (its base with the residuals folded
-    in, and the global factors). The seed comes from :func:`client_seed`, so every engine
-    trains a given client identically.
-
-    Args:
-        cfg: The run configuration.
-        method: The method (``ffa`` uploads no A).
-        model: The client's model, on the device it trains on.
-        data: The client's examples.
-        rnd: The round.
-        client: The client id.
-        steps: Local steps; ``None`` takes ``cfg.local_steps``.
-        progress: Whether to show a progress bar.
-        dp: This client's DP-SGD budget (:class:`fedexlora.training.privacy.Budget`), or None.
-        tokenizer: The model's tokenizer (``cfg.trainer == "trl"`` needs it).
-    """
-    spec = get_method(method)
-    train_A, train_B = spec.trained(rnd)  # latent (Fed-SB): A is I in its coordinates
-    if spec.alternating:  # RoLoRA: B in odd rounds, A in even ones
-        from fedexlora.bridge.adapters import set_trainable
-
-        set_trainable(model, train_A=train_A, train_B=train_B)
-    penalty, prune = _rank_pruning(model) if spec.prunes_rank else (None, None)
-    steps = cfg.local_steps if steps is None else steps
-    seed, device = client_seed(cfg.seed, rnd, client), next(model.parameters()).device
-    if cfg.trainer == "trl":  # TRL's SFTTrainer: the same steps, batch, schedule and seed
-        from fedexlora.training.sft import train_encoded
-
-        if tokenizer is None:
-            raise ValueError("`trainer` 'trl' needs the tokenizer: local_update(..., tokenizer=)")
-        res = train_encoded(
-            model, tokenizer, data, steps=steps, seed=seed,
-            lr=cfg.lr, batch_size=cfg.batch_size, epochs=cfg.local_epochs,
-            device=device, dtype=autocast_dtype(cfg),
-            gradient_checkpointing=cfg.gradient_checkpointing,
-            weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio,
-            max_grad_norm=cfg.max_grad_norm,
-        )  # fmt: skip
-    else:
-        res = train_local(
-            model,
-            data,
-            epochs=cfg.local_epochs,
-            steps=steps,
-            batch_size=cfg.batch_size,
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            warmup_ratio=cfg.warmup_ratio,
-            max_grad_norm=cfg.max_grad_norm,
-            seed=seed,
-            desc=f"{method} r{rnd} client {client}",
-            progress=progress,
-            device=device,
-            autocast=autocast_dtype(cfg),
-            dp=dp,
-            penalty=penalty,
-        )
-    if prune is not None:
-        prune()
-    up_A, up_B = spec.uploaded(rnd)  # FedSA-LoRA: B is trained but kept
-    return make_upload(
-        model,
-        res.num_examples,
-        client_id=client,
-        train_loss=res.loss,
-        include_A=up_A,
-        include_B=up_B,
-        include_extra=spec.shares_head,
-    )
-
-
-def _rank_pruning(model):
-    """HetLoRA's rank self-pruning for one round: ``(penalty, prune)``, or ``(None, None)``.
-
-    ``penalty`` (added to the local loss) is ``λ ||B[:, t:r]|| ||A[t:r]||`` over the tail
-    of the rank ``r`` the client uses, ``t = ⌊γ r⌋``; ``prune`` (after training) cuts the
-    adapter to rank ``t`` when that tail's norm product ended smaller than it began.
-    """
-    from fedexlora.bridge.adapters import tail_norm
-    from fedexlora.core.hetero import cut_rank, used_rank
-    from fedexlora.core.methods.hetlora import LAMBDA, pruning_tail
-
-    rank = used_rank(get_state(model, include_extra=False))
-    cut = pruning_tail(rank)
-    if not 1 <= cut < rank:
-        return None, None
-    with torch.no_grad():
-        before = float(tail_norm(model, cut, rank))
-
-    def prune() -> None:
-        with torch.no_grad():
-            if float(tail_norm(model, cut, rank)) < before:  # the tail shrank: cut it off
-                set_state(model, cut_rank(get_state(model, include_extra=False), cut))
-
-    return (lambda: LAMBDA * tail_norm(model, cut, rank)), prune
-
-
-def save_client_adapter(
-    model, out_dir: Path, rnd: int, client: int, num_examples: int, weight: float | None = None
-) -> Path:
-    """Writes the model's current adapter as a PEFT adapter directory with ``meta.json``."""
-    from fedexlora.run.layout import RunLayout
-
-    dest = RunLayout(out_dir).client_adapter(rnd, client)
-    model.save_pretrained(str(dest))
-    meta = {"round": rnd, "client": client, "num_examples": num_examples}
-    if weight is not None:
-        meta["weight"] = weight
-    RunLayout(out_dir).client_adapter_meta(rnd, client).write_text(json.dumps(meta, indent=2))
-    return dest

@@ -1,25 +1,25 @@
-"""The in-process engine's whole run: every method on identical partitions.
+"""Checks before a run: what it will read and write, found before it writes anything.
 
-The run directory and its life (checks, config, partitions, rows, checkpoints, resume,
-trackers, summary) are :class:`fedexlora.run.lifecycle.Run`'s; this module only trains
-each method's rounds in this process (:func:`fedexlora.run.simulation.run_method`).
+:func:`check_inputs` is what the command line runs first, whichever engine the run asks
+for: the run directory and the export directory can be written, Flower (and its
+simulation) can be imported when the run needs them, the device exists, and each task
+loads (a hub task: its name). A configuration that validates
+(:meth:`fedexlora.config.RunConfig.validate`) can still fail here; nothing is written
+until it passes.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from fedexlora.config import RunConfig
 from fedexlora.run.export import output_dir_error
 from fedexlora.run.layout import RunError
-from fedexlora.run.lifecycle import Run
 from fedexlora.run.restore import load_task_for
-from fedexlora.run.simulation import run_method
-from fedexlora.server.server import ClientUpload
 
-__all__ = ["check_inputs", "run_experiment"]
+__all__ = ["check_inputs"]
 
 
 _FLOWER_FIX = "fix: pip install 'fedex-lora[flower]'"
@@ -50,7 +50,7 @@ def check_inputs(
     Raises:
         RunError: Naming the first problem and the input it comes from.
     """
-    from fedexlora.run.engine import resolve_device
+    from fedexlora.run.build import resolve_device
 
     if not resume:
         problem = output_dir_error(out)
@@ -90,53 +90,3 @@ def _task_error(cfg: RunConfig) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
-
-
-def run_experiment(
-    cfg: RunConfig,
-    out_dir: str | Path,
-    *,
-    resume: bool = False,
-    progress: bool = True,
-    console=None,
-    local_update: Callable[..., ClientUpload] | None = None,
-) -> list[dict]:
-    """Runs every method of ``cfg`` in this process and writes the run directory.
-
-    The directory gets ``config.toml``, ``metrics.jsonl`` (one row per method and round,
-    appended and fsynced as each round ends), ``summary.md``, PNG plots and, per method,
-    ``checkpoints/<method>/round-XXXX`` after every round.
-
-    Args:
-        cfg: A validated configuration.
-        out_dir: The run directory.
-        resume: Continue a run in ``out_dir`` from its last complete round.
-        progress: Show progress bars.
-        console: A ``rich`` console for messages (plain ``print`` when ``None``).
-        local_update: Each client's training step (:func:`fedexlora.run.engine.local_update`
-            when ``None``): a caller may wrap it to watch clients or play faulty ones.
-
-    Returns:
-        All metrics rows.
-
-    Raises:
-        RunError: If ``out_dir`` holds a run and ``resume`` is not set, or the reverse.
-        CheckpointError: If a checkpoint is corrupt or does not match the configuration.
-    """
-    say = console.print if console is not None else print
-    run = Run(cfg, out_dir, resume=resume, say=say)
-    for current in run.methods():
-        run_method(
-            cfg,
-            current.method,
-            run.prep,
-            out_dir=run.layout.root,
-            progress=progress,
-            model=current.model,
-            server=current.server,
-            after_round=lambda row, _srv, _mdl, _m=current: run.record(_m, row),
-            history=current.rows,
-            personal=current.personal,
-            **({} if local_update is None else {"local_update": local_update}),
-        )
-    return run.finish()

@@ -1,0 +1,160 @@
+"""A client's step in a round, on either engine: its seed, its training, its upload.
+
+:func:`local_update` trains one client from the global model it holds (through
+:mod:`fedexlora.training`: ours, or TRL's ``SFTTrainer``) with the seed
+:func:`client_seed` gives every engine alike, applies HetLoRA's rank self-pruning, and
+reads the upload back (:func:`fedexlora.bridge.steps.make_upload`);
+:func:`save_client_adapter` writes what a client trained as a PEFT adapter
+(``save_client_adapters``). The in-process engine (:mod:`fedexlora.run.inprocess`) and
+Flower's ClientApp (:mod:`fedexlora.flower.client_app`) both call it, so a client trains
+identically on either.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from fedexlora.bridge.adapters import get_state, set_state
+from fedexlora.bridge.steps import make_upload
+from fedexlora.config import RunConfig
+from fedexlora.core.messages import ClientUpload
+from fedexlora.core.methods import get_method
+from fedexlora.run.build import autocast_dtype
+from fedexlora.training.local import Encoded, train_local
+
+__all__ = ["client_seed", "local_update", "save_client_adapter"]
+
+
+def client_seed(seed: int, rnd: int, client: int) -> int:
+    """The seed of one client's local training in one round (same for every method)."""
+    return (seed * 1_000_003 + rnd * 10_007 + client * 101) % (2**31)
+
+
+def local_update(
+    cfg: RunConfig,
+    method: str,
+    model: torch.nn.Module,
+    data: Encoded,
+    rnd: int,
+    client: int,
+    *,
+    steps: int | None = None,
+    progress: bool = False,
+    dp=None,
+    tokenizer=None,
+) -> ClientUpload:
+    """One client's local step, shared by every engine: train, then read the upload back.
+
+    The model must already hold the global weights (its base with the residuals folded
+    in, and the global factors). The seed comes from :func:`client_seed`, so every engine
+    trains a given client identically.
+
+    Args:
+        cfg: The run configuration.
+        method: The method (``ffa`` uploads no A).
+        model: The client's model, on the device it trains on.
+        data: The client's examples.
+        rnd: The round.
+        client: The client id.
+        steps: Local steps; ``None`` takes ``cfg.local_steps``.
+        progress: Whether to show a progress bar.
+        dp: This client's DP-SGD budget (:class:`fedexlora.training.privacy.Budget`), or None.
+        tokenizer: The model's tokenizer (``cfg.trainer == "trl"`` needs it).
+    """
+    spec = get_method(method)
+    train_A, train_B = spec.trained(rnd)  # latent (Fed-SB): A is I in its coordinates
+    if spec.alternating:  # RoLoRA: B in odd rounds, A in even ones
+        from fedexlora.bridge.adapters import set_trainable
+
+        set_trainable(model, train_A=train_A, train_B=train_B)
+    penalty, prune = _rank_pruning(model) if spec.prunes_rank else (None, None)
+    steps = cfg.local_steps if steps is None else steps
+    seed, device = client_seed(cfg.seed, rnd, client), next(model.parameters()).device
+    if cfg.trainer == "trl":  # TRL's SFTTrainer: the same steps, batch, schedule and seed
+        from fedexlora.training.sft import train_encoded
+
+        if tokenizer is None:
+            raise ValueError("`trainer` 'trl' needs the tokenizer: local_update(..., tokenizer=)")
+        res = train_encoded(
+            model, tokenizer, data, steps=steps, seed=seed,
+            lr=cfg.lr, batch_size=cfg.batch_size, epochs=cfg.local_epochs,
+            device=device, dtype=autocast_dtype(cfg),
+            gradient_checkpointing=cfg.gradient_checkpointing,
+            weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio,
+            max_grad_norm=cfg.max_grad_norm,
+        )  # fmt: skip
+    else:
+        res = train_local(
+            model,
+            data,
+            epochs=cfg.local_epochs,
+            steps=steps,
+            batch_size=cfg.batch_size,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            warmup_ratio=cfg.warmup_ratio,
+            max_grad_norm=cfg.max_grad_norm,
+            seed=seed,
+            desc=f"{method} r{rnd} client {client}",
+            progress=progress,
+            device=device,
+            autocast=autocast_dtype(cfg),
+            dp=dp,
+            penalty=penalty,
+        )
+    if prune is not None:
+        prune()
+    up_A, up_B = spec.uploaded(rnd)  # FedSA-LoRA: B is trained but kept
+    return make_upload(
+        model,
+        res.num_examples,
+        client_id=client,
+        train_loss=res.loss,
+        include_A=up_A,
+        include_B=up_B,
+        include_extra=spec.shares_head,
+    )
+
+
+def _rank_pruning(model):
+    """HetLoRA's rank self-pruning for one round: ``(penalty, prune)``, or ``(None, None)``.
+
+    ``penalty`` (added to the local loss) is ``λ ||B[:, t:r]|| ||A[t:r]||`` over the tail
+    of the rank ``r`` the client uses, ``t = ⌊γ r⌋``; ``prune`` (after training) cuts the
+    adapter to rank ``t`` when that tail's norm product ended smaller than it began.
+    """
+    from fedexlora.bridge.adapters import tail_norm
+    from fedexlora.core.hetero import cut_rank, used_rank
+    from fedexlora.core.methods.hetlora import LAMBDA, pruning_tail
+
+    rank = used_rank(get_state(model, include_extra=False))
+    cut = pruning_tail(rank)
+    if not 1 <= cut < rank:
+        return None, None
+    with torch.no_grad():
+        before = float(tail_norm(model, cut, rank))
+
+    def prune() -> None:
+        with torch.no_grad():
+            if float(tail_norm(model, cut, rank)) < before:  # the tail shrank: cut it off
+                set_state(model, cut_rank(get_state(model, include_extra=False), cut))
+
+    return (lambda: LAMBDA * tail_norm(model, cut, rank)), prune
+
+
+def save_client_adapter(
+    model, out_dir: Path, rnd: int, client: int, num_examples: int, weight: float | None = None
+) -> Path:
+    """Writes the model's current adapter as a PEFT adapter directory with ``meta.json``."""
+    from fedexlora.run.layout import RunLayout
+
+    dest = RunLayout(out_dir).client_adapter(rnd, client)
+    model.save_pretrained(str(dest))
+    meta = {"round": rnd, "client": client, "num_examples": num_examples}
+    if weight is not None:
+        meta["weight"] = weight
+    RunLayout(out_dir).client_adapter_meta(rnd, client).write_text(json.dumps(meta, indent=2))
+    return dest
