@@ -70,7 +70,10 @@ def measure(cfg, method: str, k: int) -> dict:
     rnd.keys(exchange)
     setups, collect = rnd.setup(), rnd.session.collect()
     t = time.perf_counter()
-    masked = {c: client_reply(sessions[c], setups[c], collect[c], up) for c, up in enumerate(ups)}
+    masked = {
+        c: client_reply(sessions[c], setups[c], collect[c], up, seed=0, rnd=1)
+        for c, up in enumerate(ups)
+    }
     mask_s = time.perf_counter() - t
     sums = rnd.finish(masked, exchange)
     secure.aggregate_secure(sums, list(range(k)))

@@ -61,12 +61,17 @@ def fresh(cfg):
 
 
 def ideal_from_client_adapters(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
-    """The exact global model's adapted weights, from W0 and the saved client adapters."""
+    """The exact global model's adapted weights, from W0 and the saved client adapters.
+
+    Each round's clients weigh in by their examples, or alike with ``--weighting uniform``.
+    """
     model = fresh(cfg)
     layers = lora_layers(model)
     if cfg.client_ranks:
         raise ValueError("heterogeneous client ranks are not rebuilt by this check")
     scale = cfg.lora_alpha / (cfg.lora_r**0.5 if cfg.rslora else cfg.lora_r)
+    weighting = cfg.weighting or "examples"  # fedex's own default
+    uniform = weighting == "uniform"
     M = {n: w0(layer) for n, layer in layers.items()}
     W0 = {n: w.clone() for n, w in M.items()}
     prev_global = {n: 0.0 for n in layers}
@@ -74,11 +79,14 @@ def ideal_from_client_adapters(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
         clients = sorted((run_dir / "clients" / f"round-{rnd}").iterdir())
         metas = [json.loads((c / "meta.json").read_text()) for c in clients]
         tensors = [load_file(str(c / "adapter_model.safetensors")) for c in clients]
-        total = sum(m["num_examples"] for m in metas)
-        p = [m["num_examples"] / total for m in metas]
+        if uniform:  # --weighting uniform: every client the same
+            p = [1.0 / len(metas)] * len(metas)
+        else:
+            total = sum(m["num_examples"] for m in metas)
+            p = [m["num_examples"] / total for m in metas]
         for m, pi in zip(metas, p):
             if m.get("weight") is not None and abs(m["weight"] - pi) > 1e-9:  # secure: none
-                raise ValueError(f"round {rnd}: client weight {m['weight']} != {pi} (examples)")
+                raise ValueError(f"round {rnd}: client weight {m['weight']} != {pi} ({weighting})")
         for n in layers:
             As = [t[f"{n}.lora_A.weight"].double() for t in tensors]
             Bs = [t[f"{n}.lora_B.weight"].double() for t in tensors]

@@ -514,10 +514,11 @@ class RunConfig:
             why = secure_refusal(REGISTRY[m]) if m in REGISTRY else None
             if why:
                 errs.append(f"`secure_aggregation`: {why}")
-        if sample_size(self.num_clients, self.fraction) < 2:
+        if sample_size(self.num_clients, self.fraction) < 3:
             errs.append(
-                "`secure_aggregation` needs at least 2 clients per round (one client's sum "
-                f"is its own upload); got {self.num_clients} clients at fraction {self.fraction}"
+                "`secure_aggregation` needs at least 3 clients per round (of two, each "
+                "learns the other's upload from the sum); got "
+                f"{self.num_clients} clients at fraction {self.fraction}"
             )
         for key, why in (
             ("client_ranks", "heterogeneous ranks need each client's own factors"),

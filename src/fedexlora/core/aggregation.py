@@ -88,16 +88,8 @@ def aggregate(
     A, B = _stack(As, Bs, dtype=torch.float64)  # (k, r, n), (k, d, r)
     k = A.shape[0]
     p = normalize_weights(weights, k).to(device=A.device, dtype=A.dtype)  # (k,)
-    kw = {}
-    if spec.restarts:
-        if start is None:
-            raise ValueError(
-                f"method {method!r} needs `start`: the global (A, B) the clients started "
-                "the round from (it returns to them every round)"
-            )
-        kw["start"] = tuple(t.to(device=A.device, dtype=A.dtype) for t in start)
-    A_new, B_new, residual = spec.aggregate(
-        A, B, p, out_dtype=out_dtype, generator=generator, atol=atol, **kw
+    A_new, B_new, residual = spec.server_math(
+        A, B, p, out_dtype=out_dtype, generator=generator, atol=atol, start=start
     )
     return AggregationResult(
         A=A_new.to(out_dtype),

@@ -39,6 +39,7 @@ def client_view(
     generator: torch.Generator | None = None,
     slices: bool = False,
     orthonormal_A: bool = False,
+    drop_tail: bool = False,
 ) -> tuple[AdapterState, dict[str, Residual]]:
     """The global state as a client of other ranks/scales sees it.
 
@@ -55,6 +56,8 @@ def client_view(
             (``distribute_weight_fast``): with ``s_g B̄ Ā = U Σ Vᵀ``, ``A_i = V_rᵀ``
             (orthonormal rows) and ``B_i = U_r Σ_r / s_i``, every singular value in B.
             Otherwise each factor carries ``sqrt(Σ_r / s_i)``. The product is the same.
+        drop_tail: The client holds the cut and nothing else (FlexLoRA, HetLoRA): no
+            remainders are returned.
 
     Returns:
         ``(client_state, remainders)``: factors of the client's rank with
@@ -95,7 +98,7 @@ def client_view(
             A_c[dead] = fresh
             B_c[:, dead] = 0
         factors[name] = (A_c, B_c)
-        if not tail.is_zero:
+        if not tail.is_zero and not drop_tail:
             remainders[name] = tail.scaled(g.scale)
     return AdapterState(factors=factors, extra=state.extra), remainders
 

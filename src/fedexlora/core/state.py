@@ -8,6 +8,7 @@ adapter: the LoRA factors of every adapted module plus the trainable non-LoRA pa
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -164,12 +165,9 @@ def aggregate_states(
         residuals[name] = res.residual
         dev[name] = deviation(As, Bs, p)
         # aggregate() has accepted the method: the registry knows it
-        if not effective:
-            pass
-        elif get_method(method).effective_is_deviation:
-            eff[name] = dev[name]
-        else:
-            eff[name] = _effective_deviation(As, Bs, p, res)
+        if effective:
+            measure = functools.partial(_effective_deviation, As, Bs, p, res)
+            eff[name] = get_method(method).effective_deviation(dev[name], measure)
     extra = {
         name: torch.einsum(
             "k,k...->...",

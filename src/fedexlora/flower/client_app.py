@@ -392,6 +392,18 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     cfg, conf, pid, method, since = c.cfg, c.conf, c.pid, c.method, c.since
     model, prep, disk, run_token, fingerprint = c.model, c.prep, c.disk, c.run_token, c.fingerprint
     rnd, version = int(conf["server-round"]), int(conf["version"])
+    if cfg.secure_aggregation and str(conf.get("secagg-stage", "")) != "collect":
+        # its own configuration says secure aggregation: never an upload in the clear,
+        # whatever the server asks (it trains nothing, so nothing of its data is sent)
+        fields = {"partition-id": pid, "server-round": rnd, "method": method}
+        error = (
+            f"partition {pid} is configured for secure aggregation and refuses to send its "
+            "upload in the clear; the server asked for one (is the server's configuration "
+            "the same?)"
+        )
+        return Message(
+            RecordDict({"config": ConfigRecord({**fields, "error": error})}), reply_to=msg
+        )
     payload = Payload.from_flat(
         from_array_record(msg.content["arrays"]), round=rnd, version=version, reset=since < 0
     )
@@ -433,7 +445,7 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     if refused:  # past its budget: not trained, nothing of its data sent
         metrics["dp-refused"] = 1
     elif str(conf.get("secagg-stage", "")) == "collect":  # masked: count and loss in the sum
-        content["config"]["secagg.masked"] = _secure_upload(context, conf, up)
+        content["config"]["secagg.masked"] = _secure_upload(context, conf, up, cfg.seed, rnd)
         if cfg.save_client_adapters and c.settings.run_dir:  # the client keeps its own
             from fedexlora.run.client_step import save_client_adapter
 
@@ -474,13 +486,16 @@ def secure_stage_step(msg: Message, context: Context, defaults: Mapping[str, Any
     return Message(RecordDict({"config": ConfigRecord(record)}), reply_to=msg)
 
 
-def _secure_upload(context: Context, conf, up) -> bytes:
-    """Stage 2: this client's upload as its masked vector (its SecAgg+ state updated)."""
+def _secure_upload(context: Context, conf, up, seed: int, rnd: int) -> bytes:
+    """Stage 2: this client's upload as its masked vector (its SecAgg+ state updated).
+
+    Its stochastic rounding is seeded by the run's seed, the round and the client.
+    """
     from fedexlora.secagg.rounds import client_reply
 
     session, setup = _load_session(context, "collect")
     fields = {k[len("secagg.") :]: v for k, v in conf.items() if k.startswith("secagg.")}
-    data = client_reply(session, setup, fields, up)
+    data = client_reply(session, setup, fields, up, seed=seed, rnd=rnd)
     _save_session(context, session, setup)
     return data
 

@@ -52,6 +52,7 @@ def run_experiment(
     progress: bool = True,
     console=None,
     local_update: Callable[..., ClientUpload] | None = None,
+    secure_reply: Callable[..., bytes | None] | None = None,
 ) -> list[dict]:
     """Runs every method of ``cfg`` in this process and writes the run directory.
 
@@ -67,6 +68,9 @@ def run_experiment(
         console: A ``rich`` console for messages (plain ``print`` when ``None``).
         local_update: Each client's training step (:func:`fedexlora.run.client_step.local_update`
             when ``None``): a caller may wrap it to watch clients or play faulty ones.
+        secure_reply: Under secure aggregation, each client's masked vector
+            (:func:`fedexlora.secagg.rounds.client_reply` when ``None``); a caller may
+            wrap it to play a client that drops out after training (``None``).
 
     Returns:
         All metrics rows.
@@ -90,6 +94,7 @@ def run_experiment(
             history=current.rows,
             personal=current.personal,
             **({} if local_update is None else {"local_update": local_update}),
+            **({} if secure_reply is None else {"secure_reply": secure_reply}),
         )
     return run.finish()
 
@@ -107,6 +112,7 @@ def run_method(
     history: list[dict] | None = None,
     personal: dict[int, dict[str, torch.Tensor]] | None = None,
     local_update: Callable[..., ClientUpload] = local_update,
+    secure_reply: Callable[..., bytes | None] | None = None,
 ):
     """Runs one method for ``cfg.rounds`` rounds and returns ``(rows, model, server)``.
 
@@ -130,6 +136,9 @@ def run_method(
         local_update: A client's training step, called as
             :func:`fedexlora.run.client_step.local_update` (its default) is, returning the
             client's upload: a caller may wrap it to watch clients or play faulty ones.
+        secure_reply: Under secure aggregation, a client's masked vector, called as
+            :func:`fedexlora.secagg.rounds.client_reply` (its default) is; ``None`` from
+            it is a client that drops out after training.
     """
     from fedexlora.core.methods import get_method
 
@@ -169,7 +178,11 @@ def run_method(
                     continue
                 wants[c] = want
         training = [c for c in sampled if c not in refused]
-        sround = _SecureRun(server, method, training, cfg.seed, rnd) if secure else None
+        sround = (
+            _SecureRun(server, method, training, cfg.seed, rnd, reply=secure_reply)
+            if secure
+            else None
+        )
         for c in training:
             if sround is not None and c not in sround.collecting:
                 continue  # dropped out before stage 2: not sent a payload
@@ -248,11 +261,24 @@ class _SecureRun:
     stage, and their masked vectors (:mod:`fedexlora.secagg.rounds`).
     """
 
-    def __init__(self, server: Server, method: str, clients: list[int], seed: int, rnd: int):
+    def __init__(
+        self,
+        server: Server,
+        method: str,
+        clients: list[int],
+        seed: int,
+        rnd: int,
+        *,
+        reply: Callable[..., bytes | None] | None = None,
+    ):
         from fedexlora.secagg.protocol import ClientSession
         from fedexlora.secagg.rounds import SecAggError, SecureRound
 
         self.server = server
+        self.run_seed, self.rnd = seed, rnd  # each client's stochastic rounding
+        if reply is None:
+            from fedexlora.secagg.rounds import client_reply as reply
+        self.client_reply = reply
         self.clients = list(clients)
         self.sessions = {c: ClientSession(c) for c in clients}
         self.masked: dict[int, bytes] = {}
@@ -282,9 +308,12 @@ class _SecureRun:
         return {c: client_session_reply(self.sessions[c], stage, m) for c, m in messages.items()}
 
     def reply(self, c: int, up) -> int:
-        """Client ``c``'s masked vector (through :func:`secure_reply`); its bytes."""
+        """Client ``c``'s masked vector (through :attr:`client_reply`); its bytes."""
         try:
-            data = secure_reply(self.sessions[c], self.setups[c], self.collecting[c], up)
+            data = self.client_reply(
+                self.sessions[c], self.setups[c], self.collecting[c], up,
+                seed=self.run_seed, rnd=self.rnd,
+            )  # fmt: skip
         except ValueError as exc:  # a client refuses to send what it must not (NaN)
             self.refused[c] = str(exc)
             data = None
@@ -329,16 +358,6 @@ class _SecureRun:
                 stacklevel=2,
             )
         return outcome
-
-
-def secure_reply(session, setup, message, upload) -> bytes | None:
-    """A client's stage-2 reply (:func:`fedexlora.secagg.rounds.client_reply`).
-
-    Looked up when called: a test wraps it to play a client that drops out (``None``).
-    """
-    from fedexlora.secagg.rounds import client_reply
-
-    return client_reply(session, setup, message, upload)
 
 
 @contextlib.contextmanager

@@ -83,12 +83,14 @@ class Quantization:
         """The largest error per client and number (the last limb's step)."""
         return 2 * self.steps[-1] / self.target_range
 
-    def encode(self, x: np.ndarray) -> tuple[np.ndarray, int]:
+    def encode(self, x: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, int]:
         """``(ints, clipped)``: the limbs of ``x`` (fp64, flat) as one int64 vector.
 
         The vector is ``[limb 0 of x, limb 1 of x, ...]``, each limb as long as ``x``.
+        Each limb is Flower's quantization (``quantize``: ``[-c, c]`` onto ``[0, T]``) with
+        its stochastic rounding drawn from ``rng``, not numpy's global generator.
         """
-        from flwr.common.secure_aggregation.quantization import dequantize, quantize
+        from flwr.common.secure_aggregation.quantization import dequantize
 
         x = np.asarray(x, dtype=np.float64).reshape(-1)
         finite = np.isfinite(x)
@@ -96,8 +98,8 @@ class Quantization:
         rest = np.clip(np.where(finite, x, 0.0), -self.clip, self.clip)  # NaN, inf: counted
         out = []
         for c in self.steps:
-            (q,) = quantize([rest], c, self.target_range)
-            out.append(q.astype(np.int64))
+            q = _quantize(rest, c, self.target_range, rng)
+            out.append(q)
             (back,) = dequantize([q], c, self.target_range)
             rest = rest - back  # within one step (exact, or within 2**-53 of a step)
         return np.concatenate(out), clipped
@@ -113,3 +115,15 @@ class Quantization:
             (part,) = dequantize([summed[i * n : (i + 1) * n]], c, self.target_range)
             total += part - (count - 1) * c  # Flower's offset for a sum of `count`
         return total
+
+
+def _quantize(x: np.ndarray, clip: float, target: int, rng: np.random.Generator) -> np.ndarray:
+    """Flower's ``quantize`` of one array, its stochastic rounding drawn from ``rng``.
+
+    ``(clip(x, -c, c) + c) T / (2 c)``, rounded up, then down by one with the probability
+    of the distance to the floor's complement: unbiased, as Flower's ``_stochastic_round``.
+    """
+    pre = (np.clip(x, -clip, clip) + clip) * (target / (2 * clip))
+    q = np.ceil(pre).astype(np.int64)
+    q[rng.random(q.shape) < q - pre] -= 1
+    return q

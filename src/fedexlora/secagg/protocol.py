@@ -1,8 +1,9 @@
 r"""SecAgg+ (Bell et al., CCS 2020) as Flower implements it, for any transport.
 
 The client side is Flower's own: its SecAgg+ mod's key setup, key sharing and unmasking
-(``flwr.client.mod.secure_aggregation.secaggplus_mod``), and its masking with Flower's
-pseudo-random generator, key agreement and symmetric encryption. The server side follows
+(``flwr.client.mod.secure_aggregation.secaggplus_mod``), its key agreement and symmetric
+encryption; the masks, at both ends, are expanded from the whole shared secret by a
+stream cipher (:func:`_mask`), not by Flower's 32-bit-seeded generator. The server side follows
 Flower's ``SecAggPlusWorkflow`` stage by stage, with Flower's Shamir secret sharing. No
 cryptography is written here: this module only routes Flower's messages.
 
@@ -39,9 +40,12 @@ import numpy as np
 
 from fedexlora.secagg.encoding import MOD_RANGE
 
-__all__ = ["ClientSession", "SecAggError", "ServerSession", "STAGES"]
+__all__ = ["MIN_SURVIVORS", "STAGES", "ClientSession", "SecAggError", "ServerSession"]
 
 STAGES = ("setup", "share-keys", "collect", "unmask")
+MIN_SURVIVORS = 3
+"""The fewest clients a secure round sums: of two, each learns the other's upload (the
+sum less its own); the server refuses a round that would end with fewer."""
 
 
 class SecAggError(RuntimeError):
@@ -56,10 +60,7 @@ def _flwr():
         mod = importlib.import_module("flwr.client.mod.secure_aggregation.secaggplus_mod")
         from flwr.common.secure_aggregation.crypto import shamir, symmetric_encryption
         from flwr.common.secure_aggregation.secaggplus_constants import Key
-        from flwr.common.secure_aggregation.secaggplus_utils import (
-            pseudo_rand_gen,
-            share_keys_plaintext_separate,
-        )
+        from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
         from flwr.supercore.primitives import asymmetric
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise ImportError(
@@ -70,7 +71,6 @@ def _flwr():
         shamir,
         symmetric_encryption,
         Key,
-        pseudo_rand_gen,
         share_keys_plaintext_separate,
         asymmetric,
     )
@@ -91,17 +91,35 @@ def _quiet():
         logger.setLevel(level)
 
 
+_MASK_CONTEXT = b"fedex-lora secagg mask v1"
+
+
 def _mask(seed: bytes, size: int) -> np.ndarray:
-    """Flower's pseudo-random mask of ``size`` numbers in ``[0, MOD_RANGE - 1)``."""
-    gen = _flwr()[4]
-    return gen(seed, MOD_RANGE, [(size,)])[0]
+    """A mask of ``size`` numbers uniform in ``[0, 2**32)``, from the whole ``seed``.
+
+    ChaCha20's keystream (the ``cryptography`` package Flower already needs) under the
+    key ``SHA-256(context || seed)``: every bit of the secret (a 32-byte private seed,
+    or a pairwise key agreed by ECDH) changes the stream. Flower's own
+    ``pseudo_rand_gen`` folds the seed to 32 bits and runs MT19937, which leaves an
+    attacker at most 2**32 masks to try (the pairwise seeds measured here kept 28 bits;
+    flwrlabs/flower#7522). Each key masks one vector only (fresh keys every round), so
+    the fixed nonce is never reused with a key.
+    """
+    import hashlib
+
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    key = hashlib.sha256(_MASK_CONTEXT + bytes(seed)).digest()
+    stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+    words = np.frombuffer(stream.update(bytes(4 * int(size))), dtype="<u4")
+    return words.astype(np.int64)
 
 
 class ServerSession:
     """The server's side of one round of SecAgg+ over the sampled clients.
 
     Args:
-        clients: The sampled client ids (at least two).
+        clients: The sampled client ids (at least :data:`MIN_SURVIVORS`).
         size: Numbers in each client's integer vector.
         num_shares: Shares of each client's secrets (each client and its neighbours);
             a float is a fraction of the sampled clients (Flower's rule). ``None``: every
@@ -111,7 +129,7 @@ class ServerSession:
         seed: Seeds the neighbour graph (Flower shuffles with Python's ``random``).
 
     Raises:
-        SecAggError: With fewer than two clients.
+        SecAggError: With fewer than :data:`MIN_SURVIVORS` clients.
     """
 
     def __init__(
@@ -123,10 +141,11 @@ class ServerSession:
         threshold: int | float = 0.5,
         seed: int = 0,
     ):
-        if len(clients) < 2:
+        if len(clients) < MIN_SURVIVORS:
             raise SecAggError(
-                f"secure aggregation needs at least 2 clients in a round, got {len(clients)}: "
-                "one client's sum is its own upload"
+                f"secure aggregation needs at least {MIN_SURVIVORS} clients in a round, got "
+                f"{len(clients)}: one client's sum is its own upload, and of two each "
+                "learns the other's"
             )
         k = len(clients)
         if num_shares is None:
@@ -271,7 +290,7 @@ class ServerSession:
         Raises:
             SecAggError: If some secret has fewer shares than the threshold.
         """
-        _, shamir, sym, Key, _, _, asym = _flwr()
+        _, shamir, sym, Key, _, asym = _flwr()
         shares: dict[int, list[bytes]] = {c: [] for c in self.survivors | self.dropped}
         for c, rep in replies.items():
             if c not in self.survivors:
@@ -306,10 +325,16 @@ class ServerSession:
     def _check(self, alive: set[int], what: str) -> None:
         """Flower's rule: every client keeps at least ``threshold`` live neighbours."""
         short = [c for c in sorted(alive) if len(self.neighbours[c] & alive) < self.threshold]
-        if len(alive) < 2 or short:
+        if len(alive) < MIN_SURVIVORS:
+            raise SecAggError(
+                f"only {len(alive)} of {len(self.clients)} clients {what}; a round needs "
+                f"{MIN_SURVIVORS} (of two, each would learn the other's upload from the sum): "
+                "the model is left unchanged this round"
+            )
+        if short:
             raise SecAggError(
                 f"only {len(alive)} of {len(self.clients)} clients {what}; SecAgg+ needs "
-                f"{self.threshold} live neighbours per client (clients {short or sorted(alive)})"
+                f"{self.threshold} live neighbours per client (clients {short})"
             )
 
 
@@ -369,7 +394,7 @@ class ClientSession:
         :class:`fedexlora.secagg.encoding.Quantization`): decrypt and keep the shares,
         add the private mask and the pairwise masks, reduce modulo ``2**32``.
         """
-        _, _, sym, Key, _, separate, asym = _flwr()
+        _, _, sym, Key, separate, asym = _flwr()
         self._advance("share-keys", "collect")
         st = self.state
         srcs = [int(s) for s in msg[Key.SOURCE_LIST]]

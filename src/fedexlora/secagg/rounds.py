@@ -181,6 +181,16 @@ class SecureRound:
         return out
 
 
+def rounding_generator(seed: int, rnd: int, client: int) -> np.random.Generator:
+    """The generator of one client's stochastic rounding in one round.
+
+    Drawn from the run's seed, the round and the client (never numpy's global state), so
+    that two runs with one seed send the same integers, and no two clients or rounds
+    share their rounding.
+    """
+    return np.random.default_rng([seed % 2**63, rnd, client, 0x5EC])
+
+
 def client_session_reply(session: ClientSession, stage: str, msg: Mapping) -> dict:
     """A client's reply to stage ``setup``, ``share-keys`` or ``unmask``."""
     if stage == "setup":
@@ -193,7 +203,13 @@ def client_session_reply(session: ClientSession, stage: str, msg: Mapping) -> di
 
 
 def client_reply(
-    session: ClientSession, setup: Mapping, msg: Mapping, upload: ClientUpload
+    session: ClientSession,
+    setup: Mapping,
+    msg: Mapping,
+    upload: ClientUpload,
+    *,
+    seed: int,
+    rnd: int,
 ) -> bytes:
     """One client's stage-2 reply: its upload as a masked vector.
 
@@ -202,6 +218,9 @@ def client_reply(
         setup: The stage-0 message it got (the layout's and quantization's keys).
         msg: The stage-2 message (the shares forwarded to it).
         upload: What it would have uploaded in the clear.
+        seed: The run's seed; with ``rnd`` and the client it seeds the stochastic
+            rounding (:func:`rounding_generator`), so that a run repeats exactly.
+        rnd: The round.
 
     Raises:
         ValueError: If its example count exceeds :data:`MAX_EXAMPLES` or is invalid, or
@@ -224,5 +243,5 @@ def client_reply(
     vec = client_vector(layout, upload.state, weight, upload.train_loss)
     if not torch.isfinite(vec).all():  # the clear path's validation, done by the client
         raise ValueError(f"client {upload.client_id}: its upload contains NaN or Inf")
-    ints, clipped = quant.encode(vec.numpy())
+    ints, clipped = quant.encode(vec.numpy(), rounding_generator(seed, rnd, upload.client_id))
     return session.masked(msg, np.concatenate([ints, np.array([clipped], dtype=np.int64)]))

@@ -35,15 +35,8 @@ class HeteroRanks:
         gen = torch.Generator().manual_seed(self.seed * 65_537 + self.round * 101 + c)
         layers_c = self.client_layers[c]
         view, t_new = client_view(
-            self.state,
-            self.layers,
-            layers_c,
-            generator=gen,
-            slices=self.spec.hetero_slices,
-            orthonormal_A=self.spec.hetero_orthonormal_A,
+            self.state, self.layers, layers_c, generator=gen, **self.spec.hetero_cut
         )
-        if self.spec.hetero_drops_tail:  # FlexLoRA, HetLoRA: the truncation, nothing else
-            t_new = {}
         t_old = self.remainder.get(c, {})
         out = {}
         for name, info in self.layers.items():

@@ -60,7 +60,7 @@ def rdp_one_step(sample_rate: float, noise_multiplier: float):
     Opacus's ``compute_rdp`` evaluates, computed for all orders at once: Opacus loops in
     Python over orders and terms (about 0.4 s a call here), and calibrating the noise
     takes dozens of calls per client. RDP adds up over steps, so ``steps`` steps are
-    ``steps`` times this. ``tests/test_privacy.py`` checks it against Opacus.
+    ``steps`` times this. ``tests/training/test_privacy.py`` checks it against Opacus.
     """
     import numpy as np
     from scipy.special import gammaln, logsumexp

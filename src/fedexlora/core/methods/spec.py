@@ -91,7 +91,7 @@ class MethodSpec:
         linear: The server math of the weighted means is the server math of the
             uploads: ``aggregate([sum_i p_i A_i], [sum_i p_i B_i], [1])`` returns the
             same global factors and residual as ``aggregate(A, B, p)`` (over the
-            factors clients upload; ``tests/test_registry.py`` checks it). Secure
+            factors clients upload; ``tests/core/methods/test_registry.py`` checks it). Secure
             aggregation, which shows the server only sums, can then run it. It says
             nothing of exactness: FedIT is linear and inexact, FedEx-LoRA exact and not
             linear.
@@ -297,6 +297,60 @@ class MethodSpec:
         when it re-factors both every round (FedSVD).
         """
         return not all(self.uploaded(rnd)) and not self.refactors_A
+
+    def server_math(
+        self,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        p: torch.Tensor,
+        *,
+        out_dtype: torch.dtype,
+        generator: torch.Generator | None = None,
+        atol: float = 1e-6,
+        start: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, Residual]:
+        """:attr:`aggregate` on one layer's stacked fp64 factors, with what it needs.
+
+        A method that ``restarts`` gets ``start``, the global ``(A, B)`` the clients
+        started the round from (in ``A``'s dtype and device); the others never see it.
+
+        Raises:
+            ValueError: A method that restarts, called without ``start``.
+        """
+        assert self.aggregate is not None, f"method {self.name!r} has no server math"
+        kw = {}
+        if self.restarts:
+            if start is None:
+                raise ValueError(
+                    f"method {self.name!r} needs `start`: the global (A, B) the clients "
+                    "started the round from (it returns to them every round)"
+                )
+            kw["start"] = tuple(t.to(device=A.device, dtype=A.dtype) for t in start)
+        return self.aggregate(A, B, p, out_dtype=out_dtype, generator=generator, atol=atol, **kw)
+
+    def effective_deviation(self, factor_deviation: float, measure: Callable[[], float]) -> float:
+        """The deviation of the update this method applies from the ideal, of one layer.
+
+        For a method that applies the averaged factors' product
+        (``effective_is_deviation``), the factor-averaging deviation it was given;
+        otherwise ``measure()``.
+        """
+        return factor_deviation if self.effective_is_deviation else measure()
+
+    @property
+    def hetero_cut(self) -> dict[str, bool]:
+        """How a client of a lower rank gets the global adapter.
+
+        As :func:`fedexlora.core.hetero.client_view` takes it: slices (``hetero_slices``)
+        or the leading SVD components (orthonormal A for ``hetero_orthonormal_A``), and
+        whether what the cut leaves out is dropped (``hetero_drops_tail``) or folded into
+        the client's base.
+        """
+        return {
+            "slices": self.hetero_slices,
+            "orthonormal_A": self.hetero_orthonormal_A,
+            "drop_tail": self.hetero_drops_tail,
+        }
 
     @property
     def server(self) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _script(name: str):
@@ -46,7 +46,7 @@ def test_verify_export_judges_a_merged_export_by_fp32_rounding_of_its_weights(
     from fedexlora.run.inprocess import run_experiment
 
     # Arrange: lr 1e-4 keeps each round's update small next to the weight, so fp32's
-    # rounding of the fold is over 1e-5 of the update (tests/test_precision.py uses 2e-2
+    # rounding of the fold is over 1e-5 of the update (tests/bridge/test_precision.py uses 2e-2
     # to stay under it)
     verify = _script("verify_export")
     cfg = tiny_cfg.replace(

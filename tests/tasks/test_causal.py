@@ -56,7 +56,7 @@ def test_causal_lm_on_a_4bit_base_is_exact_and_exports_exactly(
     from fedexlora.config import RunConfig
     from fedexlora.run.export import export_model
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "verify_export.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_export.py"
     spec = importlib.util.spec_from_file_location("verify_export", script)
     verify = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(verify)

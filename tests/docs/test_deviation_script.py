@@ -8,7 +8,7 @@ import pytest
 
 from fedexlora.config import RunConfig
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "deviation.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "deviation.py"
 
 
 @pytest.fixture(scope="module")

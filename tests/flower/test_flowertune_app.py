@@ -23,7 +23,7 @@ from test_examples import hand_ideal
 # slow: the test order puts it first (tests/conftest.py); its seconds, measured
 pytestmark = pytest.mark.slow(seconds=8)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "examples" / "flowertune_llm"
 
 # SmolLM2-135M-Instruct's chat template (ChatML), given to the tiny model's tokenizer

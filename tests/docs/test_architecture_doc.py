@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "ARCHITECTURE.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURE.md"
 
 
 def test_adding_a_method_walkthrough_runs(monkeypatch):
@@ -21,7 +21,7 @@ def test_adding_a_method_walkthrough_runs(monkeypatch):
 
 
 def test_the_tree_it_describes_exists():
-    src = Path(__file__).resolve().parents[1] / "src" / "fedexlora"
+    src = Path(__file__).resolve().parents[2] / "src" / "fedexlora"
     for layer in ("core", "server", "bridge", "tasks", "training", "run", "flower",
                   "experiments", "cli"):  # fmt: skip
         assert (src / layer / "__init__.py").is_file(), layer

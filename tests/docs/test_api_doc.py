@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "API.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "API.md"
 
 
 def test_every_api_doc_example_runs_and_is_exact(capsys):

@@ -90,7 +90,7 @@ def _secure_round(server, rnd, g):
     for c in clients:
         server.payload_for(c)
         up = _upload(server, c, rnd, g)
-        masked[c] = client_reply(sessions[c], setups[c], collecting[c], up)
+        masked[c] = client_reply(sessions[c], setups[c], collecting[c], up, seed=0, rnd=rnd)
     sums = sround.finish(masked, exchange)
     server.aggregate_secure(sums, sorted(sround.session.survivors), protocol_seconds=sround.seconds)
     return time.perf_counter() - t0, sround, in_clients[0]

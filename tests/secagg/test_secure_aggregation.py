@@ -29,7 +29,7 @@ def test_limbs_sum_exactly_within_float_rounding(k):
     xs += [xs[i % len(xs)] for i in range(k - len(xs))]
     q = Quantization.for_clients(k)
     assert k * q.target_range < 2**32 and q.target_range <= 2**30
-    total = sum(q.encode(x)[0] for x in xs) % 2**32
+    total = sum(q.encode(x, rng)[0] for x in xs) % 2**32
     got = q.decode(total, k)
     want = np.sum(np.array(xs, dtype=np.longdouble), axis=0)  # 64-bit mantissa on x86
     err = np.abs(got - want).astype(np.float64)
@@ -37,13 +37,13 @@ def test_limbs_sum_exactly_within_float_rounding(k):
     assert q.resolution < 1e-12  # 52 bits and more over +-256
     # Flower's quantizer alone (one limb at its 30 bits) is far coarser
     one = Quantization(q.clip, q.target_range, 1, k)
-    one_total = sum(one.encode(x)[0] for x in xs) % 2**32
+    one_total = sum(one.encode(x, rng)[0] for x in xs) % 2**32
     assert np.max(np.abs(one.decode(one_total, k) - want)) > 1e3 * np.max(err)
 
 
 def test_values_beyond_the_range_are_clipped_and_counted():
     q = Quantization.for_clients(3, clip=4.0)
-    ints, clipped = q.encode(np.array([1.0, -5.0, 7.0, 3.9]))
+    ints, clipped = q.encode(np.array([1.0, -5.0, 7.0, 3.9]), np.random.default_rng(0))
     assert clipped == 2
     assert np.allclose(q.decode(ints, 1), [1.0, -4.0, 4.0, 3.9])
 
@@ -101,8 +101,8 @@ def test_secagg_plus_sums_the_survivors_and_hides_each_vector():
     # too few survivors to rebuild the secrets: refused, never a wrong sum
     with pytest.raises(SecAggError, match="masked vectors"):
         _protocol(k, vectors, drop=(0, 1, 2), threshold=1.0)
-    with pytest.raises(SecAggError, match="at least 2 clients"):
-        ServerSession([0], 10)
+    with pytest.raises(SecAggError, match="at least 3 clients"):
+        ServerSession([0, 1], 10)
     # 13 clients: each shares with 2 ceil(log2 13) + 1 = 9 (itself and 8 neighbours)
     vectors = [rng.integers(0, 2**20, size=64) for _ in range(13)]
     total, server, _ = _protocol(13, vectors, drop=(3, 11))
@@ -193,8 +193,8 @@ def test_methods_that_cannot_run_securely_are_refused_by_name():
     for m in refused:
         with pytest.raises(ConfigError, match=f"'{m}'"):
             RunConfig(methods=[m], secure_aggregation=True).validate()
-    with pytest.raises(ConfigError, match="at least 2 clients per round"):
-        RunConfig(num_clients=3, fraction=0.3, secure_aggregation=True).validate()
+    with pytest.raises(ConfigError, match="at least 3 clients per round"):
+        RunConfig(num_clients=4, fraction=0.5, secure_aggregation=True).validate()
     with pytest.raises(ConfigError, match="cannot be combined with `max_update_norm`"):
         RunConfig(max_update_norm=1.0, secure_aggregation=True).validate()
     RunConfig(methods=SECURE, secure_aggregation=True).validate()
@@ -220,7 +220,7 @@ def _verify():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "verify_export.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_export.py"
     spec = importlib.util.spec_from_file_location("verify_export", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -255,9 +255,9 @@ def test_local_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dro
     shares and masked vectors; (c) client 1 trains in round 2 but its masked vector never
     arrives: the round is exact over clients 0 and 2.
     """
-    from fedexlora.run import inprocess
     from fedexlora.run.inprocess import run_experiment
     from fedexlora.secagg import protocol
+    from fedexlora.secagg.rounds import client_reply
 
     received = []
     for stage in ("take_keys", "take_shares", "take_masked", "take_unmask"):
@@ -280,23 +280,24 @@ def test_local_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dro
         uploads[(rnd, client)] = up
         return up
 
-    orig_reply, calls = inprocess.secure_reply, []
+    calls = []
 
-    def reply(session, setup, message, upload):
+    def reply(session, setup, message, upload, **kw):
         calls.append(session.client)
-        if len(calls) in (4, 5, 6) and session.client == 1:  # round 2: clients 0, 1, 2
+        if len(calls) > 4 and session.client == 1:  # round 2: clients 0, 1, 2, 3
             return None
-        return orig_reply(session, setup, message, upload)
+        return client_reply(session, setup, message, upload, **kw)
 
-    monkeypatch.setattr(inprocess, "secure_reply", reply)
-    cfg = _secure_cfg(tiny_cfg, rounds=2)
-    rows = run_experiment(cfg, tmp_path, progress=False, local_update=keep)
-    assert calls == [0, 1, 2] * 2
-    assert [r["accepted"] for r in rows] == [[0, 1], [0, 2]]
+    # 4 clients: a round that loses one still sums the 3 a secure round needs
+    cfg = _secure_cfg(tiny_cfg, rounds=2, num_clients=4)
+    rows = run_experiment(cfg, tmp_path, progress=False, local_update=keep, secure_reply=reply)
+    assert calls == [0, 1, 2, 3] * 2
+    assert [r["accepted"] for r in rows] == [[0, 1, 3], [0, 2, 3]]
     assert rows[0]["dropped"] == [2] and "NaN" in rows[0]["rejected"]["2"]
     assert rows[1]["dropped"] == [1]
     assert "after sharing its keys" in rows[1]["rejected"]["1"]
-    for rnd, kept in ((1, ["client-0", "client-1"]), (2, ["client-0", "client-2"])):
+    for rnd, kept in ((1, ["client-0", "client-1", "client-3"]),
+                      (2, ["client-0", "client-2", "client-3"])):  # fmt: skip
         saved = sorted(p.name for p in (tmp_path / "clients" / f"round-{rnd}").iterdir())
         assert saved == kept  # an upload that never arrived is in no ideal
     assert _model_vs_ideal(cfg, tmp_path) <= 1e-5
@@ -306,15 +307,15 @@ def test_local_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dro
     # (b) what the server received: keys, ciphertexts, shares, and masked vectors that
     # are noise to every client's true upload
     masked = [np.frombuffer(r, dtype=np.uint32) for s, _, r in received if s == "take_masked"]
-    assert len(masked) == 3 * cfg.rounds - 2
-    _assert_noise(masked, uploads.values(), Quantization.for_clients(3))
+    assert len(masked) == 4 * cfg.rounds - 2
+    _assert_noise(masked, uploads.values(), Quantization.for_clients(4))
     for stage, _, r in received:
         if stage != "take_masked":  # public keys, ciphertexts and Shamir shares only
             assert all(isinstance(v, (bytes, list)) for v in r.values()), (stage, r)
-    # each client sends 2 limbs of 4 bytes for every number, products included
+    # each of the 3 clients that sent sends 2 limbs of 4 bytes a number, products included
     layout = SecureLayout.for_template(uploads[(2, 0)].state, products=True)
-    assert rows[1]["bytes_up"] == 2 * 4 * (layout.size * 2 + 1)
-    assert rows[1]["num_examples"] == sum(int(uploads[(2, c)].num_examples) for c in (0, 2))
+    assert rows[1]["bytes_up"] == 3 * 4 * (layout.size * 2 + 1)
+    assert rows[1]["num_examples"] == sum(int(uploads[(2, c)].num_examples) for c in (0, 2, 3))
 
 
 def _assert_noise(masked, uploads, quant):
@@ -327,8 +328,9 @@ def _assert_noise(masked, uploads, quant):
         layout = SecureLayout.for_template(up.state, products=True)
         n = layout.size
         truth = client_vector(layout, up.state, up.num_examples / MAX_EXAMPLES, up.train_loss)
-        limb0 = quant.encode(truth.numpy())[0][:n].astype(float)
-        again = quant.encode(truth.numpy())[0][:n].astype(float)  # as if sent unmasked
+        rng = np.random.default_rng(up.client_id)
+        limb0 = quant.encode(truth.numpy(), rng)[0][:n].astype(float)
+        again = quant.encode(truth.numpy(), rng)[0][:n].astype(float)  # as if sent unmasked
         assert np.corrcoef(again, limb0)[0, 1] > 0.5  # far above the noise bound below
         for m in masked:
             assert abs(np.corrcoef(m[:n].astype(float), limb0)[0, 1]) < 5 / np.sqrt(n)
@@ -340,7 +342,8 @@ def test_flower_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dr
     """The Flower strategy and ClientApp over the in-process grid (Flower's protobuf both
     ways): (a) exact on the model, (b) the server receives only keys, ciphertexts, shares
     and masked vectors, (c) client 1's masked vector is lost in round 2: the round is
-    exact over clients 0 and 2, and client 1 is re-synced in round 3.
+    exact over clients 0, 2 and 3 (a secure round needs 3), and client 1 is re-synced in
+    round 3.
     """
     import shutil
 
@@ -349,10 +352,10 @@ def test_flower_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dr
     from fedexlora.flower.server_app import run_server
     from test_flower import InProcessGrid
 
-    cfg = _secure_cfg(tiny_cfg, rounds=3, engine="flower")
+    cfg = _secure_cfg(tiny_cfg, rounds=3, engine="flower", num_clients=4)
     run_dir = tmp_path / "flower"
     rc = to_run_config(cfg, run_dir=str(run_dir))
-    grid = InProcessGrid(make_client_app(rc), 3)
+    grid = InProcessGrid(make_client_app(rc), 4)
     received = []
     send = grid.send_and_receive
 
@@ -381,13 +384,13 @@ def test_flower_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dr
 
     sent, orig = [], client_app._secure_upload
 
-    def capture(context, conf, up):
+    def capture(context, conf, up, *args):
         sent.append(up)
-        return orig(context, conf, up)
+        return orig(context, conf, up, *args)
 
     monkeypatch.setattr(client_app, "_secure_upload", capture)
     rows = run_server(grid, *resolve_run_config(rc), say=lambda *_: None)
-    assert [r["accepted"] for r in rows] == [[0, 1, 2], [0, 2], [0, 1, 2]]
+    assert [r["accepted"] for r in rows] == [[0, 1, 2, 3], [0, 2, 3], [0, 1, 2, 3]]
     assert rows[1]["dropped"] == [1]
     assert all(r["secure"]["clipped"] == 0 for r in rows)
     # FedEx's deviation comes from the sums; the model's cannot (no upload is seen): n/a
@@ -405,5 +408,5 @@ def test_flower_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dr
         for stage, _, content in received
         if stage == "collect"
     ]
-    assert len(sent) == 9 and len(masked) == 8  # client 1's in round 2 was lost
-    _assert_noise(masked, sent, Quantization.for_clients(3))
+    assert len(sent) == 12 and len(masked) == 11  # client 1's in round 2 was lost
+    _assert_noise(masked, sent, Quantization.for_clients(4))

@@ -16,7 +16,7 @@ import pytest
 
 from fedexlora.run.report import read_metrics
 from fedexlora.run.restore import load_task_for, restore_model
-from test_flower import ROOT, VENV_BIN, _final_model, _state_dict_rel_diff
+from test_flower import ROOT, VENV_BIN, _final_model, _rel_diff, _state_dict_rel_diff
 
 # slow: the test order puts it first (tests/conftest.py); its seconds, measured
 pytestmark = pytest.mark.slow(seconds=134)
@@ -412,15 +412,6 @@ def deployed(tiny_bert_dir, tiny_csv, tmp_path_factory):
         "log": fed.log("flwr-run"),
         "resumed_log": fed.log("flwr-run-resumed"),
     }
-
-
-def _rel_diff(a: dict, b: dict) -> float:
-    worst = 0.0
-    for name, t in a.items():
-        u, v = t.double(), b[name].double()
-        den = float(v.norm())
-        worst = max(worst, float((u - v).norm()) / den if den > 0 else float(u.norm()))
-    return worst
 
 
 def _checkpoint_model(cfg, run_dir: Path, rnd: int):

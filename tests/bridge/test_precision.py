@@ -22,7 +22,7 @@ from fedexlora.run.restore import load_task_for, restore_model
 # slow: the test order puts it first (tests/conftest.py); its seconds, measured
 pytestmark = pytest.mark.slow(seconds=13)
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "verify_export.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_export.py"
 _spec = importlib.util.spec_from_file_location("verify_export", SCRIPT)
 verify = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(verify)
@@ -46,7 +46,7 @@ PRECISIONS = [
     dict(quantization="nf4"),
     dict(quantization="int8"),
     # an fp32 base with its residuals beside it: exact at a learning rate where folding
-    # into W is not (tests/test_fp32_side_branch.py shows the difference)
+    # into W is not (tests/bridge/test_fp32_side_branch.py shows the difference)
     dict(fp32_side_branch=True, lr=1e-4),
 ]
 

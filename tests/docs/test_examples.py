@@ -13,7 +13,7 @@ from fedexlora.bridge.layers import lora_layers
 # slow: the test order puts it first (tests/conftest.py); its seconds, measured
 pytestmark = pytest.mark.slow(seconds=8)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(rel: str):

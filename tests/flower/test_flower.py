@@ -1,8 +1,13 @@
-"""The Flower engine: transport only, the same global model as the in-process engine.
+"""The Flower app's own pieces, without a Flower run: the run config and the records it
+travels in, the pyproject that declares the apps and every key, what the ServerApp
+refuses before its first round, and what the simulation launcher starts ``flwr run``
+with.
 
-The run-config round trip, the strategy over an in-process grid (dropout and re-sync, no
-Ray), and ``run_flower_experiment`` through Flower's simulation runtime against
-``run_experiment``. The real deployment is in ``test_flower_deploy.py``.
+The Flower engine against the in-process engine is in ``test_flower_parity.py`` (over an
+in-process grid, no Ray: the strategy, dropout and re-sync, feature by feature, resume),
+``test_flower_simulation.py`` (``run_flower_experiment`` through Flower's simulation
+runtime) and ``test_flower_deploy.py`` (a real SuperLink and SuperNodes); the in-process
+grid (:class:`InProcessGrid`) and the comparisons of two runs' models are here, for them.
 """
 
 import sys
@@ -13,10 +18,9 @@ import pytest
 from flwr.serverapp import Grid
 
 from fedexlora.run.checkpoint import latest_checkpoint
-from fedexlora.run.report import read_metrics
 from fedexlora.run.restore import load_task_for, restore_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 ROW_FIELDS = {
     "method",
@@ -42,7 +46,7 @@ ROW_FIELDS = {
 }
 
 
-# -- helpers ---------------------------------------------------------------------------
+# -- helpers: an in-process grid (no Ray, no sockets), two runs' models compared -----
 def _final_model(cfg, run_dir, method):
     task = load_task_for(cfg)
     ckpt = latest_checkpoint(Path(run_dir) / "checkpoints" / method)
@@ -51,22 +55,94 @@ def _final_model(cfg, run_dir, method):
     return model, server
 
 
-def max_rel_diff(cfg, dir_a, dir_b, method) -> float:
-    """Max over parameters of ||a - b|| / ||b|| between two runs' final global models."""
-    a, sa = _final_model(cfg, dir_a, method)
-    b, sb = _final_model(cfg, dir_b, method)
-    assert sa.round == sb.round == cfg.rounds
-    worst = 0.0
+class InProcessGrid(Grid):
+    """A Flower Grid that runs the ClientApp here, one Context per node; every message
+    and reply goes through Flower's protobuf serialization, as between processes.
+
+    ``lose`` holds (round, partition) pairs whose node crashes after training, before its
+    reply is sent: the client's state moved on but the server never hears of it.
+    """
+
+    def __init__(self, client_app, num_nodes, lose=(), node_configs=None):
+        from flwr.app import Context, RecordDict
+
+        self.app = client_app
+        node_configs = node_configs or [
+            {"partition-id": i, "num-partitions": num_nodes} for i in range(num_nodes)
+        ]
+        self.contexts = {
+            1000 + i: Context(
+                run_id=7,
+                node_id=1000 + i,
+                node_config=conf,
+                state=RecordDict(),
+                run_config={},
+            )
+            for i, conf in enumerate(node_configs)
+        }
+        self.lose = set(lose)
+        self.trained = []  # (round, partition) of every training message run
+
+    def set_run(self, run):
+        self._run = run
+
+    @property
+    def run(self):
+        return self._run
+
+    def create_message(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def push_messages(self, messages):
+        raise NotImplementedError
+
+    def pull_messages(self, message_ids):
+        raise NotImplementedError
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from flwr.common.serde import message_from_proto, message_to_proto
+
+        def wire(m):  # each way through Flower's protobuf, as between processes
+            return message_from_proto(message_to_proto(m))
+
+        replies = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = uuid4().hex
+            ctx = self.contexts[msg.metadata.dst_node_id]
+            reply = wire(self.app(wire(msg), ctx))
+            if msg.metadata.message_type == "train":
+                key = (int(msg.content["config"]["server-round"]), ctx.node_config["partition-id"])
+                self.trained.append(key)
+                if key in self.lose:
+                    continue
+            replies.append(reply)
+        return replies
+
+
+def _model_rel_diff(a, b) -> float:
+    """``||a - b|| / ||b||`` over every tensor of the two models together."""
     ref = b.state_dict()
-    for name, t in a.state_dict().items():
-        u, v = t.double(), ref[name].double()
+    num = sum(float((t.double() - ref[n].double()).norm()) ** 2 for n, t in a.state_dict().items())
+    den = sum(float(t.double().norm()) ** 2 for t in ref.values())
+    return (num / den) ** 0.5
+
+
+def _rel_diff(a: dict, b: dict) -> float:
+    """The largest ``||a[n] - b[n]|| / ||b[n]||`` over the tensors of two state dicts."""
+    worst = 0.0
+    for name, t in a.items():
+        u, v = t.double(), b[name].double()
         den = float(v.norm())
         worst = max(worst, float((u - v).norm()) / den if den > 0 else float(u.norm()))
     return worst
 
 
-def _strip(row):
-    return {k: v for k, v in row.items() if not k.endswith("seconds")}
+def _state_dict_rel_diff(a, b) -> float:
+    """:func:`_rel_diff` of two models' state dicts."""
+    return _rel_diff(a.state_dict(), b.state_dict())
 
 
 # -- run config ------------------------------------------------------------------------
@@ -155,151 +231,6 @@ def test_centralized_is_refused(tiny_cfg, tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-# -- simulation runtime ----------------------------------------------------------------
-# The simulation runtime against the in-process engine: tests/test_flower_simulation.py.
-
-
-# -- the strategy over an in-process grid (no Ray, no sockets) -------------------------
-class InProcessGrid(Grid):
-    """A Flower Grid that runs the ClientApp here, one Context per node; every message
-    and reply goes through Flower's protobuf serialization, as between processes.
-
-    ``lose`` holds (round, partition) pairs whose node crashes after training, before its
-    reply is sent: the client's state moved on but the server never hears of it.
-    """
-
-    def __init__(self, client_app, num_nodes, lose=(), node_configs=None):
-        from flwr.app import Context, RecordDict
-
-        self.app = client_app
-        node_configs = node_configs or [
-            {"partition-id": i, "num-partitions": num_nodes} for i in range(num_nodes)
-        ]
-        self.contexts = {
-            1000 + i: Context(
-                run_id=7,
-                node_id=1000 + i,
-                node_config=conf,
-                state=RecordDict(),
-                run_config={},
-            )
-            for i, conf in enumerate(node_configs)
-        }
-        self.lose = set(lose)
-        self.trained = []  # (round, partition) of every training message run
-
-    def set_run(self, run):
-        self._run = run
-
-    @property
-    def run(self):
-        return self._run
-
-    def create_message(self, *args, **kwargs):
-        raise NotImplementedError
-
-    def get_node_ids(self):
-        return list(self.contexts)
-
-    def push_messages(self, messages):
-        raise NotImplementedError
-
-    def pull_messages(self, message_ids):
-        raise NotImplementedError
-
-    def send_and_receive(self, messages, *, timeout=None):
-        from flwr.common.serde import message_from_proto, message_to_proto
-
-        def wire(m):  # each way through Flower's protobuf, as between processes
-            return message_from_proto(message_to_proto(m))
-
-        replies = []
-        for msg in messages:
-            msg.metadata.__dict__["_message_id"] = uuid4().hex
-            ctx = self.contexts[msg.metadata.dst_node_id]
-            reply = wire(self.app(wire(msg), ctx))
-            if msg.metadata.message_type == "train":
-                key = (int(msg.content["config"]["server-round"]), ctx.node_config["partition-id"])
-                self.trained.append(key)
-                if key in self.lose:
-                    continue
-            replies.append(reply)
-        return replies
-
-
-def _model_rel_diff(a, b) -> float:
-    """``||a - b|| / ||b||`` over every tensor of the two models together."""
-    ref = b.state_dict()
-    num = sum(float((t.double() - ref[n].double()).norm()) ** 2 for n, t in a.state_dict().items())
-    den = sum(float(t.double().norm()) ** 2 for t in ref.values())
-    return (num / den) ** 0.5
-
-
-def _state_dict_rel_diff(a, b) -> float:
-    ref = b.state_dict()
-    worst = 0.0
-    for name, t in a.state_dict().items():
-        u, v = t.double(), ref[name].double()
-        den = float(v.norm())
-        worst = max(worst, float((u - v).norm()) / den if den > 0 else float(u.norm()))
-    return worst
-
-
-def test_misconfigured_supernode_stops_the_run_naming_it(tiny_cfg, tmp_path, task_identity):
-    from fedexlora.flower.client_app import make_client_app
-    from fedexlora.flower.records import resolve_run_config, to_run_config
-    from fedexlora.flower.server_app import run_server
-
-    rc = to_run_config(tiny_cfg, run_dir=str(tmp_path / "run"))
-    confs = [{"partition-id": 0, "num-partitions": 3}, {"partition-id": 1, "num-partitions": 2}]
-    confs.append({})
-    grid = InProcessGrid(make_client_app(rc), 3, node_configs=confs)
-    with pytest.raises(ValueError, match="SuperNode 100[12] cannot take part: "):
-        run_server(grid, *resolve_run_config(rc), say=lambda *_: None)
-    with pytest.raises(ValueError, match=r"--node-config 'partition-id=<i> num-partitions=3'"):
-        grid = InProcessGrid(make_client_app(rc), 3, node_configs=confs[:1] + [{}, confs[0]])
-        run_server(grid, *resolve_run_config({**rc, "run-dir": str(tmp_path / "r2")}))
-
-
-def test_dropout_then_resync_stays_exact(tiny_cfg, tmp_path, task_identity):
-    """Client 1's reply is lost in round 2; in round 3 it is re-synced from W0.
-
-    Reference: the in-process engine where client 1 simply is not sampled in round 2.
-    """
-    from fedexlora.flower.client_app import make_client_app
-    from fedexlora.flower.records import resolve_run_config, to_run_config
-    from fedexlora.flower.server_app import run_server
-    from fedexlora.run.build import new_model, new_server, prepare
-    from fedexlora.run.inprocess import run_method
-
-    method = "fedex"
-    cfg = tiny_cfg.replace(methods=[method], rounds=3)
-    rc = to_run_config(cfg, run_dir=str(tmp_path / "flower"), min_train_nodes=1)
-    fcfg, settings = resolve_run_config(rc)
-    grid = InProcessGrid(make_client_app(rc), cfg.num_clients, lose={(2, 1)})
-    with pytest.warns(UserWarning, match=f"{method} round 2: client 1 dropped"):
-        rows = run_server(grid, fcfg, settings, say=lambda *_: None)
-    assert (2, 1) in grid.trained and (3, 1) in grid.trained
-    r2 = rows[1]
-    assert r2["sampled"] == [0, 1, 2] and r2["dropped"] == [1] and r2["accepted"] == [0, 2]
-    assert r2["effective_deviation"]["max"] < 1e-5  # exact over the clients that reported
-    assert rows[2]["accepted"] == [0, 1, 2] and rows[2]["dropped"] == []
-    assert read_metrics(tmp_path / "flower" / "metrics.jsonl")[1]["dropped"] == [1]
-
-    task = load_task_for(cfg)
-    model, tok = new_model(cfg, task, method)
-    prep = prepare(cfg, tok, task)
-    server = new_server(cfg, method, model)
-    sample = server.sample
-    server.sample = lambda rnd: [c for c in sample(rnd) if (rnd, c) != (2, 1)]
-    ref_rows, ref_model, _ = run_method(
-        cfg, method, prep, model=model, server=server, progress=False
-    )
-    assert [r["num_examples"] for r in rows] == [r["num_examples"] for r in ref_rows]
-    got, _ = _final_model(fcfg, tmp_path / "flower", method)
-    assert _state_dict_rel_diff(got, ref_model) < 1e-5
-
-
 def test_flwr_run_validates_as_fedexlora_validate_does(tiny_cfg, tmp_path):
     """The ServerApp refuses what its engine cannot do before the first round, naming it."""
     from fedexlora.config import ConfigError
@@ -321,6 +252,7 @@ def test_flwr_run_validates_as_fedexlora_validate_does(tiny_cfg, tmp_path):
     assert cfg.client_ranks == [2, 4, 4] and cfg.engine == "flower"
 
 
+# -- the simulation launcher: what `flwr run` and Ray are started with -----------------
 def test_simulation_goes_through_flwr_run_on_loopback_with_statistics_off(
     tiny_cfg, tmp_path, monkeypatch
 ):
