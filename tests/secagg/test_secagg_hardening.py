@@ -206,3 +206,26 @@ def test_uniform_weighting_holds_under_secure_aggregation(tiny_cfg, tmp_path):
     assert len({m["num_examples"] for m in metas}) > 1  # by examples, another model
     assert all(m["weight"] == pytest.approx(1 / 3) for m in metas)
     assert _model_vs_ideal(cfg, tmp_path) <= 1e-5
+
+
+def test_what_the_server_learns_of_a_refusing_client_names_none_of_its_figures(tiny_cfg, tmp_path):
+    """A client whose count cannot be weighed drops out; the reason, which the server
+    records, names neither its count nor its values."""
+    from fedexlora.core.messages import ClientUpload
+    from fedexlora.run.client_step import local_update
+    from fedexlora.run.inprocess import run_experiment
+
+    odd = {(1, 1): 2**21 + 7, (1, 2): -13}  # too many for the weights; not a count
+
+    def faulty(cfg, method, model, data, rnd, client, **kw):
+        up = local_update(cfg, method, model, data, rnd, client, **kw)
+        n = odd.get((rnd, client))
+        return up if n is None else ClientUpload(client, up.state, n, up.train_loss)
+
+    cfg = tiny_cfg.replace(methods=["fedex"], secure_aggregation=True, rounds=1, num_clients=5)
+    rows = run_experiment(cfg, tmp_path, progress=False, local_update=faulty)
+    why = rows[0]["rejected"]
+    assert rows[0]["accepted"] == [0, 3, 4]
+    assert "exceeds" in why["1"] and "not a positive integer" in why["2"]
+    for reason in (why["1"], why["2"]):
+        assert "2097159" not in reason and "-13" not in reason and "got" not in reason

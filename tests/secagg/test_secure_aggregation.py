@@ -149,7 +149,7 @@ def test_aggregate_from_the_sums_equals_aggregate_from_the_uploads(method):
     want = plain.aggregate(uploads, effective=False)
     spec = get_method(method)
     layout = SecureLayout.for_template(template, products=spec.secure_products)
-    # each client weighs in as the server weighs it (fedsa: uniformly, as its release)
+    # each client weighs in as the server weighs it (examples, unless a method says uniform)
     n = {u.client_id: 1 if plain.weighting == "uniform" else u.num_examples for u in uploads}
     summed = sum(client_vector(layout, u.state, n[u.client_id] / 64, u.train_loss) for u in uploads)
     sums = read_sums(layout, summed, template)
@@ -189,6 +189,8 @@ def test_methods_that_cannot_run_securely_are_refused_by_name():
 
     refused = sorted(n for n, s in REGISTRY.items() if secure_refusal(s))
     assert {"flexlora", "hetlora", "flora", "lorafair", "frlora", "centralized"} <= set(refused)
+    # a personalized method: each client's own metrics and test-split size, in the clear
+    assert "fedsa" in refused and "metrics and test-split size" in secure_refusal(REGISTRY["fedsa"])
     assert {"fedex", "fedit", "ffa", "fedsb"} <= set(SECURE)
     for m in refused:
         with pytest.raises(ConfigError, match=f"'{m}'"):

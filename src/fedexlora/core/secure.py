@@ -32,16 +32,32 @@ def secure_refusal(spec) -> str | None:
     """Why ``spec``'s method cannot run under secure aggregation, or ``None`` if it can."""
     if not spec.federated:
         return f"{spec.name!r} ({spec.title}) has no clients: there is nothing to aggregate"
-    if spec.linear or spec.secure_products:
-        return None
     from fedexlora.core.methods import REGISTRY
 
-    able = [n for n, s in REGISTRY.items() if s.federated and (s.linear or s.secure_products)]
+    able = [n for n, s in REGISTRY.items() if _able(s)]
+    if spec.personalized:  # MethodSpec.keeps
+        return (
+            f"{spec.name!r} ({spec.title}) cannot run under secure aggregation: its clients "
+            "keep parts of their own, so each is evaluated on its own model, and each "
+            "client's metrics and test-split size would reach the server in the clear. "
+            f"Methods that can: {', '.join(able)}"
+        )
+    if _able(spec):
+        return None
     return (
         f"{spec.name!r} ({spec.title}) cannot run under secure aggregation: its server "
         "math needs each client's own factors (it is not a weighted sum of the uploads), "
         f"and secure aggregation shows the server only sums. Methods that can: {', '.join(able)}"
     )
+
+
+def _able(spec) -> bool:
+    """Whether the sums suffice for ``spec``'s method.
+
+    Its math is linear, or FedEx's products are summed, and no client keeps parts (and
+    metrics) of its own.
+    """
+    return spec.federated and not spec.personalized and (spec.linear or spec.secure_products)
 
 
 @dataclass(frozen=True)

@@ -224,15 +224,17 @@ def client_reply(
 
     Raises:
         ValueError: If its example count exceeds :data:`MAX_EXAMPLES` or is invalid, or
-            its upload is not finite (it then drops out of the round).
+            its upload is not finite (it then drops out of the round). The message, which
+            the server sees, names none of the client's figures.
     """
-    n, why = example_count(upload.num_examples)
+    # what reaches the server names no figure of the client's (its count, its values)
+    n, _ = example_count(upload.num_examples)
     if n is None:
-        raise ValueError(why)
+        raise ValueError(f"client {upload.client_id}: its example count is not a positive integer")
     if n > MAX_EXAMPLES:
         raise ValueError(
-            f"client {upload.client_id}: {n} examples exceed the {MAX_EXAMPLES} that secure "
-            "aggregation's weights allow"
+            f"client {upload.client_id}: its example count exceeds the {MAX_EXAMPLES} that "
+            "secure aggregation's weights allow"
         )
     products = bool(int(setup["fedex.products"]))
     layout = SecureLayout.for_template(upload.state, products=products)
