@@ -169,3 +169,26 @@ def test_pure_layers_load_no_model_libraries():
     assert len(out) == len(PURE_STATEMENTS)
     for statement, loaded in zip(PURE_STATEMENTS, out):
         assert loaded == "[]", f"{statement!r} loaded {loaded}"
+
+
+def test_tests_mirror_the_package_and_every_test_folder_is_importable():
+    """tests/ is laid out like src/fedexlora/: each folder of tests names a package, and
+    is on pytest's ``pythonpath`` (test files import each other's helpers by name)."""
+    from fedexlora.config import tomllib  # tomli before Python 3.11
+
+    root = SRC.parents[1]
+    declared = set(
+        tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"][
+            "pythonpath"
+        ]
+    )
+    tests = root / "tests"
+    folders = {p.parent for p in tests.rglob("test_*.py")}
+    for folder in folders:
+        rel = folder.relative_to(root).as_posix()
+        assert rel in declared, f"{rel} holds tests but is not on pytest's pythonpath"
+        if folder != tests and folder.name != "docs":
+            package = SRC / folder.relative_to(tests)
+            assert package.is_dir(), f"{rel} mirrors no package of src/fedexlora"
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), "test file names must be unique across folders"
