@@ -135,7 +135,8 @@ def test_config_file_and_flags_override(tiny_bert_dir, tiny_csv, tmp_path):
         (["--ranks", "1,x"], "--ranks must be a comma list of integers, got '1,x'"),
         (["--seeds", ""], "--seeds is empty"),
         (["--ranks", "4,0"], "`lora_r` must be >= 1, got 0"),
-        (["--method", "fedex,bogus"], "`methods`: unknown ['bogus']"),
+        (["--method", "fedex,bogus"], "`--method`: unknown ['bogus']"),
+        (["--weighting", "size"], "`--weighting` must be one of ('examples', 'uniform')"),
     ],
 )
 def test_compare_bad_input_is_one_clear_error(args, match, tmp_path):
@@ -151,9 +152,12 @@ def test_compare_grid_writes_comparison(tiny_bert_dir, tiny_csv, tmp_path):
     args = ["compare", "--out", str(out), "--model", tiny_bert_dir, "--task", tiny_csv,
             "--method", "fedex,fedit,centralized", "--ranks", "2", "--seeds", "0,1",
             "--settings", "iid-2,dir0.5-3", "--rounds", "1", "--local-steps", "2",
-            "--max-length", "16", "--max-test", "30", "--min-partition-size", "5"]  # fmt: skip
+            "--max-length", "16", "--max-test", "30", "--min-partition-size", "5",
+            "--weighting", "uniform"]  # fmt: skip
     res = _run(*args)
     assert res.exit_code == 0, res.output
+    cells = sorted(out.rglob("config.toml"))  # every cell runs with the grid's weighting
+    assert cells and all('weighting = "uniform"' in c.read_text() for c in cells)
     md = (out / "comparison.md").read_text()
     assert "## iid-2 (2 clients, iid), r=2" in md and "## dir0.5-3 (3 clients, dirichlet" in md
     assert "| fedex | " in md and " ± " in md

@@ -6,7 +6,7 @@ import inspect
 from pathlib import Path
 
 from fedexlora.cli._common import console, fail, quiet_libraries
-from fedexlora.cli.options import command, config_params, option
+from fedexlora.cli.options import command, config_params, in_flags, option
 from fedexlora.config import FLAGS
 
 __all__ = ["compare_cmd"]
@@ -68,7 +68,7 @@ TRAINING = "Training"
 PRIVACY = "Privacy and Fed-SB"
 _CONFIG_PANELS = {
     DATA: ("model", "task", "max_length", "max_train", "max_test", "min_partition_size"),
-    TRAINING: ("rounds", "batch_size", "lr", "lora_alpha"),
+    TRAINING: ("rounds", "batch_size", "lr", "lora_alpha", "weighting"),
     PRIVACY: ("dp_delta", "dp_max_grad_norm", "fedsb_rank", "fedsb_init"),
 }
 """The config fields ``compare`` offers, by panel: their options are the run's
@@ -216,28 +216,12 @@ def compare_cmd(**given) -> None:
             "--report writes the study over several --local-steps or --dp-epsilons; "
             "give at least two local steps, or --dp-epsilons"
         )
-    cfg, errs = validate_mapping(
-        dict(
-            model=opts["model"],
-            task=opts["task"],
-            methods=opts["methods"],
-            rounds=opts["rounds"],
-            local_steps=steps_list[0],
-            batch_size=opts["batch_size"],
-            lr=opts["lr"],
-            lora_alpha=opts["lora_alpha"],
-            max_length=opts["max_length"],
-            max_test=opts["max_test"],
-            min_partition_size=opts["min_partition_size"],
-            **{
-                k: opts[k]
-                for k in ("dp_delta", "dp_max_grad_norm", "fedsb_rank", "fedsb_init", "max_train")
-                if opts.get(k) is not None
-            },
-        )
-    )
+    offered = ["methods", *(k for keys in _CONFIG_PANELS.values() for k in keys)]
+    mapping = {k: opts[k] for k in offered if opts.get(k) is not None}
+    cfg, errs = validate_mapping({**mapping, "local_steps": steps_list[0]})
     if errs:
-        fail(str(ConfigError(errs)))
+        typed = {k: v for k, v in given.items() if v is not None}
+        fail(str(in_flags(ConfigError(errs), typed)))
     _check_paths(cfg, out, report)
     command = ["fedexlora compare"] + [f"--study {study}"] * (study is not None)
     command += [f"--out {out}"] + [f"--report {report}"] * (report is not None)

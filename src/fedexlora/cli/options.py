@@ -18,9 +18,9 @@ from typing import Any
 
 import typer
 
-from fedexlora.config import FLAGS, PANELS, Option, RunConfig, shown_default
+from fedexlora.config import FLAGS, PANELS, ConfigError, Option, RunConfig, shown_default
 
-__all__ = ["command", "config_params", "from_flags", "option"]
+__all__ = ["command", "config_params", "from_flags", "in_flags", "option"]
 
 
 def _fields():
@@ -153,3 +153,18 @@ def from_flags(given: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
             value = str(value)
         out[key] = value
     return out, errs
+
+
+def in_flags(exc: ConfigError, typed: Mapping[str, Any]) -> ConfigError:
+    """``exc`` with each setting the user gave as a flag named as the flag they typed.
+
+    The configuration names its keys (`lora_r`); a user who typed ``--rank`` reads
+    `--rank`. Settings from a TOML file keep their key, which is what the file says.
+    """
+    errors = []
+    for message in exc.errors:
+        for key in typed:
+            if key in FLAGS:
+                message = message.replace(f"`{key}`", f"`{FLAGS[key]}`")
+        errors.append(message)
+    return type(exc)(errors)

@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from fedexlora.cli._common import console, fail, quiet_libraries
-from fedexlora.cli.options import command, config_params, from_flags, option
-from fedexlora.config import FLAGS, OUTPUT, SETTINGS, ConfigError
+from fedexlora.cli.options import command, config_params, from_flags, in_flags, option
+from fedexlora.config import OUTPUT, SETTINGS, ConfigError
 
 __all__ = ["run_cmd"]
 
@@ -95,20 +95,6 @@ def run_cmd(**given) -> None:
         out = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     progress = not given["no_progress"]
     _execute(cfg, out, resume=resume is not None, progress=progress, tasks=recipe_tasks)
-
-
-def in_flags(exc: ConfigError, typed: dict) -> ConfigError:
-    """``exc`` with each setting the user gave as a flag named as the flag they typed.
-
-    The configuration names its keys (`lora_r`); a user who typed ``--rank`` reads
-    `--rank`. Settings from a TOML file keep their key, which is what the file says.
-    """
-    errors = []
-    for message in exc.errors:
-        for key in typed:
-            message = message.replace(f"`{key}`", f"`{FLAGS[key]}`")
-        errors.append(message)
-    return type(exc)(errors)
 
 
 def _resumed_config(resume: Path, overrides: dict, config: Path | None, out: Path | None):
