@@ -43,6 +43,7 @@ from safetensors.torch import load_file
 
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.config import load_config
+from fedexlora.core.methods import get_method
 from fedexlora.run.build import new_model
 from fedexlora.run.restore import load_task_for
 
@@ -70,7 +71,7 @@ def ideal_from_client_adapters(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
     if cfg.client_ranks:
         raise ValueError("heterogeneous client ranks are not rebuilt by this check")
     scale = cfg.lora_alpha / (cfg.lora_r**0.5 if cfg.rslora else cfg.lora_r)
-    weighting = cfg.weighting or "examples"  # fedex's own default
+    weighting = cfg.weighting or get_method("fedex").weighting  # the run's, else fedex's own
     uniform = weighting == "uniform"
     M = {n: w0(layer) for n, layer in layers.items()}
     W0 = {n: w.clone() for n, w in M.items()}

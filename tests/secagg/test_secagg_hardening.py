@@ -8,6 +8,8 @@ import pytest
 
 pytest.importorskip("flwr")
 
+from test_secure_aggregation import _protocol  # noqa: E402  (one SecAgg+ round in process)
+
 pytestmark = pytest.mark.slow(seconds=40)
 
 
@@ -32,35 +34,13 @@ def test_every_bit_of_the_secret_changes_the_mask():
     assert np.mean(_mask(swapped, 1000) != base) > 0.99
 
 
-def _one_round(vectors, drop=None):
-    """One SecAgg+ round over clients 0..k-1 sending ``vectors`` (client ``drop`` sends
-    none after sharing its keys): (sum, masked vectors)."""
-    from fedexlora.secagg.protocol import ClientSession, ServerSession, run_round
-
-    k, size = len(vectors), vectors[0].size
-    server = ServerSession(list(range(k)), size)
-    sessions = {c: ClientSession(c) for c in range(k)}
-    sent = {}
-
-    def exchange(stage, messages):
-        call = {"setup": "setup", "share-keys": "share_keys", "unmask": "unmask"}[stage]
-        return {c: getattr(sessions[c], call)(m) for c, m in messages.items()}
-
-    def collect(messages):
-        sent.update(
-            {c: sessions[c].masked(m, vectors[c]) for c, m in messages.items() if c != drop}
-        )
-        return sent
-
-    return run_round(server, exchange, collect), dict(sent)
-
-
 def test_masks_cancel_and_every_round_masks_anew():
     rng = np.random.default_rng(0)
     vectors = [rng.integers(0, 2**20, size=500) for _ in range(3)]
     plain = sum(vectors) % 2**32
-    first, masked1 = _one_round(vectors)
-    second, masked2 = _one_round(vectors)
+    first, _, seen1 = _protocol(3, vectors)
+    second, _, seen2 = _protocol(3, vectors)
+    masked1, masked2 = ({c: r for s, c, r in seen if s == "collect"} for seen in (seen1, seen2))
     assert np.array_equal(first, plain) and np.array_equal(second, plain)
     for c in range(3):
         one, two = (np.frombuffer(m[c], dtype=np.uint32) for m in (masked1, masked2))
@@ -143,7 +123,7 @@ def test_a_round_with_two_survivors_is_refused_and_changes_nothing(tiny_cfg, tmp
     rng = np.random.default_rng(2)
     vectors = [rng.integers(0, 2**20, size=50) for _ in range(3)]
     with pytest.raises(SecAggError, match="a round needs 3"):
-        _one_round(vectors, drop=2)
+        _protocol(3, vectors, drop=(2,))
 
     def reply(session, setup, message, upload, **kw):
         if session.client == 2 and kw["rnd"] == 1:
