@@ -20,10 +20,14 @@ __all__ = ["FedExLoRA", "NodeDirectory", "run_flower_experiment"]
 
 def __getattr__(name: str) -> Any:
     # Lazy, so that importing a submodule (as `flwr` does) stays light.
-    if name in ("FedExLoRA", "NodeDirectory"):
-        from fedexlora.flower import strategy
+    if name == "FedExLoRA":
+        from fedexlora.flower.strategy import FedExLoRA
 
-        return getattr(strategy, name)
+        return FedExLoRA
+    if name == "NodeDirectory":
+        from fedexlora.flower.nodes import NodeDirectory
+
+        return NodeDirectory
     if name == "run_flower_experiment":
         from fedexlora.flower.simulation import run_flower_experiment
 

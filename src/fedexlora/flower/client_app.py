@@ -40,6 +40,7 @@ from typing import Any
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedexlora.flower import client_dp
 from fedexlora.flower.records import from_array_record, resolve_run_config, to_array_record
 from fedexlora.flower.simulation import restore_user_home
 from fedexlora.quiet import quiet_libraries
@@ -48,7 +49,6 @@ __all__ = ["app", "make_client_app"]
 
 _META = "fedexlora.meta"  # ConfigRecord: method, version (of the base held), token
 _BASE = "fedexlora.client"  # ArrayRecord: fedexlora.bridge.steps.client_state(model)
-_DP = "fedexlora.dp"  # ConfigRecord: DP-SGD steps taken per method, and the run token
 
 _DATA: dict[str, tuple] = {}  # config fingerprint -> (task, Prepared), one entry
 _MODELS: OrderedDict[tuple, tuple] = OrderedDict()  # (run, partition) -> (token, model); spares
@@ -98,69 +98,6 @@ def _save_to_disk(folder: Path, model, version: int) -> None:
     os.replace(tmp, folder / f"v{version}.safetensors")
     for old in _on_disk(folder)[:-_KEEP_ON_DISK]:
         (folder / f"v{old}.safetensors").unlink(missing_ok=True)
-
-
-_PLAN = ("noise_multiplier", "sample_rate", "planned_steps")
-
-
-def _dp_saved(context: Context, method: str, run_token: str, disk: Path | None) -> dict:
-    """This client's own record for ``method`` in this run: its plan and steps taken.
-
-    From its Context, else its state directory; ``{}`` when it has none.
-    """
-    rec = context.state.get(_DP)
-    if isinstance(rec, ConfigRecord) and rec.get("run-token", "") == run_token and method in rec:
-        return json.loads(str(rec[method]))
-    if disk is not None and (disk / "dp.json").is_file():
-        return json.loads((disk / "dp.json").read_text())
-    return {}
-
-
-def _dp_record(context: Context, method: str, run_token: str, disk, budget) -> None:
-    """Keeps the plan and the steps taken, in the Context and the state directory."""
-    record = {k: getattr(budget, k) for k in _PLAN} | {"steps": int(budget.steps)}
-    rec = context.state.get(_DP)
-    if not isinstance(rec, ConfigRecord) or rec.get("run-token", "") != run_token:
-        rec = ConfigRecord({"run-token": run_token})
-    rec[method] = json.dumps(record)
-    context.state[_DP] = rec
-    if disk is not None:
-        disk.mkdir(parents=True, exist_ok=True)
-        tmp = disk / ".dp.json.tmp"
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, disk / "dp.json")
-
-
-def _dp_budget(cfg, context, conf, method: str, pid: int, n: int, run_token: str, disk):
-    """This client's DP-SGD plan and the steps it has taken: its own accounting.
-
-    The plan is made once, from the run's settings and this client's example count, and
-    kept: a resume that extends the run finds the budget spent rather than a new plan.
-    A client that lost its state takes the plan and count it last reported, which the
-    server sends back; the count is the largest of all it knows, so a budget is never
-    spent twice.
-    """
-    from fedexlora.training.privacy import budget_for, check_delta
-
-    check_delta(cfg.dp_delta, [n])
-    budget = budget_for(cfg, pid, n)
-    saved = _dp_saved(context, method, run_token, disk)
-    echo = {
-        k: conf[f"dp-{k.replace('_', '-')}"] for k in _PLAN if f"dp-{k.replace('_', '-')}" in conf
-    }
-    plan = saved if all(k in saved for k in _PLAN) else echo if len(echo) == len(_PLAN) else {}
-    if plan:
-        budget.noise_multiplier = float(plan["noise_multiplier"])
-        budget.sample_rate = float(plan["sample_rate"])
-        budget.planned_steps = int(plan["planned_steps"])
-    budget.steps = max(int(saved.get("steps", 0)), int(conf.get("dp-steps", 0)))
-    return budget
-
-
-def _dp_metrics(budget, delta: float) -> dict:
-    from fedexlora.training.privacy import report
-
-    return {f"dp-{k.replace('_', '-')}": v for k, v in report(budget, delta).items()}
 
 
 def held_versions(context: Context, settings, token: str, pid: int) -> dict[str, list[int]]:
@@ -415,7 +352,7 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     if cfg.dp:  # the accounting is the client's own; the server records what it reports
         from fedexlora.training.privacy import check_model, steps_per_round
 
-        budget = _dp_budget(cfg, context, conf, method, pid, len(data), run_token, disk)
+        budget = client_dp.plan_budget(cfg, context, conf, method, pid, len(data), run_token, disk)
         want = steps_per_round(cfg, len(data))
         refused = budget.steps + want > budget.planned_steps
         if not refused:
@@ -433,12 +370,12 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
             return Message(RecordDict({"config": error}), reply_to=msg)
         if budget is not None:
             budget.steps += want
-            _dp_record(context, method, run_token, disk, budget)
+            client_dp.save_record(context, method, run_token, disk, budget)
     if bool(conf.get("keep-state", True)):
         _remember(context, model, method, version, pid, disk, run_token)
     else:  # the server will reset this client next time: keep nothing of it
         _forget(context, model, method, pid, disk, fingerprint)
-    metrics = {} if budget is None else _dp_metrics(budget, cfg.dp_delta)
+    metrics = {} if budget is None else client_dp.report_metrics(budget, cfg.dp_delta)
     content = RecordDict(
         {"config": ConfigRecord({"partition-id": pid, "server-round": rnd, "method": method})}
     )

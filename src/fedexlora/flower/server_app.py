@@ -51,7 +51,8 @@ def run_server(
             ``resume``), or the run to resume has another configuration.
     """
     from fedexlora.bridge.adapters import set_state
-    from fedexlora.flower.strategy import FedExLoRA, NodeDirectory
+    from fedexlora.flower.nodes import NodeDirectory
+    from fedexlora.flower.strategy import FedExLoRA
     from fedexlora.run.build import client_adapter
     from fedexlora.run.client_step import save_client_adapter
     from fedexlora.run.lifecycle import Run

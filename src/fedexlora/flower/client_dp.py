@@ -1,0 +1,80 @@
+"""A Flower client's own DP-SGD accounting: its plan and the steps it has taken.
+
+The client plans its budget from the run's settings and its own example count, keeps the
+plan and its steps in its Context and its state directory, and reports them to the
+server, which records them (and sends them back to a client that lost its state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from flwr.app import ConfigRecord, Context
+
+__all__ = ["load_record", "plan_budget", "report_metrics", "save_record"]
+
+_DP = "fedexlora.dp"  # ConfigRecord: DP-SGD steps taken per method, and the run token
+_PLAN = ("noise_multiplier", "sample_rate", "planned_steps")
+
+
+def load_record(context: Context, method: str, run_token: str, disk: Path | None) -> dict:
+    """This client's own record for ``method`` in this run: its plan and steps taken.
+
+    From its Context, else its state directory; ``{}`` when it has none.
+    """
+    rec = context.state.get(_DP)
+    if isinstance(rec, ConfigRecord) and rec.get("run-token", "") == run_token and method in rec:
+        return json.loads(str(rec[method]))
+    if disk is not None and (disk / "dp.json").is_file():
+        return json.loads((disk / "dp.json").read_text())
+    return {}
+
+
+def save_record(context: Context, method: str, run_token: str, disk, budget) -> None:
+    """Keeps the plan and the steps taken, in the Context and the state directory."""
+    record = {k: getattr(budget, k) for k in _PLAN} | {"steps": int(budget.steps)}
+    rec = context.state.get(_DP)
+    if not isinstance(rec, ConfigRecord) or rec.get("run-token", "") != run_token:
+        rec = ConfigRecord({"run-token": run_token})
+    rec[method] = json.dumps(record)
+    context.state[_DP] = rec
+    if disk is not None:
+        disk.mkdir(parents=True, exist_ok=True)
+        tmp = disk / ".dp.json.tmp"
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, disk / "dp.json")
+
+
+def plan_budget(cfg, context, conf, method: str, pid: int, n: int, run_token: str, disk):
+    """This client's DP-SGD plan and the steps it has taken: its own accounting.
+
+    The plan is made once, from the run's settings and this client's example count, and
+    kept: a resume that extends the run finds the budget spent rather than a new plan.
+    A client that lost its state takes the plan and count it last reported, which the
+    server sends back; the count is the largest of all it knows, so a budget is never
+    spent twice.
+    """
+    from fedexlora.training.privacy import budget_for, check_delta
+
+    check_delta(cfg.dp_delta, [n])
+    budget = budget_for(cfg, pid, n)
+    saved = load_record(context, method, run_token, disk)
+    echo = {
+        k: conf[f"dp-{k.replace('_', '-')}"] for k in _PLAN if f"dp-{k.replace('_', '-')}" in conf
+    }
+    plan = saved if all(k in saved for k in _PLAN) else echo if len(echo) == len(_PLAN) else {}
+    if plan:
+        budget.noise_multiplier = float(plan["noise_multiplier"])
+        budget.sample_rate = float(plan["sample_rate"])
+        budget.planned_steps = int(plan["planned_steps"])
+    budget.steps = max(int(saved.get("steps", 0)), int(conf.get("dp-steps", 0)))
+    return budget
+
+
+def report_metrics(budget, delta: float) -> dict:
+    """The budget as the reply's ``dp-*`` metrics (what the server records)."""
+    from fedexlora.training.privacy import report
+
+    return {f"dp-{k.replace('_', '-')}": v for k, v in report(budget, delta).items()}
