@@ -508,16 +508,16 @@ class RunConfig:
 
     def _secure_errors(self, errs: list[str]) -> None:
         """What ``secure_aggregation`` cannot be combined with, appended to ``errs``."""
-        from fedexlora.core.secure import secure_refusal
+        from fedexlora.core.secure import MIN_SURVIVORS, secure_refusal
 
         for m in self.methods:
             why = secure_refusal(REGISTRY[m]) if m in REGISTRY else None
             if why:
                 errs.append(f"`secure_aggregation`: {why}")
-        if sample_size(self.num_clients, self.fraction) < 3:
+        if sample_size(self.num_clients, self.fraction) < MIN_SURVIVORS:
             errs.append(
-                "`secure_aggregation` needs at least 3 clients per round (of two, each "
-                "learns the other's upload from the sum); got "
+                f"`secure_aggregation` needs at least {MIN_SURVIVORS} clients per round "
+                "(of two, each learns the other's upload from the sum); got "
                 f"{self.num_clients} clients at fraction {self.fraction}"
             )
         for key, why in (

@@ -23,7 +23,19 @@ import torch
 
 from fedexlora.core.state import AdapterState
 
-__all__ = ["SecureLayout", "SecureSums", "client_vector", "read_sums", "secure_refusal"]
+__all__ = [
+    "MIN_SURVIVORS",
+    "SecureLayout",
+    "SecureSums",
+    "client_vector",
+    "read_sums",
+    "secure_refusal",
+]
+
+MIN_SURVIVORS = 3
+"""The fewest clients a secure round sums: of two, each learns the other's upload (the
+sum less its own). The configuration asks a run to sample this many a round, and the
+SecAgg+ server refuses a round that would end with fewer."""
 
 _WEIGHT, _LOSS = "__weight__", "__loss__"
 

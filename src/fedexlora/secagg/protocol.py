@@ -38,14 +38,12 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from fedexlora.core.secure import MIN_SURVIVORS
 from fedexlora.secagg.encoding import MOD_RANGE
 
-__all__ = ["MIN_SURVIVORS", "STAGES", "ClientSession", "SecAggError", "ServerSession"]
+__all__ = ["STAGES", "ClientSession", "SecAggError", "ServerSession"]
 
 STAGES = ("setup", "share-keys", "collect", "unmask")
-MIN_SURVIVORS = 3
-"""The fewest clients a secure round sums: of two, each learns the other's upload (the
-sum less its own); the server refuses a round that would end with fewer."""
 
 
 class SecAggError(RuntimeError):
