@@ -30,6 +30,7 @@ from fedexlora.core.side import Accumulator, SideBranch
 from fedexlora.core.state import AdapterState, LayerInfo
 
 __all__ = [
+    "LoraHandle",
     "base_weight",
     "check_compatible",
     "effective_weight",
@@ -579,3 +580,29 @@ def tail_norm(model: torch.nn.Module, start: int, stop: int) -> torch.Tensor:
         term = torch.linalg.norm(B[:, start:stop]) * torch.linalg.norm(A[start:stop])
         total = term if total is None else total + term
     return total if total is not None else torch.zeros(())
+
+
+class LoraHandle:
+    """A client's peft model as a method's local hooks see it (``MethodSpec.local_round``).
+
+    :class:`fedexlora.core.methods.spec.LocalModel`, over the active adapter.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def set_trainable(self, train_A: bool, train_B: bool) -> None:
+        """Freezes or unfreezes every ``lora_A`` and ``lora_B`` (:func:`set_trainable`)."""
+        set_trainable(self.model, train_A=train_A, train_B=train_B)
+
+    def factors(self) -> AdapterState:
+        """The adapter's factors, without the task head."""
+        return get_state(self.model, include_extra=False)
+
+    def load(self, state: AdapterState) -> None:
+        """Loads factors into the adapter."""
+        set_state(self.model, state)
+
+    def tail_norm(self, start: int, stop: int) -> torch.Tensor:
+        """:func:`tail_norm` of the active adapter."""
+        return tail_norm(self.model, start, stop)

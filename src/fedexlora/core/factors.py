@@ -9,6 +9,7 @@ Shapes follow peft: ``A`` is ``(r, n)`` (``lora_A.weight``), ``B`` is ``(d, r)``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "cut_rank",
+    "used_rank",
     "AggregationResult",
     "Residual",
     "centred_residual",
@@ -534,3 +537,31 @@ def residuals_from_flat(prefix: str, flat: dict[str, torch.Tensor]) -> dict[str,
         else:
             raise ValueError(f"residual {prefix}.{name} needs U and V, or dense; got {sorted(p)}")
     return out
+
+
+def used_rank(state) -> int:
+    """The rank an ``AdapterState``'s factors use (the last live A row or B column + 1).
+
+    A HetLoRA client that pruned its rank uploads zeros beyond it.
+    """
+    used = 0
+    for A, B in state.factors.values():
+        for X, dim in ((A, 1), (B, 0)):
+            if X is not None:
+                live = (X != 0).any(dim=dim).nonzero().flatten()
+                used = max(used, int(live.max()) + 1 if live.numel() else 0)
+    return used
+
+
+def cut_rank(state, rank: int):
+    """``state`` with every A row and B column from ``rank`` on set to zero."""
+    factors = {}
+    for name, (A, B) in state.factors.items():
+        if A is not None:
+            A = A.clone()
+            A[rank:] = 0
+        if B is not None:
+            B = B.clone()
+            B[:, rank:] = 0
+        factors[name] = (A, B)
+    return dataclasses.replace(state, factors=factors)

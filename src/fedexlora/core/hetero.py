@@ -24,7 +24,7 @@ import torch
 from fedexlora.core.factors import Residual, pad_rank, split_leading, svd_of_product
 from fedexlora.core.state import AdapterState
 
-__all__ = ["client_view", "cut_rank", "to_global", "used_rank"]
+__all__ = ["client_view", "to_global"]
 
 
 def _same(g, c) -> bool:
@@ -138,32 +138,4 @@ def to_global(state: AdapterState, global_layers: Mapping, client_layers: Mappin
             factors[name] = (A, B)
         else:
             factors[name] = pad_rank(A, B, g.rank, factor=c.scale / g.scale)
-    return AdapterState(factors=factors, extra=state.extra)
-
-
-def used_rank(state: AdapterState) -> int:
-    """The rank factors use: one past the last A row or B column not all zero.
-
-    A HetLoRA client that pruned its rank uploads zeros beyond it.
-    """
-    used = 0
-    for A, B in state.factors.values():
-        for X, dim in ((A, 1), (B, 0)):
-            if X is not None:
-                live = (X != 0).any(dim=dim).nonzero().flatten()
-                used = max(used, int(live.max()) + 1 if live.numel() else 0)
-    return used
-
-
-def cut_rank(state: AdapterState, rank: int) -> AdapterState:
-    """``state`` with every A row and B column from ``rank`` on set to zero."""
-    factors = {}
-    for name, (A, B) in state.factors.items():
-        if A is not None:
-            A = A.clone()
-            A[rank:] = 0
-        if B is not None:
-            B = B.clone()
-            B[:, rank:] = 0
-        factors[name] = (A, B)
     return AdapterState(factors=factors, extra=state.extra)

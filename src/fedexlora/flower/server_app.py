@@ -1,12 +1,14 @@
 """The Flower ServerApp: the shared server state, evaluation and run directory.
 
 For every method of the run it builds the same :class:`fedexlora.server.Server` the
-in-process engine builds (:mod:`fedexlora.run.build`'s helpers), drives it with the
-:class:`fedexlora.flower.strategy.FedExLoRA` strategy, and after each round evaluates the
-global model it holds (residuals folded into its base, global factors loaded) exactly as
-the in-process engine does. It writes the same run directory: ``config.toml``,
-``metrics.jsonl`` (rows from :func:`fedexlora.run.rounds.round_row`, with ``dropped``
-filled in), checkpoints, ``summary.md`` and the plots.
+in-process engine builds (:mod:`fedexlora.run.build`'s helpers) and runs the same round
+loop (:func:`fedexlora.run.loop.run_rounds`), which closes each round on the global model
+this process holds (residuals folded into its base, global factors loaded) exactly as
+in-process. Flower is the transport only: :class:`FlowerRounds` carries each round as
+the :class:`fedexlora.flower.strategy.FedExLoRA` strategy's messages. It writes the
+same run directory: ``config.toml``, ``metrics.jsonl`` (rows from
+:func:`fedexlora.run.rounds.round_row`, with ``dropped`` filled in), checkpoints,
+``summary.md`` and the plots.
 
 The run directory is the run config's ``run-dir`` (give an absolute path when the
 ServerApp runs under a SuperLink).
@@ -19,13 +21,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from flwr.app import Context, MetricRecord
+from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedexlora.flower.records import FlowerSettings, resolve_run_config, to_array_record
+from fedexlora.flower.records import FlowerSettings, resolve_run_config
 from fedexlora.quiet import quiet_libraries
+from fedexlora.run.rounds import RoundTraffic
 
-__all__ = ["app", "make_server_app", "run_server"]
+__all__ = ["FlowerRounds", "app", "make_server_app", "run_server"]
 
 
 def run_server(
@@ -37,10 +40,12 @@ def run_server(
 ) -> list[dict]:
     """Runs every method of ``cfg`` over ``grid`` and writes the run directory.
 
-    The run directory's life is :class:`fedexlora.run.lifecycle.Run`'s, as in-process;
-    here the rounds go through the :class:`FedExLoRA` strategy. With ``settings.resume``
-    it continues the run in that directory from each method's last intact checkpoint (as
-    ``fedexlora run --resume`` does in-process).
+    The run directory's life is :class:`fedexlora.run.lifecycle.Run`'s and the rounds are
+    the loop every engine runs (:func:`fedexlora.run.loop.run_rounds`), as in-process;
+    here each round is carried by :class:`FlowerRounds` (the :class:`FedExLoRA`
+    strategy's messages). With ``settings.resume`` it continues the run in that
+    directory from each method's last intact checkpoint (as ``fedexlora run --resume``
+    does in-process).
 
     Returns:
         All metrics rows.
@@ -50,13 +55,9 @@ def run_server(
             engine cannot do, the run directory already holds a run (without
             ``resume``), or the run to resume has another configuration.
     """
-    from fedexlora.bridge.adapters import set_state
     from fedexlora.flower.nodes import NodeDirectory
-    from fedexlora.flower.strategy import FedExLoRA
-    from fedexlora.run.build import client_adapter
-    from fedexlora.run.client_step import save_client_adapter
     from fedexlora.run.lifecycle import Run
-    from fedexlora.run.rounds import RoundTraffic, close_round
+    from fedexlora.run.loop import drive
 
     cfg = cfg.replace(engine="flower").validate()  # one validation for every entry point
     if settings.resume:
@@ -70,84 +71,117 @@ def run_server(
         say=say,
         resume_hint="resume it (`resume` in the run config, or fedexlora run --resume)",
     )
-    prep = run.prep
     nodes = NodeDirectory(
         cfg.num_clients, run.fingerprint, timeout=settings.round_timeout, run_token=run.run_token()
     )
+    rows = drive(
+        run,
+        lambda current: FlowerRounds(
+            grid,
+            cfg,
+            settings,
+            current,
+            nodes,
+            fingerprint=run.fingerprint,
+            out_dir=run.layout.root,
+        ),  # fmt: skip
+    )
+    say(f"wrote {run.layout.metrics}")
+    return rows
 
-    def _save_uploads(mdl, srv, rec, m):
-        """``save_client_adapters``: each upload as the PEFT adapter its client trained."""
-        for up in rec.uploads:
-            adapter = client_adapter(cfg, m, up.client_id) or "default"
-            set_state(mdl, up.state, adapter=adapter)
-            mdl.set_adapter(adapter)
-            weight = rec.outcome.weights.get(up.client_id)
-            save_client_adapter(
-                mdl, run.layout.root, rec.round, up.client_id, int(up.num_examples), weight
-            )
-        mdl.set_adapter("default")
-        set_state(mdl, srv.state)
 
-    for current in run.methods():
-        m, model, server = current.method, current.model, current.server
-        strategy = FedExLoRA(
-            server,
+class FlowerRounds:
+    """The Flower transport: a method's rounds as the :class:`FedExLoRA` strategy's messages.
+
+    Each round the strategy samples with the shared server, sends every sampled node its
+    client's payload over ``grid``, and aggregates the replies with the server
+    (:meth:`FedExLoRA.train_round`); the loop (:func:`fedexlora.run.loop.run_rounds`)
+    closes the round on the global model this process holds. A Flower client keeps its
+    own DP-SGD accounting: the round's privacy report is what the clients reported.
+
+    Args:
+        grid: The Flower grid.
+        cfg: The run configuration.
+        settings: The Flower run settings (timeouts, node counts).
+        current: The method, its model, server and rows
+            (:class:`fedexlora.run.lifecycle.MethodRun`).
+        nodes: Which node holds which partition (shared by the run's methods).
+        fingerprint: The configuration's fingerprint, which clients check.
+        out_dir: The run directory (client adapters).
+    """
+
+    def __init__(
+        self,
+        grid: Grid,
+        cfg,
+        settings: FlowerSettings,
+        current,
+        nodes,
+        *,
+        fingerprint: str,
+        out_dir: Path,
+    ):
+        from fedexlora.flower.strategy import FedExLoRA
+
+        self.grid, self.cfg, self.settings = grid, cfg, settings
+        self.method, self.model, self.server = current.method, current.model, current.server
+        self.out_dir = out_dir
+        self.strategy = FedExLoRA(
+            self.server,
             nodes,
             fraction_train=cfg.fraction,
             min_train_nodes=settings.min_train_nodes,
             min_available_nodes=settings.min_available_nodes or None,
             wait_timeout=settings.wait_timeout,
-            fingerprint=run.fingerprint,
-            effective=False,  # apply_round measures it on the model
+            fingerprint=fingerprint,
+            effective=False,  # the loop measures it on the model
             secure=cfg.secure_aggregation,
         )
         if current.rows and current.rows[-1].get("privacy"):  # a resume: the last reports
-            strategy.dp_reports = {
+            self.strategy.dp_reports = {
                 int(c): dict(v) for c, v in current.rows[-1]["privacy"].get("clients", {}).items()
             }
+        self.strategy.summary()
 
-        def evaluate_fn(rnd, _arrays, m=m, mdl=model, srv=server, st=strategy, cur=current):
-            """After each round: fold, evaluate, and hand the row to the run."""
-            if rnd == 0:
-                return None  # the in-process engine does not evaluate before round 1
-            rec = st.current
-            privacy = None
-            if cfg.dp:  # what the clients reported of their own accounting
-                from fedexlora.training.privacy import privacy_row
+    def train_round(self, rnd: int) -> RoundTraffic:
+        """Round ``rnd`` over the grid, and what it measured."""
+        rec = self.strategy.train_round(self.grid, self.settings.round_timeout)
+        if rec.round != rnd:
+            raise RuntimeError(f"{self.method}: loop round {rnd}, server round {rec.round}")
+        privacy = None
+        if self.cfg.dp:  # what the clients reported of their own accounting
+            from fedexlora.training.privacy import privacy_row
 
-                privacy = privacy_row(cfg.dp_epsilon, cfg.dp_delta, st.dp_reports, rec.refused)
-            traffic = RoundTraffic(
-                rec.round, rec.sampled, rec.uploads, rec.outcome, rec.started, rec.bytes_up,
-                rec.bytes_down, rec.bytes_down_max, dropped=rec.dropped,
-                refused=rec.refused, privacy=privacy,
-            )  # fmt: skip
-            row = close_round(
-                cfg, m, mdl, srv, prep, traffic, earlier=cur.rows,
-                evaluate_clients=lambda clients: st.evaluate_personal(
-                    grid, clients, settings.round_timeout
-                ),
-                save_uploads=(
-                    (lambda: _save_uploads(mdl, srv, rec, m)) if cfg.save_client_adapters else None
-                ),
-            )  # fmt: skip
-            run.record(cur, row)
-            metrics = row["metrics"]
-            return MetricRecord({k: float(v) for k, v in metrics.items() if _is_number(v)})
+            privacy = privacy_row(
+                self.cfg.dp_epsilon, self.cfg.dp_delta, self.strategy.dp_reports, rec.refused
+            )
+        return RoundTraffic(
+            rec.round, rec.sampled, rec.uploads, rec.outcome, rec.started, rec.bytes_up,
+            rec.bytes_down, rec.bytes_down_max, dropped=rec.dropped,
+            refused=rec.refused, privacy=privacy,
+        )  # fmt: skip
 
-        strategy.start(
-            grid,
-            initial_arrays=to_array_record(server.state.to_flat()),
-            num_rounds=cfg.rounds - server.round,
-            timeout=settings.round_timeout,
-            evaluate_fn=evaluate_fn,
-        )
-    rows = run.finish()
-    say(f"wrote {run.layout.metrics}")
-    return rows
+    def evaluate_clients(self, clients: list[int]) -> dict[int, tuple[dict[str, float], int]]:
+        """Each client evaluates its own model (a personalized method) and replies."""
+        return self.strategy.evaluate_personal(self.grid, clients, self.settings.round_timeout)
 
+    def save_uploads(self, traffic: RoundTraffic) -> None:
+        """``save_client_adapters``: each upload as the PEFT adapter its client trained."""
+        from fedexlora.bridge.adapters import set_state
+        from fedexlora.run.build import client_adapter
+        from fedexlora.run.client_step import save_client_adapter
 
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+        mdl = self.model
+        for up in traffic.uploads:
+            adapter = client_adapter(self.cfg, self.method, up.client_id) or "default"
+            set_state(mdl, up.state, adapter=adapter)
+            mdl.set_adapter(adapter)
+            weight = traffic.outcome.weights.get(up.client_id)
+            save_client_adapter(
+                mdl, self.out_dir, traffic.round, up.client_id, int(up.num_examples), weight
+            )
+        mdl.set_adapter("default")
+        set_state(mdl, self.server.state)
 
 
 def make_server_app(

@@ -199,6 +199,28 @@ class FedExLoRA(FedAvg):
         with _quiet_expected():
             return super().start(*args, **kwargs)
 
+    def train_round(self, grid: Grid, timeout: float | None = None) -> RoundRecord:
+        """Carries the server's next round over ``grid``: sends, receives, aggregates.
+
+        Flower's own loop (:meth:`start`) runs this strategy the same way, round by
+        round; fedex-lora's ServerApp runs its rounds through the loop every engine shares
+        (:func:`fedexlora.run.loop.run_rounds`), which calls this.
+
+        Returns:
+            What the round did (:attr:`current`).
+        """
+        self._timeout = timeout
+        server_round = self.server.round + 1 - self.offset
+        log(INFO, "")
+        log(INFO, "[ROUND %s] %s", self.server.round + 1, self.method)
+        with _quiet_expected():
+            messages = self.configure_train(server_round, ArrayRecord(), ConfigRecord(), grid)
+            replies = grid.send_and_receive(messages, timeout=3600 if timeout is None else timeout)
+            _, metrics = self.aggregate_train(server_round, replies)
+        if metrics is not None:
+            log(INFO, "\t└──> Aggregated MetricRecord: %s", metrics)
+        return self.current
+
     def summary(self) -> None:
         """Logs the strategy's settings."""
         log(INFO, "\t├──> FedEx-LoRA strategy, method %s", self.method)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fedexlora.bridge.adapters import get_state, set_state
+from fedexlora.bridge.adapters import LoraHandle
 from fedexlora.bridge.steps import make_upload
 from fedexlora.config import RunConfig
 from fedexlora.core.messages import ClientUpload
@@ -65,12 +65,7 @@ def local_update(
         tokenizer: The model's tokenizer (``cfg.trainer == "trl"`` needs it).
     """
     spec = get_method(method)
-    train_A, train_B = spec.trained(rnd)  # latent (Fed-SB): A is I in its coordinates
-    if spec.alternating:  # RoLoRA: B in odd rounds, A in even ones
-        from fedexlora.bridge.adapters import set_trainable
-
-        set_trainable(model, train_A=train_A, train_B=train_B)
-    penalty, prune = _rank_pruning(model) if spec.prunes_rank else (None, None)
+    hooks = spec.local_hooks(LoraHandle(model), rnd)  # RoLoRA's factor, HetLoRA's pruning
     steps = cfg.local_steps if steps is None else steps
     seed, device = client_seed(cfg.seed, rnd, client), next(model.parameters()).device
     if cfg.trainer == "trl":  # TRL's SFTTrainer: the same steps, batch, schedule and seed
@@ -103,10 +98,10 @@ def local_update(
             device=device,
             autocast=autocast_dtype(cfg),
             dp=dp,
-            penalty=penalty,
+            penalty=hooks.penalty,
         )
-    if prune is not None:
-        prune()
+    if hooks.after is not None:
+        hooks.after()
     up_A, up_B = spec.uploaded(rnd)  # FedSA-LoRA: B is trained but kept
     return make_upload(
         model,
@@ -117,32 +112,6 @@ def local_update(
         include_B=up_B,
         include_extra=spec.shares_head,
     )
-
-
-def _rank_pruning(model):
-    """HetLoRA's rank self-pruning for one round: ``(penalty, prune)``, or ``(None, None)``.
-
-    ``penalty`` (added to the local loss) is ``λ ||B[:, t:r]|| ||A[t:r]||`` over the tail
-    of the rank ``r`` the client uses, ``t = ⌊γ r⌋``; ``prune`` (after training) cuts the
-    adapter to rank ``t`` when that tail's norm product ended smaller than it began.
-    """
-    from fedexlora.bridge.adapters import tail_norm
-    from fedexlora.core.hetero import cut_rank, used_rank
-    from fedexlora.core.methods.hetlora import LAMBDA, pruning_tail
-
-    rank = used_rank(get_state(model, include_extra=False))
-    cut = pruning_tail(rank)
-    if not 1 <= cut < rank:
-        return None, None
-    with torch.no_grad():
-        before = float(tail_norm(model, cut, rank))
-
-    def prune() -> None:
-        with torch.no_grad():
-            if float(tail_norm(model, cut, rank)) < before:  # the tail shrank: cut it off
-                set_state(model, cut_rank(get_state(model, include_extra=False), cut))
-
-    return (lambda: LAMBDA * tail_norm(model, cut, rank)), prune
 
 
 def save_client_adapter(

@@ -2,14 +2,13 @@
 
 :func:`run_experiment` runs every method of a configuration here: the run directory and
 its life (checks, config, partitions, rows, checkpoints, resume, trackers, summary) are
-:class:`fedexlora.run.lifecycle.Run`'s, and each method's rounds are
-:func:`run_method`'s. That loop keeps one base model in memory and trains the sampled
-clients on it in turn; it builds what it trains as every engine does
-(:mod:`fedexlora.run.build`), trains each client through the same step
-(:mod:`fedexlora.run.client_step`), runs the same :class:`fedexlora.server.Server` (in
-the clear, or through SecAgg+ in process) and closes each round the same way
-(:func:`fedexlora.run.rounds.close_round`). The Flower engine, its sibling, is
-:mod:`fedexlora.flower`.
+:class:`fedexlora.run.lifecycle.Run`'s, and the rounds are the one loop both engines
+run (:func:`fedexlora.run.loop.run_rounds`). What is this engine's own is how a round is
+carried, :class:`InProcess`: one base model in memory, the sampled clients trained on it
+in turn through the step every engine uses (:mod:`fedexlora.run.client_step`), the same
+:class:`fedexlora.server.Server` aggregating (in the clear, or through SecAgg+ played in
+process). The Flower engine, its sibling, is :mod:`fedexlora.flower`.
+:func:`run_method` runs one method's rounds alone (benchmarks and tests).
 """
 
 from __future__ import annotations
@@ -34,14 +33,16 @@ from fedexlora.config import RunConfig
 from fedexlora.core.messages import ClientUpload
 from fedexlora.core.state import AdapterState
 from fedexlora.run.build import Prepared, client_adapter, new_model, new_server
-from fedexlora.run.client_step import local_update, save_client_adapter
+from fedexlora.run.client_step import local_update as _local_update
+from fedexlora.run.client_step import save_client_adapter
 from fedexlora.run.layout import RunLayout
 from fedexlora.run.lifecycle import Run
-from fedexlora.run.rounds import RoundTraffic, close_round, evaluate_personal
+from fedexlora.run.loop import drive, run_rounds
+from fedexlora.run.rounds import RoundTraffic, evaluate_personal
 from fedexlora.run.secure_round import SecureRun
 from fedexlora.server.server import Server
 
-__all__ = ["run_experiment", "run_method"]
+__all__ = ["InProcess", "run_experiment", "run_method"]
 
 
 def run_experiment(
@@ -81,22 +82,22 @@ def run_experiment(
     """
     say = console.print if console is not None else print
     run = Run.open(cfg, out_dir, resume=resume, say=say)
-    for current in run.methods():
-        run_method(
+    return drive(
+        run,
+        lambda current: InProcess(
             cfg,
             current.method,
             run.prep,
+            current.model,
+            current.server,
             out_dir=run.layout.root,
             progress=progress,
-            model=current.model,
-            server=current.server,
-            after_round=lambda row, _srv, _mdl, _m=current: run.record(_m, row),
             history=current.rows,
             personal=current.personal,
-            **({} if local_update is None else {"local_update": local_update}),
-            **({} if secure_reply is None else {"secure_reply": secure_reply}),
-        )
-    return run.finish()
+            local_update=local_update,
+            secure_reply=secure_reply,
+        ),  # fmt: skip
+    )
 
 
 def run_method(
@@ -111,23 +112,60 @@ def run_method(
     after_round: Callable[[dict, Server, torch.nn.Module], None] | None = None,
     history: list[dict] | None = None,
     personal: dict[int, dict[str, torch.Tensor]] | None = None,
-    local_update: Callable[..., ClientUpload] = local_update,
+    local_update: Callable[..., ClientUpload] | None = None,
     secure_reply: Callable[..., bytes | None] | None = None,
 ):
-    """Runs one method for ``cfg.rounds`` rounds and returns ``(rows, model, server)``.
+    """Runs one method for ``cfg.rounds`` rounds in this process; ``(rows, model, server)``.
 
-    Each sampled client gets ``server.payload_for(client)`` and trains through
-    ``local_update``.
+    The loop is :func:`fedexlora.run.loop.run_rounds`, carried by :class:`InProcess`.
 
     Args:
         cfg: The run configuration.
-        method: ``fedex``, ``fedit``, ``ffa``, ``flora`` or ``centralized``.
+        method: A registered method.
         prep: The shared task, partitions and tokenized data.
         out_dir: Where client adapters go when ``cfg.save_client_adapters`` is set.
         progress: Whether to show progress bars.
         model: A model to use instead of loading one (with ``server``: already restored).
         server: A server restored from a checkpoint; training resumes after its round.
         after_round: Called with ``(row, server, model)`` after each round (checkpoints).
+        history: This method's rows so far (a resume): DP budgets continue from them.
+        personal: What each client keeps of its own (see :class:`InProcess`).
+        local_update: A client's training step (see :class:`InProcess`).
+        secure_reply: Under secure aggregation, a client's masked vector (see
+            :class:`InProcess`).
+    """
+    if model is None:
+        model, _ = new_model(cfg, prep.task, method)
+    server = server or new_server(cfg, method, model)
+    transport = InProcess(
+        cfg, method, prep, model, server, out_dir=out_dir, progress=progress,
+        history=history, personal=personal, local_update=local_update,
+        secure_reply=secure_reply,
+    )  # fmt: skip
+    rows = run_rounds(
+        cfg, method, model, server, prep, transport, history=history or (),
+        after_round=None if after_round is None else (lambda row: after_round(row, server, model)),
+    )  # fmt: skip
+    return rows, model, server
+
+
+class InProcess:
+    """The in-process transport: each sampled client trains in turn on one model here.
+
+    One base model stays in memory; each client gets ``server.payload_for(client)``, is
+    loaded onto it (with what it keeps of its own, and at its own rank) and trains
+    through ``local_update``; the server aggregates the uploads, in the clear or through
+    SecAgg+ played in process (:class:`fedexlora.run.secure_round.SecureRun`). With DP-SGD
+    a ledger keeps each client's budget and refuses a client whose budget is spent.
+
+    Args:
+        cfg: The run configuration.
+        method: A registered method.
+        prep: The shared task, partitions and tokenized data.
+        model: The server's global model, which the clients train on in turn.
+        server: The method's server.
+        out_dir: Where client adapters go when ``cfg.save_client_adapters`` is set.
+        progress: Whether to show progress bars.
         history: This method's rows so far (a resume): DP budgets continue from them.
         personal: What each client keeps of its own (FedSA-LoRA: client -> its B and task
             head, as flat tensors, :meth:`~fedexlora.core.state.AdapterState.to_flat`),
@@ -140,47 +178,78 @@ def run_method(
             :func:`fedexlora.secagg.rounds.client_reply` (its default) is; ``None`` from
             it is a client that drops out after training.
     """
-    from fedexlora.core.methods import get_method
 
-    spec = get_method(method)
-    centralized = not spec.federated
-    own = {} if personal is None else personal
-    if model is None:
-        model, _ = new_model(cfg, prep.task, method)
-    parts = [sorted(i for p in prep.parts for i in p)] if centralized else prep.parts
-    server = server or new_server(cfg, method, model)
-    client_data = [prep.train.subset(p) for p in parts]
-    # centralized: as many gradient steps per round as all clients together
-    steps = cfg.local_steps
-    if centralized and steps is not None:
-        steps *= len(prep.parts)
-    ledger = None
-    if cfg.dp:
-        from fedexlora.training.privacy import Ledger, check_model, steps_per_round
+    def __init__(
+        self,
+        cfg: RunConfig,
+        method: str,
+        prep: Prepared,
+        model,
+        server: Server,
+        *,
+        out_dir: Path | None = None,
+        progress: bool = True,
+        history: list[dict] | None = None,
+        personal: dict[int, dict[str, torch.Tensor]] | None = None,
+        local_update: Callable[..., ClientUpload] | None = None,
+        secure_reply: Callable[..., bytes | None] | None = None,
+    ):
+        from fedexlora.core.methods import get_method
 
-        check_model(model)
-        ledger = Ledger.for_run(cfg, [len(d) for d in client_data])
-        if history:
-            ledger.restore(history[-1])
-    rows = []
-    secure = cfg.secure_aggregation and spec.federated
-    for rnd in range(server.round + 1, cfg.rounds + 1):
+        self.cfg, self.method, self.prep = cfg, method, prep
+        self.model, self.server = model, server
+        self.spec = spec = get_method(method)
+        self.out_dir, self.progress = out_dir, progress
+        self.own = {} if personal is None else personal
+        self.local_update = _local_update if local_update is None else local_update
+        self.secure_reply = secure_reply
+        centralized = not spec.federated
+        parts = [sorted(i for p in prep.parts for i in p)] if centralized else prep.parts
+        self.client_data = [prep.train.subset(p) for p in parts]
+        # centralized: as many gradient steps per round as all clients together
+        self.steps = cfg.local_steps
+        if centralized and self.steps is not None:
+            self.steps *= len(prep.parts)
+        self.ledger = None
+        if cfg.dp:
+            from fedexlora.training.privacy import Ledger, check_model
+
+            check_model(model)
+            self.ledger = Ledger.for_run(cfg, [len(d) for d in self.client_data])
+            if history:
+                self.ledger.restore(history[-1])
+        self.secure = cfg.secure_aggregation and spec.federated
+
+    def _refused(self, sampled: list[int]) -> tuple[list[int], dict[int, int]]:
+        """DP-SGD: the sampled clients whose budget is spent, and the others' steps."""
+        if self.ledger is None:
+            return [], {}
+        from fedexlora.training.privacy import steps_per_round
+
+        refused, wants = [], {}
+        for c in sampled:
+            want = (
+                self.steps
+                if self.steps is not None
+                else steps_per_round(self.cfg, len(self.client_data[c]))
+            )
+            if self.ledger.allow(c, want):
+                wants[c] = want
+            else:
+                refused.append(c)  # its budget is spent: not trained, nothing sent
+        return refused, wants
+
+    def train_round(self, rnd: int) -> RoundTraffic:
+        """Round ``rnd``: the sampled clients trained in turn, their uploads aggregated."""
+        cfg, method, model, server = self.cfg, self.method, self.model, self.server
         t0 = time.perf_counter()
         sampled = server.sample(rnd)
         uploads, bytes_up, bytes_down, down_max = [], 0, 0, 0
-        refused = []
-        wants = {}
-        for c in sampled:
-            if ledger is not None:
-                want = steps if steps is not None else steps_per_round(cfg, len(client_data[c]))
-                if not ledger.allow(c, want):
-                    refused.append(c)  # its budget is spent: not trained, nothing sent
-                    continue
-                wants[c] = want
+        refused, wants = self._refused(sampled)
         training = [c for c in sampled if c not in refused]
         sround = (
-            SecureRun(server, method, training, cfg.seed, rnd, reply=secure_reply)
-            if secure
+            SecureRun(server, method, training, cfg.seed, rnd, reply=self.secure_reply)
+            if self.secure
             else None
         )
         for c in training:
@@ -190,17 +259,19 @@ def run_method(
             bytes_down += payload.nbytes
             down_max = max(down_max, payload.nbytes)
             set_state(model, server.state)  # the shared base already holds the residuals
-            if c in own and not payload.reset:  # what it keeps of its own (MethodSpec.keeps)
-                set_state(model, AdapterState.from_flat(own[c]))
+            if c in self.own and not payload.reset:  # what it keeps (MethodSpec.keeps)
+                set_state(model, AdapterState.from_flat(self.own[c]))
             with _client_view(model, server, c, client_adapter(cfg, method, c)):
-                up = local_update(
-                    cfg, method, model, client_data[c], rnd, c, steps=steps, progress=progress,
-                    dp=None if ledger is None else ledger.budgets[c], tokenizer=prep.tokenizer,
+                up = self.local_update(
+                    cfg, method, model, self.client_data[c], rnd, c, steps=self.steps,
+                    progress=self.progress,
+                    dp=None if self.ledger is None else self.ledger.budgets[c],
+                    tokenizer=self.prep.tokenizer,
                 )  # fmt: skip
-            if ledger is not None:
-                ledger.record(c, wants[c])
-            if spec.personalized:
-                own[c] = get_state(model, **spec.kept_parts()).to_flat()
+            if self.ledger is not None:
+                self.ledger.record(c, wants[c])
+            if self.spec.personalized:
+                self.own[c] = get_state(model, **self.spec.kept_parts()).to_flat()
             if sround is not None:
                 sent = sround.reply(c, up)
                 if not sent:
@@ -209,8 +280,9 @@ def run_method(
             else:
                 bytes_up += up.nbytes
             uploads.append(up)
-            if cfg.save_client_adapters and out_dir is not None:
-                save_client_adapter(model, out_dir, rnd, c, up.num_examples)
+            if cfg.save_client_adapters and self.out_dir is not None:
+                # the client's own model, as it trained it (the weight comes with the outcome)
+                save_client_adapter(model, self.out_dir, rnd, c, up.num_examples)
         if sround is not None:
             outcome = sround.aggregate()
             uploads = [u for u in uploads if u.client_id in outcome.accepted]
@@ -223,35 +295,36 @@ def run_method(
             outcome.weights = {c: v / sum(n.values()) for c, v in n.items()}
         else:
             outcome = server.aggregate(uploads, effective=False)  # measured on the model
-        if cfg.save_client_adapters and out_dir is not None:
-            for c, w in outcome.weights.items():
-                meta = RunLayout(out_dir).client_adapter_meta(rnd, c)
-                meta.write_text(json.dumps({**json.loads(meta.read_text()), "weight": w}))
-        privacy = ledger.row(refused) if ledger is not None else None
-
-        def evaluate_clients(clients: list[int]) -> dict:
-            per_client = {
-                c: evaluate_personal(
-                    cfg, method, model, prep, c, server.state, AdapterState.from_flat(own[c])
-                )
-                for c in clients
-            }
-            set_state(model, server.state)
-            return per_client
-
-        traffic = RoundTraffic(
+        return RoundTraffic(
             rnd, sampled, uploads, outcome, t0, bytes_up, bytes_down, down_max,
             dropped=sorted(sround.dropped) if sround is not None else None,
-            refused=refused, privacy=privacy,
+            refused=refused, privacy=self.ledger.row(refused) if self.ledger else None,
         )  # fmt: skip
-        row = close_round(
-            cfg, method, model, server, prep, traffic, earlier=[*(history or []), *rows],
-            evaluate_clients=evaluate_clients,
-        )  # fmt: skip
-        rows.append(row)
-        if after_round is not None:
-            after_round(row, server, model)
-    return rows, model, server
+
+    def evaluate_clients(self, clients: list[int]) -> dict[int, tuple[dict[str, float], int]]:
+        """Each client's own model (the global parts and what it keeps) on its test split."""
+        per_client = {
+            c: evaluate_personal(
+                self.cfg,
+                self.method,
+                self.model,
+                self.prep,
+                c,
+                self.server.state,
+                AdapterState.from_flat(self.own[c]),
+            )  # fmt: skip
+            for c in clients
+        }
+        set_state(self.model, self.server.state)
+        return per_client
+
+    def save_uploads(self, traffic: RoundTraffic) -> None:
+        """The adapters were saved as the clients trained: each gets its weight."""
+        if self.out_dir is None:
+            return
+        for c, w in traffic.outcome.weights.items():
+            meta = RunLayout(self.out_dir).client_adapter_meta(traffic.round, c)
+            meta.write_text(json.dumps({**json.loads(meta.read_text()), "weight": w}))
 
 
 @contextlib.contextmanager

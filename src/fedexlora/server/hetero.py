@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import torch
 
 from fedexlora.core.aggregation import Residual
-from fedexlora.core.hetero import client_view, cut_rank, to_global, used_rank
+from fedexlora.core.factors import cut_rank
+from fedexlora.core.hetero import client_view, to_global
 from fedexlora.core.messages import ClientUpload
 from fedexlora.core.state import AdapterState
 
@@ -66,12 +67,12 @@ class HeteroRanks:
         return state
 
     def _note_pruned_ranks(self, accepted: Sequence[ClientUpload]) -> None:
-        """HetLoRA: a client's zero tail is the rank it pruned to; remembered below full."""
-        for u in accepted:
-            used = used_rank(u.state)
-            full = self.client_layers.get(u.client_id, self.layers)
-            if used < min(info.rank for info in full.values()):
-                self.client_rank[u.client_id] = used
+        """A client that pruned its rank (HetLoRA): that rank, remembered below full."""
+        used = self.spec.used_ranks({u.client_id: u.state for u in accepted})
+        for c, rank in used.items():
+            full = self.client_layers.get(c, self.layers)
+            if rank < min(info.rank for info in full.values()):
+                self.client_rank[c] = rank
 
     def _to_global(self, up: ClientUpload) -> AdapterState:
         if up.client_id not in self.client_layers:

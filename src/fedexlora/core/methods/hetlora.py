@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from fedexlora.core.factors import Residual
-from fedexlora.core.methods.spec import MethodSpec
+from fedexlora.core.factors import Residual, cut_rank, used_rank
+from fedexlora.core.methods.spec import LocalHooks, LocalModel, MethodSpec
 
 GAMMA = 0.99  # the fraction of its rank a client keeps when it prunes
 LAMBDA = 0.01  # the weight of the tail's norm product in the local loss
@@ -53,6 +53,30 @@ def aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6):
 def pruning_tail(rank: int) -> int:
     """Where the tail a client of rank ``rank`` regularizes (and may cut) starts."""
     return math.floor(GAMMA * rank)
+
+
+def prune_rank(model: LocalModel, rnd: int) -> LocalHooks:
+    """The rank self-pruning of one client's round (``local_round``).
+
+    ``penalty`` (added to the local loss) is ``λ ||B[:, t:r]|| ||A[t:r]||`` over the tail
+    of the rank ``r`` the client uses, ``t = ⌊γ r⌋``; ``after`` (after training) cuts the
+    adapter to rank ``t`` when that tail's norm product ended smaller than it began.
+    """
+    del rnd
+
+    rank = used_rank(model.factors())
+    cut = pruning_tail(rank)
+    if not 1 <= cut < rank:
+        return LocalHooks()
+    with torch.no_grad():
+        before = float(model.tail_norm(cut, rank))
+
+    def after() -> None:
+        with torch.no_grad():
+            if float(model.tail_norm(cut, rank)) < before:  # the tail shrank: cut it off
+                model.load(cut_rank(model.factors(), cut))
+
+    return LocalHooks(penalty=lambda: LAMBDA * model.tail_norm(cut, rank), after=after)
 
 
 def check(cfg) -> list[str]:
@@ -87,5 +111,6 @@ SPEC = MethodSpec(
     hetero_drops_tail=True,
     hetero_slices=True,
     prunes_rank=True,
+    local_round=prune_rank,
     check=check,
 )

@@ -14,7 +14,7 @@ import torch
 
 from fedexlora.core.factors import Residual
 from fedexlora.core.methods.ffa import is_shared
-from fedexlora.core.methods.spec import MethodSpec
+from fedexlora.core.methods.spec import LocalHooks, LocalModel, MethodSpec
 
 
 def aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6):
@@ -35,6 +35,12 @@ def aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6):
     A_new = torch.einsum("k,krn->rn", p, A)  # (r, n): A itself where it is shared
     B_new = torch.einsum("k,kdr->dr", p, B)  # (d, r)
     return A_new, B_new, Residual.zero(d, n, dtype=A.dtype, device=A.device)
+
+
+def alternate(model: LocalModel, rnd: int) -> LocalHooks:
+    """Round ``rnd``'s trained factor (``local_round``): B in odd rounds, A in even ones."""
+    model.set_trainable(*SPEC.trained(rnd))
+    return LocalHooks()
 
 
 def check(cfg) -> list[str]:
@@ -61,5 +67,6 @@ SPEC = MethodSpec(
     bytes_per_round="up 4krd (odd rounds) or 4krn (even); down 4kr(d+n)",
     aggregate=aggregate,
     alternating=True,
+    local_round=alternate,
     check=check,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -16,6 +16,8 @@ __all__ = [
     "FP32_UNIT_ROUNDING",
     "ROUNDING_MARGIN",
     "Aggregate",
+    "LocalHooks",
+    "LocalModel",
     "MethodSpec",
 ]
 
@@ -25,6 +27,40 @@ __all__ = [
 # (the dtype results are returned in), ``generator`` (seeded randomness), ``atol``, and
 # for a method that ``restarts``, ``start``: the global (A, B) the clients started from.
 Aggregate = Callable[..., tuple[torch.Tensor, torch.Tensor, Residual]]
+
+
+class LocalModel(Protocol):
+    """What a method's :attr:`MethodSpec.local_round` may do to a client's model.
+
+    The peft bridge gives it (:class:`fedexlora.bridge.adapters.LoraHandle`); this layer
+    never imports peft.
+    """
+
+    def set_trainable(self, train_A: bool, train_B: bool) -> None:
+        """Freezes or unfreezes every layer's A and B."""
+
+    def factors(self) -> Any:
+        """The adapter's factors now (a :class:`fedexlora.core.state.AdapterState`)."""
+
+    def load(self, state: Any) -> None:
+        """Loads factors into the adapter (an ``AdapterState``)."""
+
+    def tail_norm(self, start: int, stop: int) -> torch.Tensor:
+        """``Σ_layers ||B[:, start:stop]||_F ||A[start:stop]||_F``, differentiable."""
+
+
+@dataclass
+class LocalHooks:
+    """What a method adds to one client's local round (:attr:`MethodSpec.local_round`).
+
+    Attributes:
+        penalty: A term added to the local loss at every step (``None``: none).
+        after: Called once training is done, before the upload is read (``None``: none).
+    """
+
+    penalty: Callable[[], torch.Tensor] | None = None
+    after: Callable[[], None] | None = None
+
 
 EXACT_BOUND = 1e-3
 FP32_UNIT_ROUNDING = 2.0**-24
@@ -139,6 +175,11 @@ class MethodSpec:
         prunes_rank: Clients prune their own rank (HetLoRA): they regularize the tail of
             their adapter, cut it when its norm shrinks, and the server keeps sending them
             the cut rank (zeros beyond it).
+        local_round: What the method does to a client's model in a round beyond plain
+            training, given the model (:class:`LocalModel`) and the round: freeze a
+            factor by round (RoLoRA), add a loss term and cut the rank after (HetLoRA).
+            ``None``: plain training. Every engine's client step calls it
+            (:meth:`local_hooks`).
         residual_rank: The residual may be truncated to a rank with error feedback.
         fresh_adapter: The global adapter restarts every round (a seeded fresh A, B = 0).
         flower: Runs under the Flower engine.
@@ -182,6 +223,7 @@ class MethodSpec:
     hetero_slices: bool = False
     hetero_orthonormal_A: bool = False
     prunes_rank: bool = False
+    local_round: Callable[[LocalModel, int], LocalHooks] | None = None
     residual_rank: bool = False
     fresh_adapter: bool = False
     restarts: bool = False
@@ -336,6 +378,22 @@ class MethodSpec:
         otherwise ``measure()``.
         """
         return factor_deviation if self.effective_is_deviation else measure()
+
+    def local_hooks(self, model: LocalModel, rnd: int) -> LocalHooks:
+        """What this method adds to a client's local round ``rnd`` (:attr:`local_round`)."""
+        return LocalHooks() if self.local_round is None else self.local_round(model, rnd)
+
+    def used_ranks(self, states: dict[int, Any]) -> dict[int, int]:
+        """Client -> the rank its upload uses, for a method whose clients prune their rank.
+
+        ``states`` maps each accepted client to its upload's ``AdapterState``; a client
+        that cut its tail uploads zeros beyond the rank it kept. Empty for the others.
+        """
+        if not self.prunes_rank:
+            return {}
+        from fedexlora.core.factors import used_rank
+
+        return {c: used_rank(st) for c, st in states.items()}
 
     @property
     def hetero_cut(self) -> dict[str, bool]:
