@@ -47,29 +47,33 @@ WORDS = {
 }
 
 
-@pytest.fixture(scope="session")
-def tiny_bert_dir(tmp_path_factory):
-    """A tiny randomly initialised BERT classifier with MiniLM's real tokenizer."""
+def save_tiny_bert(d, *, hidden_size: int = 32, intermediate_size: int = 48) -> str:
+    """Saves a randomly initialised 2-layer BERT classifier (seed 0) with MiniLM's real
+    tokenizer in ``d``; returns its path."""
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     from fedexlora.bridge.models import resolve_model
 
-    d = tmp_path_factory.mktemp("tiny-bert")
-    src = resolve_model("minilm").path
-    tok = AutoTokenizer.from_pretrained(src)
+    tok = AutoTokenizer.from_pretrained(resolve_model("minilm").path)
     torch.manual_seed(0)
     cfg = BertConfig(
         vocab_size=tok.vocab_size,
-        hidden_size=32,
+        hidden_size=hidden_size,
         num_hidden_layers=2,
         num_attention_heads=2,
-        intermediate_size=48,
+        intermediate_size=intermediate_size,
         max_position_embeddings=128,
     )
     BertForSequenceClassification(cfg).save_pretrained(d)
     tok.save_pretrained(d)
     return str(d)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory):
+    """A tiny randomly initialised BERT classifier with MiniLM's real tokenizer."""
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
 
 
 @pytest.fixture(scope="session")

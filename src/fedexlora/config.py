@@ -523,8 +523,8 @@ class RunConfig:
         for key, why in (
             ("client_ranks", "heterogeneous ranks need each client's own factors"),
             ("max_update_norm", "the server cannot check an upload it cannot see"),
-            ("residual_rank", "the residual is formed dense from sums; it is kept exact"),
-            ("side_rank", "the residual is formed dense from sums; it is kept exact"),
+            ("residual_rank", "the residual is rebuilt from the sums and kept exact"),
+            ("side_rank", "the residual is rebuilt from the sums and kept exact"),
         ):
             if getattr(self, key) is not None:
                 errs.append(f"`secure_aggregation` cannot be combined with `{key}`: {why}")

@@ -11,6 +11,7 @@ import torch
 from fedexlora.core.messages import ClientUpload
 from fedexlora.core.methods import REGISTRY, get_method
 from fedexlora.core.secure import SecureLayout, client_vector, read_sums, secure_refusal
+from fedexlora.core.sketch import SketchPlan
 from fedexlora.core.state import AdapterState, LayerInfo
 from fedexlora.secagg.encoding import Quantization
 from fedexlora.secagg.protocol import ClientSession, SecAggError, ServerSession, run_round
@@ -242,6 +243,25 @@ def _model_vs_ideal(cfg, run_dir):
     return v.rel(got, ideal, w0)
 
 
+@pytest.fixture(scope="session")
+def wide_bert_dir(tmp_path_factory):
+    """tiny BERT at hidden size 96: its 96 x 96 query and value layers send sketches
+    (smaller than their products at r = 4, 4 clients), its 24 x 96 FFN layer its product.
+    """
+    from conftest import save_tiny_bert
+
+    d = tmp_path_factory.mktemp("wide-bert")
+    return save_tiny_bert(d, hidden_size=96, intermediate_size=24)
+
+
+@pytest.fixture(params=["dense", "sketch"])
+def width_cfg(request, tiny_cfg):
+    """tiny BERT, whose products travel dense, or the wide one, whose q, v sketches do."""
+    if request.param == "dense":
+        return tiny_cfg
+    return tiny_cfg.replace(model=request.getfixturevalue("wide_bert_dir"))
+
+
 def _secure_cfg(tiny_cfg, **kw):
     # lr 2e-2, as in test_precision: an update large enough that fp32's rounding of the
     # folded residual stays far below 1e-5 of it
@@ -251,7 +271,7 @@ def _secure_cfg(tiny_cfg, **kw):
 
 
 def test_local_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dropout(
-    tiny_cfg, tmp_path, monkeypatch
+    width_cfg, tmp_path, monkeypatch
 ):
     """(a) exact on the model; (b) the server's code path gets only keys, ciphertexts,
     shares and masked vectors; (c) client 1 trains in round 2 but its masked vector never
@@ -259,7 +279,7 @@ def test_local_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dro
     """
     from fedexlora.run.inprocess import run_experiment
     from fedexlora.secagg import protocol
-    from fedexlora.secagg.rounds import client_reply
+    from fedexlora.secagg.rounds import _plan_of, client_reply
 
     received = []
     for stage in ("take_keys", "take_shares", "take_masked", "take_unmask"):
@@ -282,16 +302,19 @@ def test_local_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dro
         uploads[(rnd, client)] = up
         return up
 
-    calls = []
+    calls, layouts = [], []
 
     def reply(session, setup, message, upload, **kw):
         calls.append(session.client)
+        layouts.append(
+            SecureLayout.for_template(upload.state, products=True, sketch=_plan_of(setup))
+        )
         if len(calls) > 4 and session.client == 1:  # round 2: clients 0, 1, 2, 3
             return None
         return client_reply(session, setup, message, upload, **kw)
 
     # 4 clients: a round that loses one still sums the 3 a secure round needs
-    cfg = _secure_cfg(tiny_cfg, rounds=2, num_clients=4)
+    cfg = _secure_cfg(width_cfg, rounds=2, num_clients=4)
     rows = run_experiment(cfg, tmp_path, progress=False, local_update=keep, secure_reply=reply)
     assert calls == [0, 1, 2, 3] * 2
     assert [r["accepted"] for r in rows] == [[0, 1, 3], [0, 2, 3]]
@@ -314,9 +337,14 @@ def test_local_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dro
     for stage, _, r in received:
         if stage != "take_masked":  # public keys, ciphertexts and Shamir shares only
             assert all(isinstance(v, (bytes, list)) for v in r.values()), (stage, r)
-    # each of the 3 clients that sent sends 2 limbs of 4 bytes a number, products included
-    layout = SecureLayout.for_template(uploads[(2, 0)].state, products=True)
-    assert rows[1]["bytes_up"] == 3 * 4 * (layout.size * 2 + 1)
+    # the sketch where it is smaller than the product (the wide model's q and v), and the
+    # bytes up are the masked vectors received: 2 limbs of 4 bytes a number, and the count
+    sketched = {name for name, _ in layouts[-1].sketches}
+    qv = {n for n in uploads[(2, 0)].state.factors if "dense" not in n}  # query, value
+    assert sketched == (qv if "wide" in cfg.model else set())
+    sizes = [len(r) for s, _, r in received if s == "take_masked"]
+    assert sizes == [4 * (layouts[-1].size * 2 + 1)] * 6
+    assert [r["bytes_up"] for r in rows] == [sum(sizes[:3]), sum(sizes[3:])]
     assert rows[1]["num_examples"] == sum(int(uploads[(2, c)].num_examples) for c in (0, 2, 3))
 
 
@@ -327,7 +355,9 @@ def _assert_noise(masked, uploads, quant):
     from fedexlora.secagg.rounds import MAX_EXAMPLES
 
     for up in uploads:
-        layout = SecureLayout.for_template(up.state, products=True)
+        # the weight, loss, factors and head: the vector's start, whatever follows it
+        # (the layers' products or sketches)
+        layout = SecureLayout.for_template(up.state, products=False)
         n = layout.size
         truth = client_vector(layout, up.state, up.num_examples / MAX_EXAMPLES, up.train_loss)
         rng = np.random.default_rng(up.client_id)
@@ -339,7 +369,7 @@ def _assert_noise(masked, uploads, quant):
 
 
 def test_flower_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dropout(
-    tiny_cfg, tmp_path, task_identity, monkeypatch
+    width_cfg, tmp_path, task_identity, monkeypatch
 ):
     """The Flower strategy and ClientApp over the in-process grid (Flower's protobuf both
     ways): (a) exact on the model, (b) the server receives only keys, ciphertexts, shares
@@ -354,7 +384,7 @@ def test_flower_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dr
     from fedexlora.flower.server_app import run_server
     from test_flower import InProcessGrid
 
-    cfg = _secure_cfg(tiny_cfg, rounds=3, engine="flower", num_clients=4)
+    cfg = _secure_cfg(width_cfg, rounds=3, engine="flower", num_clients=4)
     run_dir = tmp_path / "flower"
     rc = to_run_config(cfg, run_dir=str(run_dir))
     grid = InProcessGrid(make_client_app(rc), 4)
@@ -412,3 +442,27 @@ def test_flower_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dr
     ]
     assert len(sent) == 12 and len(masked) == 11  # client 1's in round 2 was lost
     _assert_noise(masked, sent, Quantization.for_clients(4))
+    # bytes up: the masked vectors received, sketches where smaller than the products
+    # (the test matrices' seed changes no size)
+    layout = SecureLayout.for_template(sent[0].state, products=True, sketch=SketchPlan(4, 0))
+    assert bool(layout.sketches) == ("wide" in cfg.model)
+    assert [m.nbytes for m in masked] == [4 * (layout.size * 2 + 1)] * 11
+    assert [r["bytes_up"] for r in rows] == [4 * masked[0].nbytes, 3 * masked[0].nbytes,
+                                             4 * masked[0].nbytes]  # fmt: skip
+
+
+def test_the_download_under_secure_aggregation_is_the_clear_runs(tiny_cfg, wide_bert_dir, tmp_path):
+    """The residual is kept factored at rank (k - 1) r, sketched or dense, as in the clear
+    run: every round's bytes down (each payload's tensors) equal the clear run's.
+    """
+    from fedexlora.run.inprocess import run_experiment
+
+    cfg = tiny_cfg.replace(model=wide_bert_dir, methods=["fedex"], rounds=3, lr=2e-2)
+    clear = run_experiment(cfg, tmp_path / "clear", progress=False)
+    secure = run_experiment(
+        cfg.replace(secure_aggregation=True), tmp_path / "secure", progress=False
+    )
+    assert [r["accepted"] for r in secure] == [[0, 1, 2]] * 3
+    assert [r["bytes_down"] for r in secure] == [r["bytes_down"] for r in clear]
+    assert [r["bytes_down_max"] for r in secure] == [r["bytes_down_max"] for r in clear]
+    assert secure[1]["bytes_down"] > secure[0]["bytes_down"]  # round 2 carries residuals

@@ -57,7 +57,7 @@ def _spent(rows: dict, setting, eps) -> float | None:
         for c, rs in rows.items()
         if c.setting == setting and c.epsilon == eps
         for x in rs
-        if x.get("privacy")
+        if x.get("privacy") and x["privacy"].get("epsilon") is not None
     ]
     return max(spent) if spent else None
 

@@ -375,7 +375,11 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
         _remember(context, model, method, version, pid, disk, run_token)
     else:  # the server will reset this client next time: keep nothing of it
         _forget(context, model, method, pid, disk, fingerprint)
-    metrics = {} if budget is None else client_dp.report_metrics(budget, cfg.dp_delta)
+    metrics = (
+        {}
+        if budget is None
+        else client_dp.report_metrics(budget, cfg.dp_delta, secure=cfg.secure_aggregation)
+    )
     content = RecordDict(
         {"config": ConfigRecord({"partition-id": pid, "server-round": rnd, "method": method})}
     )

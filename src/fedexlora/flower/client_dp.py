@@ -2,13 +2,15 @@
 
 The client plans its budget from the run's settings and its own example count, keeps the
 plan and its steps in its Context and its state directory, and reports them to the
-server, which records them (and sends them back to a client that lost its state).
+server, which records them (and sends them back to a client that lost its state). Under
+secure aggregation it reports nothing but a refusal: its record is its own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 from flwr.app import ConfigRecord, Context
@@ -65,6 +67,18 @@ def plan_budget(cfg, context, conf, method: str, pid: int, n: int, run_token: st
         k: conf[f"dp-{k.replace('_', '-')}"] for k in _PLAN if f"dp-{k.replace('_', '-')}" in conf
     }
     plan = saved if all(k in saved for k in _PLAN) else echo if len(echo) == len(_PLAN) else {}
+    if not saved and not echo and int(conf.get("dp-trained-before", 0)):
+        # secure aggregation: the server holds none of this client's figures to send back,
+        # and this client has trained in this run but lost its record: it cannot know
+        # what it has spent, so it spends nothing more
+        warnings.warn(
+            f"partition {pid} has trained in this run but lost its DP-SGD record (its "
+            "Context and state directory); under secure aggregation the server cannot send "
+            "it back, so this client refuses to train for the rest of the run",
+            stacklevel=2,
+        )
+        budget.steps = budget.planned_steps
+        return budget
     if plan:
         budget.noise_multiplier = float(plan["noise_multiplier"])
         budget.sample_rate = float(plan["sample_rate"])
@@ -73,8 +87,14 @@ def plan_budget(cfg, context, conf, method: str, pid: int, n: int, run_token: st
     return budget
 
 
-def report_metrics(budget, delta: float) -> dict:
-    """The budget as the reply's ``dp-*`` metrics (what the server records)."""
+def report_metrics(budget, delta: float, *, secure: bool = False) -> dict:
+    """The budget as the reply's ``dp-*`` metrics (what the server records).
+
+    Under secure aggregation (``secure``) nothing: the sampling rate ``batch / n`` alone
+    would tell the server this client's example count. The client keeps its record.
+    """
     from fedexlora.training.privacy import report
 
+    if secure:
+        return {}
     return {f"dp-{k.replace('_', '-')}": v for k, v in report(budget, delta).items()}

@@ -141,6 +141,7 @@ class FlowerRounds:
             self.strategy.dp_reports = {
                 int(c): dict(v) for c, v in current.rows[-1]["privacy"].get("clients", {}).items()
             }
+        self.strategy.trained = {c for row in current.rows for c in row.get("accepted", [])}
         self.strategy.summary()
 
     def train_round(self, rnd: int) -> RoundTraffic:
@@ -148,13 +149,15 @@ class FlowerRounds:
         rec = self.strategy.train_round(self.grid, self.settings.round_timeout)
         if rec.round != rnd:
             raise RuntimeError(f"{self.method}: loop round {rnd}, server round {rec.round}")
+        self.strategy.trained.update(rec.outcome.accepted)
         privacy = None
         if self.cfg.dp:  # what the clients reported of their own accounting
             from fedexlora.training.privacy import privacy_row
 
             privacy = privacy_row(
-                self.cfg.dp_epsilon, self.cfg.dp_delta, self.strategy.dp_reports, rec.refused
-            )
+                self.cfg.dp_epsilon, self.cfg.dp_delta, self.strategy.dp_reports, rec.refused,
+                kept=self.cfg.secure_aggregation,  # then the clients reported no figures
+            )  # fmt: skip
         return RoundTraffic(
             rec.round, rec.sampled, rec.uploads, rec.outcome, rec.started, rec.bytes_up,
             rec.bytes_down, rec.bytes_down_max, dropped=rec.dropped,

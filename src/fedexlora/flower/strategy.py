@@ -187,6 +187,8 @@ class FedExLoRA(FedAvg):
         self._waited = False
         # DP: each client's latest report of its own accounting (fedexlora.training.privacy.report)
         self.dp_reports: dict[int, dict] = {}
+        # the partitions whose upload reached the server in this run (they have trained)
+        self.trained: set[int] = set()
 
     @property
     def method(self) -> str:
@@ -404,7 +406,12 @@ class FedExLoRA(FedAvg):
         """What client ``c`` last reported of its plan and steps, sent back to it.
 
         A client that lost its state continues from there, never from a new plan or zero.
+        Under secure aggregation the server has no figures to send back: it says only
+        whether ``c`` has trained in this run (:attr:`trained`), and a client that has
+        but lost its record refuses to train.
         """
+        if self.secure:  # no client's figures reach the server: it keeps its own record
+            return {"dp-trained-before": 1} if c in self.trained else {}
         rep = self.dp_reports.get(c)
         if not rep:
             return {}
@@ -438,7 +445,12 @@ class FedExLoRA(FedAvg):
         """Records a reply's DP accounting; True when the client refused to train."""
         c = self.nodes.partition_of.get(msg.metadata.src_node_id)
         metrics = msg.content.get("metrics") if msg.has_content() else None
-        if c is None or metrics is None or "dp-epsilon" not in metrics:
+        if c is None or metrics is None:
+            return False
+        if "dp-epsilon" not in metrics:  # under secure aggregation: a refusal, no figures
+            if int(metrics.get("dp-refused", 0)):
+                rec.refused.append(c)
+                return True
             return False
         keys = ("epsilon", "noise_multiplier", "sample_rate", "steps", "planned_steps")
         try:

@@ -30,8 +30,10 @@ BASE_DELTAS = "base_deltas.safetensors"  # a checkpoint's accumulated residuals
 _BASE = BASE_DELTAS
 _TENSORS = "tensors.safetensors"
 # In-process runs of a method whose clients keep something of their own (FedSA-LoRA's
-# B): the simulated clients' state, "<client>.<module>" -> tensor
+# B), or with DP-SGD: the simulated clients' state, "<client>.<module>" -> tensor, and
+# "<client>.dp.<field>" -> their own accounting (plan and steps)
 CLIENTS = "clients.safetensors"
+DP_PREFIX = "dp."
 # What meta.json holds of Server.state_dict() (its tensors are in _TENSORS), and what
 # stands for a key in checkpoints written before it existed (without last_sizes,
 # payloads say keep until the next round; without sent_clients, heterogeneous views are

@@ -94,9 +94,10 @@ def run_experiment(
             progress=progress,
             history=current.rows,
             personal=current.personal,
+            accounting=current.accounting,
             local_update=local_update,
             secure_reply=secure_reply,
-        ),  # fmt: skip
+        ),
     )
 
 
@@ -171,6 +172,10 @@ class InProcess:
             head, as flat tensors, :meth:`~fedexlora.core.state.AdapterState.to_flat`),
             filled in as clients train; the caller checkpoints it (a resume passes it
             back). Each client really holds its own, as under Flower.
+        accounting: Each client's own DP-SGD accounting (client -> plan and steps,
+            :meth:`fedexlora.training.privacy.Ledger.state`), kept up to date after every
+            round; the caller checkpoints it (a resume passes it back). Under secure
+            aggregation no row holds any client's figures, so it is the only record.
         local_update: A client's training step, called as
             :func:`fedexlora.run.client_step.local_update` (its default) is, returning the
             client's upload: a caller may wrap it to watch clients or play faulty ones.
@@ -191,6 +196,7 @@ class InProcess:
         progress: bool = True,
         history: list[dict] | None = None,
         personal: dict[int, dict[str, torch.Tensor]] | None = None,
+        accounting: dict[int, dict[str, float]] | None = None,
         local_update: Callable[..., ClientUpload] | None = None,
         secure_reply: Callable[..., bytes | None] | None = None,
     ):
@@ -216,8 +222,11 @@ class InProcess:
 
             check_model(model)
             self.ledger = Ledger.for_run(cfg, [len(d) for d in self.client_data])
-            if history:
+            if accounting:  # the clients' own record (a resume)
+                self.ledger.load_state(accounting)
+            elif history:  # a run checkpointed before the clients kept it: the last row
                 self.ledger.restore(history[-1])
+        self.accounting = {} if accounting is None else accounting
         self.secure = cfg.secure_aggregation and spec.federated
 
     def _refused(self, sampled: list[int]) -> tuple[list[int], dict[int, int]]:
@@ -298,8 +307,16 @@ class InProcess:
         return RoundTraffic(
             rnd, sampled, uploads, outcome, t0, bytes_up, bytes_down, down_max,
             dropped=sorted(sround.dropped) if sround is not None else None,
-            refused=refused, privacy=self.ledger.row(refused) if self.ledger else None,
+            refused=refused, privacy=self._privacy(refused),
         )  # fmt: skip
+
+    def _privacy(self, refused: list[int]) -> dict | None:
+        """The round's privacy report; each client's own accounting kept up to date."""
+        if self.ledger is None:
+            return None
+        self.accounting.update(self.ledger.state())
+        # under secure aggregation a client's figures would tell its example count
+        return self.ledger.row(refused, kept=self.secure)
 
     def evaluate_clients(self, clients: list[int]) -> dict[int, tuple[dict[str, float], int]]:
         """Each client's own model (the global parts and what it keeps) on its test split."""

@@ -30,10 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fedexlora.config import RunConfig, load_run_config
 from fedexlora.core.methods.spec import EXACT_BOUND, ROUNDING_MARGIN
 from fedexlora.run.build import Prepared, new_model, new_server, prepare
-from fedexlora.run.checkpoint import config_fingerprint, save_checkpoint
+from fedexlora.run.checkpoint import DP_PREFIX, config_fingerprint, save_checkpoint
 from fedexlora.run.layout import RunError, RunLayout, append_row, write_atomic, write_rows
 from fedexlora.run.recipes import get_recipe, paper_section, recipe_section
 from fedexlora.run.report import read_metrics, write_summary
@@ -59,6 +61,9 @@ class MethodRun:
         personal: What the in-process engine's clients keep of their own between rounds
             (FedSA-LoRA: client -> its B and head as flat tensors), checkpointed with the
             server.
+        accounting: The in-process engine's clients' own DP-SGD accounting (client ->
+            plan and steps, :meth:`fedexlora.training.privacy.Ledger.state`), checkpointed
+            with them: under secure aggregation no row holds it.
     """
 
     method: str
@@ -67,6 +72,7 @@ class MethodRun:
     rows: list[dict] = field(default_factory=list)
     restored: int = 0
     personal: dict = field(default_factory=dict)
+    accounting: dict = field(default_factory=dict)
 
     @property
     def new_rows(self) -> list[dict]:
@@ -92,7 +98,7 @@ class Run:
         first_model: The model whose tokenizer encoded the task, for the first method
             of ``cfg.methods`` when it is not restored (it is not loaded twice);
             ``None``: every method loads its own.
-        restored: Method -> ``(model, server, personal)`` brought back from its newest
+        restored: Method -> ``(model, server, personal, accounting)`` brought back from its newest
             intact checkpoint.
         done_rows: Method -> the rows that checkpoint holds.
     """
@@ -205,15 +211,16 @@ class Run:
         for method in self.cfg.methods:
             rows = list(self._done_rows.get(method, []))
             personal: dict = {}
+            accounting: dict = {}
             if method in self._restored:
-                model, server, personal = self._restored.pop(method)
+                model, server, personal, accounting = self._restored.pop(method)
             else:
                 model = self._first_model
                 if model is None:
                     model = new_model(self.cfg, self.task, method)[0]
                 server = new_server(self.cfg, method, model)
             self._first_model = None
-            current = MethodRun(method, model, server, rows, len(rows), personal)
+            current = MethodRun(method, model, server, rows, len(rows), personal, accounting)
             if server.round < self.cfg.rounds:
                 t0 = time.perf_counter()
                 yield current
@@ -243,7 +250,14 @@ class Run:
             },
             keep=self.cfg.keep_checkpoints,
             base=base_deltas(current.model),
-            clients={f"{c}.{k}": t for c, own in current.personal.items() for k, t in own.items()},
+            clients={
+                **{f"{c}.{k}": t for c, own in current.personal.items() for k, t in own.items()},
+                **{
+                    f"{c}.{DP_PREFIX}{k}": torch.tensor(v, dtype=torch.float64)
+                    for c, rec in current.accounting.items()
+                    for k, v in rec.items()
+                },
+            },
         )
 
     def _check_exact(self, method: str, row: dict) -> None:

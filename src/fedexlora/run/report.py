@@ -294,16 +294,29 @@ def write_summary(
         for r in private:
             last[r["method"]] = r["privacy"]
         p0 = next(iter(last.values()))
-        spent = ", ".join(f"{m} {v['epsilon']:.3g}" for m, v in last.items())
-        parts.append(
+        head = (
             f"- Differential privacy: every client trained with DP-SGD (Opacus; per-sample "
             f"clipping and Gaussian noise, Poisson sampling) within epsilon "
-            f"{p0['epsilon_budget']:g} at delta {p0['delta']:g} over its planned steps; "
-            f"the largest epsilon any client has spent: {spent} ({p0['accountant']} "
-            f"accountant, orders {p0['orders'][0]}-{p0['orders'][1]}). Each row's `privacy` "
-            "object in metrics.jsonl gives every client's noise multiplier, sampling rate "
-            "and steps, so any accountant can recompute it."
+            f"{p0['epsilon_budget']:g} at delta {p0['delta']:g} over its planned steps"
         )
+        told = {m: v for m, v in last.items() if not v.get("kept_by_clients")}
+        if told:
+            spent = ", ".join(f"{m} {v['epsilon']:.3g}" for m, v in told.items())
+            parts.append(
+                f"{head}; the largest epsilon any client has spent: {spent} "
+                f"({p0['accountant']} accountant, orders {p0['orders'][0]}-"
+                f"{p0['orders'][1]}). Each row's `privacy` object in metrics.jsonl gives "
+                "every client's noise multiplier, sampling rate and steps, so any "
+                "accountant can recompute it."
+            )
+        kept = sorted(set(last) - set(told))
+        if kept:
+            parts.append(
+                f"{head if not told else '- DP-SGD'} ({', '.join(kept)}: under secure "
+                "aggregation each client kept its accounting to itself, since its sampling "
+                "rate would tell its example count; the server learned only which clients "
+                "refused to train, their budget spent)."
+            )
         refused = sorted({(r["method"], r["round"], tuple(r["privacy"]["refused"]))
                           for r in private if r["privacy"]["refused"]})  # fmt: skip
         for method, rnd, ids in refused:

@@ -13,6 +13,7 @@ from fedexlora.run.build import new_model, new_server
 from fedexlora.run.checkpoint import (
     BASE_DELTAS,
     CLIENTS,
+    DP_PREFIX,
     CheckpointError,
     checkpoints,
     load_checkpoint,
@@ -65,7 +66,8 @@ def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: st
     """A fresh model and server brought to the state of checkpoint ``ckpt``.
 
     ``info["personal"]`` is what the simulated clients kept of their own (client ->
-    module -> tensor; empty for most methods).
+    module -> tensor; empty for most methods), ``info["accounting"]`` their DP-SGD
+    accounting (client -> plan and steps, :meth:`fedexlora.training.privacy.Ledger.state`).
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -83,9 +85,13 @@ def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: st
     apply_base_deltas(model, deltas)
     set_state(model, server.state)
     info["personal"] = personal = {}
+    info["accounting"] = accounting = {}
     for key, t in own.items():
         c, _, flat_key = key.partition(".")
-        personal.setdefault(int(c), {})[flat_key] = t
+        if flat_key.startswith(DP_PREFIX):  # its DP-SGD plan and steps (its own ledger)
+            accounting.setdefault(int(c), {})[flat_key.removeprefix(DP_PREFIX)] = t.item()
+        else:
+            personal.setdefault(int(c), {})[flat_key] = t
     return model, tokenizer, server, info
 
 
@@ -133,9 +139,9 @@ def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
     was not checkpointed are dropped: it runs again). Shared by both engines.
 
     Returns:
-        ``(restored, done_rows)``: method -> ``(model, server, personal)`` (``personal``:
-        what its simulated clients keep of their own), and method -> its rows, for the
-        methods that have a checkpoint.
+        ``(restored, done_rows)``: method -> ``(model, server, personal, accounting)``
+        (what its simulated clients keep of their own, and their DP-SGD accounting),
+        and method -> its rows, for the methods that have a checkpoint.
     """
     layout = RunLayout(out)
     restored: dict[str, tuple] = {}
@@ -145,7 +151,7 @@ def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
         if found is None:
             continue
         model, _, server, info = found
-        restored[method] = (model, server, info["personal"])
+        restored[method] = (model, server, info["personal"], info["accounting"])
         done_rows[method] = info["rows"]
         say(f"resuming {method} after round {server.round}")
     write_rows(layout.metrics, [r for m in cfg.methods for r in done_rows.get(m, [])])

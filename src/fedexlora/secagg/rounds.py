@@ -6,8 +6,11 @@ whatever transport the engine gives it, and hands the server the means read from
 survivors' sum (:meth:`fedexlora.server.Server.aggregate_secure`). The client side
 (:func:`client_reply`) turns one client's upload into its masked vector. What travels:
 
-- stage 0 (``setup``) also carries ``fedex.clip``, ``fedex.target``, ``fedex.limbs`` and
-  ``fedex.products``, from which a client builds the same layout and quantization;
+- stage 0 (``setup``) also carries ``fedex.clip``, ``fedex.target``, ``fedex.limbs``,
+  ``fedex.products`` and, for FedEx's sketches, ``fedex.sketch.clients`` (0 for none),
+  ``fedex.sketch.seed``, ``fedex.sketch.over`` and ``fedex.sketch.extra``, from which a
+  client builds the same layout (:class:`~fedexlora.core.sketch.SketchPlan`) and
+  quantization;
 - stage 2 (``collect``) carries, besides the forwarded shares, the client's payload (the
   engine adds it); the reply is the masked vector, ``uint32`` bytes, and nothing else.
 """
@@ -25,6 +28,7 @@ import torch
 from fedexlora.core.messages import ClientUpload, example_count
 from fedexlora.core.methods import get_method
 from fedexlora.core.secure import SecureLayout, SecureSums, client_vector, read_sums
+from fedexlora.core.sketch import EXTRA, OVER, SketchPlan
 from fedexlora.core.state import AdapterState
 from fedexlora.secagg.encoding import Quantization
 from fedexlora.secagg.protocol import ClientSession, SecAggError, ServerSession
@@ -59,6 +63,11 @@ class SecureRound:
         clip: The clipping range of the quantization.
         uniform: Every client weighs the same (``weighting = "uniform"``); otherwise
             by its examples.
+        sketch: FedEx's products travel as sketches where smaller
+            (:mod:`fedexlora.core.sketch`, public test matrices drawn from ``seed``);
+            ``False``: every product dense.
+        over: The range sketch's oversampling, ``s = (k - 1) r + over``.
+        extra: The co-range sketch's excess, ``s2 = s + extra``.
 
     Attributes:
         seconds: The server's own seconds in this round's protocol so far (building the
@@ -74,6 +83,9 @@ class SecureRound:
     seed: int = 0
     clip: float = 256.0
     uniform: bool = False
+    sketch: bool = True
+    over: int = OVER
+    extra: int = EXTRA
     layout: SecureLayout = field(init=False)
     quant: Quantization = field(init=False)
     session: ServerSession = field(init=False)
@@ -83,7 +95,11 @@ class SecureRound:
     def __post_init__(self) -> None:
         with self._working():
             products = get_method(self.method).secure_products
-            self.layout = SecureLayout.for_template(self.template, products=products)
+            plan = None
+            if products and self.sketch:
+                k = max(len(self.clients), 1)
+                plan = SketchPlan(k, self.seed, over=self.over, extra=self.extra)
+            self.layout = SecureLayout.for_template(self.template, products=products, sketch=plan)
             self.quant = Quantization.for_clients(max(len(self.clients), 1), clip=self.clip)
             self.session = ServerSession(
                 list(self.clients), self.layout.size * self.quant.limbs + 1, seed=self.seed
@@ -130,6 +146,7 @@ class SecureRound:
                     "fedex.limbs": self.quant.limbs,
                     "fedex.products": int(self.layout.products),
                     "fedex.uniform": int(self.uniform),
+                    **_plan_fields(self.layout.plan),
                 }
             )
 
@@ -179,6 +196,31 @@ class SecureRound:
             else:
                 out[c] = "dropped out after sharing its keys (its masks were removed)"
         return out
+
+
+def _plan_fields(plan: SketchPlan | None) -> dict[str, int]:
+    """The setup message's fields of a sketch plan (``fedex.sketch.clients`` 0: none)."""
+    if plan is None:
+        return {"fedex.sketch.clients": 0}
+    return {
+        "fedex.sketch.clients": plan.clients,
+        "fedex.sketch.seed": plan.seed,
+        "fedex.sketch.over": plan.over,
+        "fedex.sketch.extra": plan.extra,
+    }
+
+
+def _plan_of(setup: Mapping) -> SketchPlan | None:
+    """The sketch plan a setup message names, or ``None``."""
+    clients = int(setup.get("fedex.sketch.clients", 0))
+    if clients == 0:
+        return None
+    return SketchPlan(
+        clients,
+        int(setup["fedex.sketch.seed"]),
+        over=int(setup["fedex.sketch.over"]),
+        extra=int(setup["fedex.sketch.extra"]),
+    )
 
 
 def rounding_generator(seed: int, rnd: int, client: int) -> np.random.Generator:
@@ -237,7 +279,7 @@ def client_reply(
             "secure aggregation's weights allow"
         )
     products = bool(int(setup["fedex.products"]))
-    layout = SecureLayout.for_template(upload.state, products=products)
+    layout = SecureLayout.for_template(upload.state, products=products, sketch=_plan_of(setup))
     quant = Quantization(
         float(setup["fedex.clip"]), int(setup["fedex.target"]), int(setup["fedex.limbs"]), 0
     )

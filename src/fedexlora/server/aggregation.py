@@ -71,8 +71,7 @@ class Aggregation:
             weights = None
         if generator is None:
             generator = self.spec.round_generator(self.seed, self.round)
-        if self.spec.prunes_rank:  # HetLoRA: a client's zero tail is the rank it pruned to
-            self._note_pruned_ranks(accepted)
+        self._note_pruned_ranks(accepted)  # HetLoRA: the rank a client pruned its own to
         states = [self._to_global(u) for u in accepted]
         agg = aggregate_states(
             states,
@@ -108,7 +107,10 @@ class Aggregation:
         with ``secure_products``, of their products ``B_i A_i``), read from the sum of
         their secure vectors (:mod:`fedexlora.core.secure`, :mod:`fedexlora.secagg`).
         A linear method's aggregate of the means equals its aggregate of the uploads;
-        FedEx-LoRA's residual is ``sum_i p_i B_i A_i - B̄ Ā``, formed here from the sums.
+        FedEx-LoRA's residual is ``sum_i p_i B_i A_i - B̄ Ā``, formed here from the sums
+        (rebuilt from the layer's sketches, :mod:`fedexlora.core.sketch`, or from its
+        dense product) and kept factored at rank ``(k - 1) r`` for the ``k`` clients in
+        the sum, as the clear path keeps it: the download is the clear run's.
         The uploads were validated by their clients (the server cannot see them), and
         the outcome has no per-client weights.
 
@@ -142,14 +144,11 @@ class Aggregation:
         )  # fmt: skip
         residuals = dict(agg.residuals)
         deviation: dict[str, float] = {}
-        for name, ideal in sums.products.items():
+        q = (len(clients) - 1) * self._secure_rank()  # the clear path's rank bound
+        for name in [*sums.products, *sums.sketches]:
             A, B = agg.state.factors[name]
-            dense = ideal - B.double() @ A.double()
-            shape = (int(dense.shape[0]), int(dense.shape[1]))
             out = torch.float64 if A.dtype == torch.float64 else torch.float32
-            residuals[name] = Residual(shape=shape, dense=dense.to(out), stored_rank=min(shape))
-            den = float(ideal.norm())
-            deviation[name] = float(dense.norm()) / den if den > 0 else 0.0
+            residuals[name], deviation[name] = _secure_residual(sums, name, A, B, q, out)
         outcome = self._commit(
             agg.state,
             residuals,
@@ -165,6 +164,13 @@ class Aggregation:
             "num_examples": sums.examples,
         }
         return outcome
+
+    def _secure_rank(self) -> int:
+        """The LoRA rank of the global factors (one rank: secure runs refuse client ranks)."""
+        ranks = {int(A.shape[0]) for A, _ in self.state.factors.values() if A is not None}
+        if len(ranks) > 1:
+            raise ValueError(f"secure aggregation needs one LoRA rank, got {sorted(ranks)}")
+        return ranks.pop() if ranks else 0
 
     def _commit(
         self,
@@ -252,3 +258,46 @@ class Aggregation:
         for T in remainders:
             total += T.to_dense().double()
         return total
+
+
+def _secure_residual(
+    sums: SecureSums, name: str, A: torch.Tensor, B: torch.Tensor, q: int, out: torch.dtype
+) -> tuple[Residual, float]:
+    """Layer ``name``'s residual from the sums, and FedEx's deviation ``||R|| / ||B̄ Ā + R||``.
+
+    Factored at rank ``q`` (the clear path's), or dense where that is smaller.
+    """
+    from fedexlora.core.sketch import residual_from_dense
+
+    d, n = int(B.shape[0]), int(A.shape[1])
+    dense_smaller = name not in sums.sketches and q * (d + n) >= d * n
+    if name in sums.means and not dense_smaller:
+        # factored: against the fp64 means, the residual has rank <= q exactly (against the
+        # fp32 state's, fp32's rounding would add 2 r directions the cut to q drops)
+        A, B = sums.means[name]
+    if name in sums.sketches:
+        U, V = sums.sketches[name].residual(A, B, q)  # (d, q), (q, n), fp64
+    elif dense_smaller:  # the clear path's rule; against the state's means, exactly
+        ideal = sums.products[name]
+        dense = ideal - B.double() @ A.double()
+        den = float(ideal.norm())
+        dev = float(dense.norm()) / den if den > 0 else 0.0
+        return Residual(shape=(d, n), dense=dense.to(out), stored_rank=min(d, n)), dev
+    else:
+        U, V = residual_from_dense(sums.products[name], A, B, q)
+    num = _fro2(U, V)
+    Bd, Ad = B.double(), A.double()
+    den = (
+        float(torch.sum((Bd.T @ Bd) * (Ad @ Ad.T)))
+        + 2 * float(torch.sum((Bd.T @ U) * (Ad @ V.T)))
+        + num
+    )  # ||B̄ Ā + U V||^2 from r- and q-wide products
+    dev = math.sqrt(num / den) if den > 0 else 0.0
+    if U.shape[1] == 0:
+        return Residual.zero(d, n, dtype=out), dev
+    return Residual((d, n), U=U.to(out).contiguous(), V=V.to(out).contiguous(), ordered=True), dev
+
+
+def _fro2(U: torch.Tensor, V: torch.Tensor) -> float:
+    """``||U V||_F^2`` from the ``(q, q)`` Gram matrices."""
+    return float(torch.sum((U.T @ U) * (V @ V.T)).clamp_min(0))

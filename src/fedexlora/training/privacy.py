@@ -316,11 +316,21 @@ def report(budget: Budget, delta: float) -> dict:
     }
 
 
-def privacy_row(epsilon: float, delta: float, clients: dict, refused: list[int]) -> dict:
-    """A round's ``privacy`` object from each client's :func:`report` (keyed by id)."""
+def privacy_row(
+    epsilon: float, delta: float, clients: dict, refused: list[int], *, kept: bool = False
+) -> dict:
+    """A round's ``privacy`` object from each client's :func:`report` (keyed by id).
+
+    ``kept``: under secure aggregation each client keeps its accounting to itself (its
+    sampling rate ``batch / n`` would tell its example count): the row then names no
+    client's figures (``clients`` empty, ``epsilon`` ``None``) and says so
+    (``kept_by_clients``); each client still refuses to train past the budget.
+    """
+    if kept:
+        clients = {}
     clients = {str(c): dict(v) for c, v in sorted(clients.items(), key=lambda kv: int(kv[0]))}
-    return {
-        "epsilon": max((v["epsilon"] for v in clients.values()), default=0.0),
+    row = {
+        "epsilon": None if kept else max((v["epsilon"] for v in clients.values()), default=0.0),
         "epsilon_budget": float(epsilon),
         "delta": float(delta),
         "accountant": ACCOUNTANT,
@@ -328,6 +338,9 @@ def privacy_row(epsilon: float, delta: float, clients: dict, refused: list[int])
         "clients": clients,
         "refused": sorted(refused),
     }
+    if kept:
+        row["kept_by_clients"] = True
+    return row
 
 
 @dataclass
@@ -359,15 +372,27 @@ class Ledger:
         The noise multipliers and planned steps are the run's own, whatever ``rounds``
         the resume asks for; rounds beyond the plan find the budgets spent.
         """
-        for cid, rec in (row.get("privacy") or {}).get("clients", {}).items():
-            b = self.budgets.get(int(cid))
+        self.load_state((row.get("privacy") or {}).get("clients", {}))
+
+    def row(self, refused: list[int], *, kept: bool = False) -> dict:
+        """The round's ``privacy`` object, after its clients trained (:func:`privacy_row`)."""
+        clients = {c: report(b, self.delta) for c, b in self.budgets.items()}
+        return privacy_row(self.epsilon, self.delta, clients, refused, kept=kept)
+
+    def state(self) -> dict[int, dict[str, float]]:
+        """Each client's plan and steps taken: what a client keeps (a checkpoint)."""
+        return {
+            c: {"noise_multiplier": b.noise_multiplier, "sample_rate": b.sample_rate,
+                "planned_steps": b.planned_steps, "steps": b.steps}
+            for c, b in self.budgets.items()
+        }  # fmt: skip
+
+    def load_state(self, state: dict[int, dict[str, float]]) -> None:
+        """Continues from :meth:`state` (a resume): the plan it was made with, its steps."""
+        for c, rec in state.items():
+            b = self.budgets.get(int(c))
             if b is not None:
                 b.noise_multiplier = float(rec["noise_multiplier"])
                 b.sample_rate = float(rec["sample_rate"])
                 b.planned_steps = int(rec["planned_steps"])
                 b.steps = int(rec["steps"])
-
-    def row(self, refused: list[int]) -> dict:
-        """The round's ``privacy`` object (after its clients trained)."""
-        clients = {c: report(b, self.delta) for c, b in self.budgets.items()}
-        return privacy_row(self.epsilon, self.delta, clients, refused)

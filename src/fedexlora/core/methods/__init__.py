@@ -22,9 +22,17 @@ from fedexlora.core.methods import (
     lorafair,
     rolora,
 )
-from fedexlora.core.methods.spec import Aggregate, MethodSpec
+from fedexlora.core.methods.spec import Aggregate, LocalHooks, LocalModel, MethodSpec
 
-__all__ = ["REGISTRY", "Aggregate", "MethodSpec", "get_method", "method_names"]
+__all__ = [
+    "REGISTRY",
+    "Aggregate",
+    "LocalHooks",
+    "LocalModel",
+    "MethodSpec",
+    "get_method",
+    "method_names",
+]
 
 REGISTRY: dict[str, MethodSpec] = {
     m.SPEC.name: m.SPEC

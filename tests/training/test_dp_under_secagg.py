@@ -1,0 +1,103 @@
+"""DP-SGD under secure aggregation (#47): each client keeps its accounting to itself.
+
+A client's sampling rate ``batch / n`` tells its example count, which secure aggregation
+hides; so no reply the server receives and no row it writes holds a client's figures,
+and each client's budget still holds across a resume and a lost state.
+"""
+
+import json
+
+import pytest
+
+pytest.importorskip("flwr")
+pytest.importorskip("opacus")
+
+pytestmark = pytest.mark.slow(seconds=60)
+
+_FIGURES = ("sample_rate", "noise_multiplier", "planned_steps", "dp-sample-rate", "dp-epsilon")
+
+
+def _dp_secure(tiny_cfg, **kw):
+    return tiny_cfg.replace(
+        methods=["fedex"], secure_aggregation=True, dp_epsilon=4.0, dp_delta=1e-3,
+        local_steps=1, lr=2e-2, **kw,
+    )  # fmt: skip
+
+
+def _without_timings(row):
+    if isinstance(row, dict):
+        return {k: _without_timings(v) for k, v in row.items() if "seconds" not in k}
+    return row
+
+
+def test_in_process_rows_hold_no_clients_figures_and_a_resume_keeps_the_budget(tiny_cfg, tmp_path):
+    """Two rounds planned, run straight and crashed in round 2 then resumed: the same
+    rows, none naming a client's figures; resumed to three, every client refuses (its
+    own checkpointed record says its budget is spent)."""
+    from fedexlora.run.inprocess import run_experiment
+
+    cfg = _dp_secure(tiny_cfg, rounds=2)
+    straight = run_experiment(cfg, tmp_path / "straight", progress=False)
+    text = (tmp_path / "straight" / "metrics.jsonl").read_text()
+    assert not any(f in text for f in _FIGURES)
+    for row in straight:
+        p = row["privacy"]
+        assert p["kept_by_clients"] and p["clients"] == {} and p["epsilon"] is None
+        assert row["accepted"] == [0, 1, 2]
+    assert "kept its accounting to itself" in (tmp_path / "straight" / "summary.md").read_text()
+
+    from fedexlora.run.client_step import local_update
+
+    def crash(cfg, method, model, data, rnd, client, **kw):
+        if rnd == 2:
+            raise RuntimeError("the machine went down")
+        return local_update(cfg, method, model, data, rnd, client, **kw)
+
+    with pytest.raises(RuntimeError, match="went down"):
+        run_experiment(cfg, tmp_path / "resumed", progress=False, local_update=crash)
+    resumed = run_experiment(cfg, tmp_path / "resumed", progress=False, resume=True)
+    assert [_without_timings(r) for r in resumed] == [_without_timings(r) for r in straight]
+
+    longer = run_experiment(cfg.replace(rounds=3), tmp_path / "resumed", resume=True,
+                            progress=False)  # fmt: skip
+    assert longer[-1]["round"] == 3
+    assert longer[-1]["privacy"]["refused"] == [0, 1, 2] and longer[-1]["accepted"] == []
+
+
+def test_under_flower_no_reply_names_a_clients_figures_and_a_lost_record_refuses(
+    tiny_cfg, tmp_path, task_identity
+):
+    """Every reply the server receives is recorded: none carries a DP figure. Resumed
+    with every client's Context lost (a new federation), a client that trained cannot
+    be sent its figures back (the server has none): it refuses rather than start over."""
+    from fedexlora.flower.client_app import make_client_app
+    from test_flower import InProcessGrid
+    from test_flower_parity import _flower
+
+    cfg = _dp_secure(tiny_cfg, rounds=2)
+    run = tmp_path / "run"
+    grid = InProcessGrid(make_client_app({}), 3)
+    send, replies = grid.send_and_receive, []
+
+    def recording(messages, *, timeout=None):
+        got = list(send(messages, timeout=timeout))
+        replies.extend(got)
+        return got
+
+    grid.send_and_receive = recording
+    first, _ = _flower(cfg, run, grid=grid)
+    assert [r["accepted"] for r in first] == [[0, 1, 2], [0, 1, 2]]
+    trains = [r for r in replies if r.has_content() and "metrics" in r.content]
+    assert trains
+    for r in trains:
+        assert not any(str(k).startswith("dp-") for k in r.content["metrics"]), r.content
+    text = (run / "metrics.jsonl").read_text()
+    assert not any(f in text for f in _FIGURES)
+    assert all(json.loads(line)["privacy"]["kept_by_clients"] for line in text.splitlines())
+
+    longer = cfg.replace(rounds=3)  # within its plan a client would train again
+    (run / "config.toml").write_text(longer.to_toml())
+    with pytest.warns(UserWarning, match="lost its DP-SGD record"):
+        rows, _ = _flower(longer, run, grid=InProcessGrid(make_client_app({}), 3), resume=str(run))
+    assert rows[-1]["round"] == 3 and rows[-1]["privacy"]["refused"] == [0, 1, 2]
+    assert rows[-1]["accepted"] == []
