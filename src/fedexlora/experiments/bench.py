@@ -295,15 +295,10 @@ def _round_two(
     factors, layers, counts = {}, {}, {}
     for i, group in enumerate(shape.layers):
         name = f"{i}.{group.name}"
-        if spec.latent:  # Fed-SB in the server's coordinates: A = I, B = the r x r core
-            q = min(sb_rank, group.d, group.n)
-            d, n, r = q, q, q
-            factors[name] = (torch.eye(q), torch.randn(q, q, generator=g))
-        else:
-            d, n, r = group.d, group.n, rank
-            A = torch.randn(r, n, generator=g) / n**0.5
-            B = torch.randn(d, r, generator=g) / d**0.5
-            factors[name] = (A, B)
+        # in the server's coordinates (Fed-SB's: A = I, B = the r x r core)
+        A, B = spec.synthetic_factors(group.d, group.n, rank, sb_rank, g)
+        factors[name] = (A, B)
+        d, n, r = B.shape[0], A.shape[1], A.shape[0]
         layers[name] = LayerInfo(scale=1.0, fan_in_fan_out=False, rank=r, shape=(d, n))
         counts[name] = group.count
     extra = {f"extra{i}": torch.randn(s, generator=g) for i, s in enumerate(shape.extra)}
@@ -450,8 +445,8 @@ def comm_table(
             "layers": shape.num_layers,
             **{k: measured[m][k] for k in _FIGURES},
         }
-        if m in REGISTRY and REGISTRY[m].latent:  # at its own rank
-            row["rank"] = fedsb_rank
+        if m in REGISTRY:  # a latent method's adapter has a rank of its own
+            row["rank"] = REGISTRY[m].adapter_setup(rank, 1.0, fedsb_rank)["r"]
         if "residual_rank" in measured[m]:
             row["residual_rank"] = measured[m]["residual_rank"]
             row["factored"] = measured[m]["factored"]

@@ -102,8 +102,7 @@ def new_model(cfg: RunConfig, task, method: str):
         from fedexlora.bridge.adapters import use_side_branch
 
         use_side_branch(model)
-    if spec.latent:  # Fed-SB: its frozen A and B, and the r x r core between them
-        _install_fedsb(cfg, task, model, tokenizer)
+    spec.prepare(ModelSetup(cfg, task, model, tokenizer))  # Fed-SB: its frozen A and B
     for r in sorted(set(cfg.client_ranks or [])):
         if spec.hetero_ranks and r != cfg.lora_r:  # heterogeneous client ranks
             model.add_adapter(f"rank{r}", dataclasses.replace(model.peft_config["default"], r=r))
@@ -113,39 +112,62 @@ def new_model(cfg: RunConfig, task, method: str):
     return model.to(resolve_device(cfg.device)), tokenizer
 
 
-def _install_fedsb(cfg: RunConfig, task, model, tokenizer) -> None:
-    """Fed-SB's frozen A and B (the same in every process: seeded, or from the same data)."""
-    from fedexlora.bridge.latent import install
+class ModelSetup:
+    """What a method may install into a freshly loaded model (``MethodSpec.prepare_model``).
 
-    init = cfg.fedsb_init_resolved
-    data = None
-    if init == "gradient":
-        # The sum of every client's gradient equals the gradient on the pooled examples:
-        # the simulation computes that sum here (a deployment would collect it once).
+    The method's own file decides what (Fed-SB: its frozen A and B around the core); this
+    gives it the run's configuration and the bridge's installers, the same in every
+    process (seeded, or computed from the same data).
+
+    Attributes:
+        cfg: The run configuration.
+        task: The loaded task.
+        model: The peft model, its adapter loaded.
+        tokenizer: The model's tokenizer.
+    """
+
+    def __init__(self, cfg: RunConfig, task, model, tokenizer):
+        self.cfg, self.task, self.model, self.tokenizer = cfg, task, model, tokenizer
+
+    def pooled_gradients(self, samples: int) -> dict:
+        """Each LoRA layer's gradient on ``samples`` pooled training examples (seeded).
+
+        The sum of every client's gradient equals the gradient on the pooled examples: the
+        simulation computes that sum here (a deployment would collect it once).
+        """
+        from fedexlora.bridge.layers import lora_layers
+        from fedexlora.training.local import estimate_gradients
+
+        cfg, task = self.cfg, self.task
         g = torch.Generator().manual_seed(cfg.seed)
-        pick = torch.randperm(len(task.train), generator=g)[: cfg.fedsb_init_samples].tolist()
+        pick = torch.randperm(len(task.train), generator=g)[:samples].tolist()
         data = encode(
             task.train.select(pick),
-            tokenizer,
+            self.tokenizer,
             kind=task.kind,
             max_length=cfg.max_length,
             template=task.template,
         )
-    grads = None
-    if data is not None:
-        from fedexlora.bridge.layers import lora_layers
-        from fedexlora.training.local import estimate_gradients
-
-        grads = estimate_gradients(
-            model,
+        return estimate_gradients(
+            self.model,
             data,
-            samples=cfg.fedsb_init_samples,
+            samples=samples,
             batch_size=cfg.batch_size,
             seed=cfg.seed,
-            layers=lora_layers(model),
+            layers=lora_layers(self.model),
         )
-    steps = cfg.local_steps or 1
-    install(model, init=init, seed=cfg.seed, grads=grads, lr=cfg.lr, total_steps=cfg.rounds * steps)
+
+    def install_latent(self, *, init: str, grads: dict | None, total_steps: int) -> None:
+        """Frozen A and B around each layer's ``r x r`` core, seeded by the run.
+
+        :func:`fedexlora.bridge.latent.install`.
+        """
+        from fedexlora.bridge.latent import install
+
+        install(
+            self.model, init=init, seed=self.cfg.seed, grads=grads, lr=self.cfg.lr,
+            total_steps=total_steps,
+        )  # fmt: skip
 
 
 def client_adapter(cfg: RunConfig, method: str, client: int) -> str | None:
@@ -178,7 +200,7 @@ def new_server(cfg: RunConfig, method: str, model) -> Server:
         max_update_norm=None if centralized else cfg.max_update_norm,
         client_layers=client_layers,
     )
-    if not (spec.latent or spec.personalized):
+    if spec.folds_into_model:
         # every engine folds each outcome into this model (apply_round): the server reads
         # a dense base delta from it instead of keeping a second copy (Fed-SB's deltas are
         # in latent coordinates, FedSA-LoRA folds nothing into a global model)

@@ -262,3 +262,24 @@ def test_math_deviation_of_a_method_without_math_names_its_server():
     spec = next(s for s in REGISTRY.values() if s.aggregate is None)
     with pytest.raises(ValueError, match=f"runs on {spec.server!r}'s server math"):
         spec.math_deviation()
+
+
+# What one method does is its own: these flags switch behaviour that only its file and
+# the spec's hooks may read (the shared code asks the hooks; #46).
+_OWN_FLAGS = {
+    "latent", "alternating", "prunes_rank", "restarts", "fresh_adapter", "refactors_A",
+    "hetero_drops_tail", "hetero_slices", "hetero_orthonormal_A", "effective_is_deviation",
+    "frozen_A",
+}  # fmt: skip
+
+
+def test_no_module_outside_the_methods_reads_a_methods_own_flag():
+    src = Path(__file__).resolve().parents[3] / "src" / "fedexlora"
+    found = []
+    for path in src.rglob("*.py"):
+        if "methods" in path.relative_to(src).parts[:2]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in _OWN_FLAGS:
+                found.append(f"{path.relative_to(src)}:{node.lineno} .{node.attr}")
+    assert not found, "read outside core/methods: " + ", ".join(found)

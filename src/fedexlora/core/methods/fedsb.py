@@ -24,6 +24,17 @@ def check(cfg) -> list[str]:
     return errs
 
 
+def install_basis(setup) -> None:
+    """Fed-SB's frozen A and B around the core (``prepare_model``).
+
+    From the run's ``fedsb_init``: seeded, or from the pooled clients' gradient.
+    """
+    cfg = setup.cfg
+    init = cfg.fedsb_init_resolved
+    grads = setup.pooled_gradients(cfg.fedsb_init_samples) if init == "gradient" else None
+    setup.install_latent(init=init, grads=grads, total_steps=cfg.rounds * (cfg.local_steps or 1))
+
+
 SPEC = MethodSpec(
     name="fedsb",
     title="Fed-SB",
@@ -40,6 +51,7 @@ SPEC = MethodSpec(
     aggregate=shared_A_aggregate,
     frozen_A=True,
     latent=True,
+    prepare_model=install_basis,
     claims=(("fedex", "Fed-SB ahead of FedEx-LoRA under DP (Fed-SB, arXiv 2502.15436)"),),
     check=check,
 )

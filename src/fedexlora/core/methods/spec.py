@@ -180,6 +180,11 @@ class MethodSpec:
             factor by round (RoLoRA), add a loss term and cut the rank after (HetLoRA).
             ``None``: plain training. Every engine's client step calls it
             (:meth:`local_hooks`).
+        prepare_model: What the method installs into a freshly loaded model beyond its
+            LoRA adapter, given the model's setup (:class:`fedexlora.run.build.ModelSetup`:
+            the run's configuration, and what the peft bridge can install): Fed-SB's
+            frozen A and B around its core. ``None``: nothing. Every engine's model is
+            built through it (:meth:`prepare`).
         residual_rank: The residual may be truncated to a rank with error feedback.
         fresh_adapter: The global adapter restarts every round (a seeded fresh A, B = 0).
         flower: Runs under the Flower engine.
@@ -224,6 +229,7 @@ class MethodSpec:
     hetero_orthonormal_A: bool = False
     prunes_rank: bool = False
     local_round: Callable[[LocalModel, int], LocalHooks] | None = None
+    prepare_model: Callable[[Any], None] | None = None
     residual_rank: bool = False
     fresh_adapter: bool = False
     restarts: bool = False
@@ -382,6 +388,35 @@ class MethodSpec:
     def local_hooks(self, model: LocalModel, rnd: int) -> LocalHooks:
         """What this method adds to a client's local round ``rnd`` (:attr:`local_round`)."""
         return LocalHooks() if self.local_round is None else self.local_round(model, rnd)
+
+    def prepare(self, setup: Any) -> None:
+        """Installs what the method needs in a freshly loaded model (:attr:`prepare_model`)."""
+        if self.prepare_model is not None:
+            self.prepare_model(setup)
+
+    @property
+    def folds_into_model(self) -> bool:
+        """Whether each outcome is folded into one global model in the model's coordinates.
+
+        Not in latent coordinates, nor without a global model. Where it is, the server
+        may read its base delta from that model instead of keeping a copy.
+        """
+        return not (self.latent or self.personalized)
+
+    def synthetic_factors(
+        self, d: int, n: int, rank: int, latent_rank: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random global ``(A, B)`` of one ``(d, n)`` layer in the server's coordinates.
+
+        For benchmarks that drive a server without a model: a latent method's are
+        ``(I, R)`` at its own rank (capped by the layer's sides).
+        """
+        if self.latent:
+            q = min(latent_rank, d, n)
+            return torch.eye(q), torch.randn(q, q, generator=generator)
+        A = torch.randn(rank, n, generator=generator) / n**0.5
+        B = torch.randn(d, rank, generator=generator) / d**0.5
+        return A, B
 
     def used_ranks(self, states: dict[int, Any]) -> dict[int, int]:
         """Client -> the rank its upload uses, for a method whose clients prune their rank.
