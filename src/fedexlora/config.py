@@ -381,6 +381,16 @@ class RunConfig:
         low=1,
         fix="--side-rank 64 (or leave it unset for the exact side branch)",
     )
+    side_budget: float | None = setting(
+        help="Hold each layer's side branch within this fraction of its base weight's bytes "
+        "(memory beside the base): exact until it binds, then its best low-rank part, the "
+        "rest kept on the server as error feedback; each row says what was applied",
+        panel=PRECISION,
+        default_text="none (exact)",
+        low=0,
+        low_open=True,
+        fix="--side-budget 0.5 (or leave it unset for the exact side branch)",
+    )
     fp32_side_branch: bool | None = setting(
         help="Keep an fp32 base's residuals beside it, not rounded into W: exact at any "
         "learning rate, one more matmul per LoRA layer",
@@ -480,8 +490,12 @@ class RunConfig:
 
     @property
     def approximate(self) -> bool:
-        """Whether a lossy mode is on (``residual_rank`` or ``side_rank``)."""
-        return self.residual_rank is not None or self.side_rank is not None
+        """Whether a lossy mode is on (``residual_rank``, ``side_rank`` or ``side_budget``)."""
+        return (
+            self.residual_rank is not None
+            or self.side_rank is not None
+            or self.side_budget is not None
+        )
 
     @property
     def resolved_export_format(self) -> str:
@@ -525,6 +539,7 @@ class RunConfig:
             ("max_update_norm", "the server cannot check an upload it cannot see"),
             ("residual_rank", "the residual is rebuilt from the sums and kept exact"),
             ("side_rank", "the residual is rebuilt from the sums and kept exact"),
+            ("side_budget", "the residual is rebuilt from the sums and kept exact"),
         ):
             if getattr(self, key) is not None:
                 errs.append(f"`secure_aggregation` cannot be combined with `{key}`: {why}")
@@ -595,6 +610,13 @@ class RunConfig:
             "--quantization nf4 or --fp32-side-branch, or drop --side-rank",
         )
         need(
+            self.side_budget is None or self.side_branch,
+            "`side_budget` bounds the side branch, which only bf16/fp16 and quantized bases "
+            "have (or fp32 ones with --fp32-side-branch, the default with an exact method); "
+            "fix: add --dtype bf16, --quantization nf4 or --fp32-side-branch, or drop "
+            "--side-budget",
+        )
+        need(
             self.export_dtype == "fp32"
             or self.resolved_export_format != "merged"
             or self.allow_inexact,
@@ -663,10 +685,11 @@ class RunConfig:
                     f"method {m!r} has no clients to federate and runs in-process only; "
                     "use --engine local for it (or drop it from the methods of a Flower run)"
                 )
-        need(
-            self.residual_rank is None or self.side_rank is None,
-            "`residual_rank` and `side_rank` are two lossy modes; choose one",
-        )
+        lossy = [
+            k for k in ("residual_rank", "side_rank", "side_budget") if getattr(self, k) is not None
+        ]
+        if len(lossy) > 1:
+            errs.append(f"`{lossy[0]}` and `{lossy[1]}` are two lossy modes; choose one")
         if self.residual_rank is not None:
             lossless = self._methods_where(
                 lambda s: not s.residual_rank, unknown=True, unique=False

@@ -26,7 +26,7 @@ from peft.tuners.lora import LoraLayer
 from fedexlora.bridge.latent import is_latent
 from fedexlora.bridge.layers import _adapter_name, _is_bnb, lora_layers
 from fedexlora.core.aggregation import Residual, residuals_from_flat, residuals_to_flat
-from fedexlora.core.side import Accumulator, SideBranch
+from fedexlora.core.side import Accumulator, SideBranch, rank_cap
 from fedexlora.core.state import AdapterState, LayerInfo
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "restore_base",
     "set_state",
     "set_trainable",
+    "side_caps",
     "side_nbytes",
     "side_state",
     "side_weight",
@@ -519,7 +520,7 @@ def fold_residuals(
     residuals: Mapping[str, Residual],
     adapter: str | None = None,
     *,
-    side_rank: int | None = None,
+    side_rank: int | Mapping[str, int | None] | None = None,
 ) -> None:
     """Applies ``scale * residual`` to each layer's frozen base, in place.
 
@@ -529,9 +530,9 @@ def fold_residuals(
     pass applies. Where it is fp32 (or fp64) the residual goes into the weight with one
     ``addmm_`` and is recorded (:class:`Accumulator`), so two models that received the
     same residuals hold the same bits, whether they were rebuilt from :func:`side_state`
-    or folded round by round. ``side_rank`` caps each branch's rank
-    (the server's ``side_rank`` mode sends residuals that keep it there; the cap only
-    drops the float noise of their cancellation).
+    or folded round by round. ``side_rank`` caps each branch's rank, one cap or per
+    layer (:func:`side_caps`; the server's capped modes send residuals that keep it there;
+    the cap only drops the float noise of their cancellation).
 
     Raises:
         ValueError: If a residual names an unknown module or has the wrong shape.
@@ -541,7 +542,7 @@ def fold_residuals(
     for name, R in residuals.items():
         if name not in layers:
             raise ValueError(f"residual for unknown module {name!r}")
-        fold_layer(layers[name], R, adapter, side_rank=side_rank, name=name)
+        fold_layer(layers[name], R, adapter, side_rank=rank_cap(side_rank, name), name=name)
 
 
 @torch.no_grad()
@@ -606,3 +607,40 @@ class LoraHandle:
     def tail_norm(self, start: int, stop: int) -> torch.Tensor:
         """:func:`tail_norm` of the active adapter."""
         return tail_norm(self.model, start, stop)
+
+
+def base_nbytes(layer: LoraLayer) -> int:
+    """Bytes of a LoRA layer's frozen base weight as stored (4-bit: packed, and its scales)."""
+    w = layer.get_base_layer().weight
+    total = w.numel() * w.element_size()
+    state = getattr(w, "quant_state", None)  # bitsandbytes 4-bit: per-block scales
+    while state is not None:
+        absmax = getattr(state, "absmax", None)
+        if absmax is not None:
+            total += absmax.numel() * absmax.element_size()
+        state = getattr(state, "state2", None)  # double quantization: the scales' own
+    scb = getattr(w, "SCB", None)  # bitsandbytes int8: per-row scales
+    if scb is not None:
+        total += scb.numel() * scb.element_size()
+    return int(total)
+
+
+def side_caps(
+    model: torch.nn.Module, *, side_rank: int | None = None, budget: float | None = None
+) -> int | dict[str, int | None] | None:
+    """The side branches' rank caps: ``side_rank``, or each layer's own for ``budget``.
+
+    ``side_rank`` is one cap for every layer. For ``budget`` (``--side-budget``), a layer
+    of base ``(d, n)`` stored in ``b`` bytes may hold ``budget * b`` bytes beside it: an
+    fp32 side branch ``U (d, q) V (q, n)`` of rank ``q = floor(budget * b / (4 (d + n)))``;
+    where that rank would hold the dense ``(d, n)`` anyway, ``None`` (no cap: the layer
+    stays exact). Every process computes the same caps from the same model.
+    """
+    if budget is None:
+        return side_rank
+    caps: dict[str, int | None] = {}
+    for name, layer in lora_layers(model).items():
+        d, n = layer.lora_B["default"].weight.shape[0], layer.lora_A["default"].weight.shape[1]
+        q = int(budget * base_nbytes(layer) // (4 * (d + n)))
+        caps[name] = None if q * (d + n) >= d * n else q
+    return caps

@@ -22,6 +22,7 @@ Server::
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -38,6 +39,7 @@ from fedexlora.bridge.adapters import (
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.core.messages import ClientUpload, Payload, RoundOutcome
 from fedexlora.core.methods.spec import FP32_UNIT_ROUNDING
+from fedexlora.core.side import rank_cap
 from fedexlora.core.state import AdapterState
 
 __all__ = ["apply_outcome", "apply_payload", "client_state", "load_client_state", "make_upload"]
@@ -48,7 +50,7 @@ def apply_payload(
     model: torch.nn.Module,
     payload: Payload,
     *,
-    side_rank: int | None = None,
+    side_rank: int | Mapping[str, int | None] | None = None,
     adapter: str | None = None,
 ) -> None:
     """Brings a client's model to the global model the payload describes.
@@ -65,7 +67,8 @@ def apply_payload(
         model: The client's peft model.
         payload: From :meth:`~fedexlora.server.Server.payload_for` (or
             :meth:`~fedexlora.server.Payload.from_bytes` on the client's side).
-        side_rank: The run's ``side_rank`` cap, if any.
+        side_rank: The run's side-branch cap, if any: one rank, or per layer
+            (:func:`fedexlora.bridge.adapters.side_caps`).
         adapter: The peft adapter the client trains (heterogeneous ranks: the payload is
             in that adapter's rank and scale); default: the active one.
 
@@ -163,7 +166,8 @@ def apply_outcome(
     for name, layer in lora_layers(model).items():
         before = effective_weight(layer, lora=False) if measure else None
         if name in outcome.residuals:  # one layer at a time: no rescan of the model
-            fold_layer(layer, outcome.residuals[name], side_rank=server.side_rank, name=name)
+            cap = rank_cap(server.side_rank, name)
+            fold_layer(layer, outcome.residuals[name], side_rank=cap, name=name)
         if before is None:
             continue
         after = effective_weight(layer)

@@ -22,7 +22,17 @@ import torch
 
 from fedexlora.core.factors import Residual
 
-__all__ = ["Accumulator", "SideBranch"]
+__all__ = ["Accumulator", "SideBranch", "rank_cap"]
+
+
+def rank_cap(side_rank, name: str) -> int | None:
+    """Layer ``name``'s side-branch rank cap (``None``: none).
+
+    ``side_rank`` is one cap for every layer, or a per-layer mapping (``--side-budget``).
+    """
+    if side_rank is None or isinstance(side_rank, int):
+        return side_rank
+    return side_rank.get(name)
 
 
 class SideBranch(torch.nn.Module):

@@ -320,6 +320,7 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
         ValueError: If the client's configuration or partition does not match the
             server's, or it does not hold the base version the payload builds on.
     """
+    from fedexlora.bridge.adapters import side_caps
     from fedexlora.bridge.steps import apply_payload
     from fedexlora.core.messages import Payload
     from fedexlora.run.client_step import local_update
@@ -345,7 +346,10 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
         from_array_record(msg.content["arrays"]), round=rnd, version=version, reset=since < 0
     )
     apply_payload(
-        model, payload, side_rank=cfg.side_rank, adapter=client_adapter_name(cfg, method, pid)
+        model,
+        payload,
+        side_rank=side_caps(model, side_rank=cfg.side_rank, budget=cfg.side_budget),
+        adapter=client_adapter_name(cfg, method, pid),
     )
     data = prep.train.subset(prep.parts[pid])
     budget, refused = None, False

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedexlora.bridge.adapters import folded_delta, get_state, layer_info
+from fedexlora.bridge.adapters import folded_delta, get_state, layer_info, side_caps
 from fedexlora.config import RunConfig
 from fedexlora.core.methods import get_method
 from fedexlora.server.server import Server
@@ -196,7 +196,9 @@ def new_server(cfg: RunConfig, method: str, model) -> Server:
         weighting=cfg.weighting,
         seed=cfg.seed,
         residual_rank=None if centralized else cfg.residual_rank,
-        side_rank=None if centralized else cfg.side_rank,
+        side_rank=None
+        if centralized
+        else side_caps(model, side_rank=cfg.side_rank, budget=cfg.side_budget),
         max_update_norm=None if centralized else cfg.max_update_norm,
         client_layers=client_layers,
     )

@@ -285,8 +285,8 @@ def write_summary(
     if any(r.get("approximate") for r in rows):
         parts.append(
             "- Methods marked *(approximate)* truncated the residual (`residual_rank`) or "
-            "capped the side branch (`side_rank`); the remainder is kept on the server as "
-            "error feedback."
+            "capped the side branch (`side_rank`, `side_budget`); the remainder is kept on "
+            "the server as error feedback."
         )
     private = [r for r in rows if r.get("privacy")]
     if private:

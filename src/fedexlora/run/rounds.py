@@ -136,6 +136,14 @@ def close_round(
         server_seconds=server.last_round_seconds,
         personalized=per_client,
     )
+    if federated and cfg.side_branch and (cfg.low_precision or cfg.side_budget is not None):
+        from fedexlora.bridge.adapters import side_nbytes
+
+        # what every client holds beside its half-precision or quantized base (and the
+        # budget it was given), from the side branches' tensors
+        row["side_bytes"] = side_nbytes(model)
+        if cfg.side_budget is not None:
+            row["side_budget"] = cfg.side_budget
     if traffic.privacy is not None:
         row["privacy"] = traffic.privacy
         if traffic.refused:
