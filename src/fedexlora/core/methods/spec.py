@@ -132,9 +132,10 @@ class MethodSpec:
             nothing of exactness: FedIT is linear and inexact, FedEx-LoRA exact and not
             linear.
         secure_products: Under secure aggregation each client also sends its weighted
-            product ``w_i B_i A_i`` per layer, so that the server forms ``sum_i p_i B_i A_i``
-            from sums alone (FedEx-LoRA). A method that is neither ``linear`` nor this
-            cannot run under secure aggregation. Excludes ``linear``.
+            product ``w_i B_i A_i`` per layer (as two sketches of it where they are
+            smaller, :mod:`fedexlora.core.sketch`), so that the server forms
+            ``sum_i p_i B_i A_i`` from sums alone (FedEx-LoRA). A method that is neither
+            ``linear`` nor this cannot run under secure aggregation. Excludes ``linear``.
         bytes_per_round: Bytes sent in one round as a formula of ``d`` and ``n`` (a layer's
             output and input sizes), ``r`` (the rank) and ``k`` (clients), fp32 numbers
             (``fedexlora methods``; the run counts the tensors really sent).
