@@ -82,20 +82,24 @@ def report(args) -> str:
     for prec in args.precisions:
         base = _base_bytes(prec, args.rank)
         lines += [
-            f"**{prec}** (adapted layers' base: {base / 1e6:.1f} MB; k = "
+            f"**{prec}** (adapted layers' base: {base / 1e6:.1f} MB; beside it FedIT holds "
+            "only the adapter, measured as one client's upload; k = "
             f"{max(1, round(args.clients * args.fraction))} of {args.clients}, r = {args.rank}, "
             f"{args.rounds} rounds)",
             "",
-            "| run | side branch MB at round 1 / 10 / last (x base) | deviation from the ideal: "
-            "max over rounds (round 1 / 10 / last) | held back, last round |",
-            "|---|---|---|---|",
+            "| run | side branch MB at round 1 / 10 / last (x base) | beside the base, last "
+            "round: x FedIT's | deviation from the ideal: max over rounds (round 1 / 10 / "
+            "last) | held back, last round |",
+            "|---|---|---|---|---|",
         ]
         for name, _, methods in _settings(args.budgets):
             path = Path(args.out) / prec / name / "metrics.jsonl"
             if not path.is_file():
-                lines.append(f"| {name} | not run | | |")
+                lines.append(f"| {name} | not run | | | |")
                 continue
             rows = _rows(path)
+            first = next(r for r in rows if r["accepted"])
+            adapters = first["bytes_up"] / len(first["accepted"])  # one upload: the factors
             for m in methods.split(","):
                 rs = [r for r in rows if r["method"] == m]
                 if not rs:
@@ -106,8 +110,9 @@ def report(args) -> str:
                 last = rs[-1].get("side_bytes", 0) / base
                 dev = [r["effective_deviation"]["max"] for r in rs]
                 gap = rs[-1].get("approximation_gap", {}).get("max")
+                beside = (rs[-1].get("side_bytes", 0) + adapters) / adapters
                 lines.append(
-                    f"| {label} | {mem} ({last:.2f}x) | {max(dev):.2g} ("
+                    f"| {label} | {mem} ({last:.2f}x) | {beside:.1f}x | {max(dev):.2g} ("
                     + " / ".join(f"{r['effective_deviation']['max']:.2g}" for r in pick)
                     + f") | {'–' if gap is None else f'{gap:.2g}'} |"
                 )
