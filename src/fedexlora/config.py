@@ -386,7 +386,7 @@ class RunConfig:
         "(memory beside the base): exact until it binds, then its best low-rank part, the "
         "rest kept on the server as error feedback; each row says what was applied",
         panel=PRECISION,
-        default_text="none (exact)",
+        default_text="none, exact",
         low=0,
         low_open=True,
         fix="--side-budget 0.5 (or leave it unset for the exact side branch)",
