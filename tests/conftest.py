@@ -213,3 +213,25 @@ def seen_updates():
         return up
 
     return seen, spy
+
+
+def without_timings(row):
+    """A metrics row (or anything in it) without its seconds: what two runs share."""
+    if isinstance(row, dict):
+        return {k: without_timings(v) for k, v in row.items() if "seconds" not in k}
+    return row
+
+
+def crash_then_resume(cfg, out, *, crash_round: int) -> list[dict]:
+    """An in-process run in ``out`` that goes down in ``crash_round``, then resumed: its rows."""
+    from fedexlora.run.client_step import local_update
+    from fedexlora.run.inprocess import run_experiment
+
+    def crash(cfg_, method, model, data, rnd, client, **kw):
+        if rnd == crash_round:
+            raise RuntimeError("the machine went down")
+        return local_update(cfg_, method, model, data, rnd, client, **kw)
+
+    with pytest.raises(RuntimeError, match="went down"):
+        run_experiment(cfg, out, progress=False, local_update=crash)
+    return run_experiment(cfg, out, progress=False, resume=True)

@@ -126,24 +126,14 @@ def test_the_server_never_catches_up_further_from_the_round_than_fedit():
 def test_a_resume_keeps_what_the_budget_held_back(tiny_cfg, tmp_path):
     """A run under a binding budget, crashed in round 3 and resumed, writes the rows of
     the run that never stopped: the server's feedback and every cap come back."""
-    from fedexlora.run.client_step import local_update
+    from conftest import crash_then_resume, without_timings
     from fedexlora.run.inprocess import run_experiment
 
     cfg = tiny_cfg.replace(methods=["fedex"], dtype="bf16", side_budget=0.25, rounds=4,
                            lr=2e-2).validate()  # fmt: skip
     straight = run_experiment(cfg, tmp_path / "straight", progress=False)
 
-    def crash(cfg_, method, model, data, rnd, client, **kw):
-        if rnd == 3:
-            raise RuntimeError("the machine went down")
-        return local_update(cfg_, method, model, data, rnd, client, **kw)
-
-    with pytest.raises(RuntimeError, match="went down"):
-        run_experiment(cfg, tmp_path / "resumed", progress=False, local_update=crash)
-    resumed = run_experiment(cfg, tmp_path / "resumed", progress=False, resume=True)
-
-    def strip(rows):
-        return [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
+    resumed = crash_then_resume(cfg, tmp_path / "resumed", crash_round=3)
 
     assert straight[-1]["approximation_gap"]["max"] > 0  # the budget binds
-    assert strip(resumed) == strip(straight)
+    assert [without_timings(r) for r in resumed] == [without_timings(r) for r in straight]

@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
+from conftest import without_timings  # noqa: E402
 from test_secure_aggregation import _protocol  # noqa: E402  (one SecAgg+ round in process)
 
 pytestmark = pytest.mark.slow(seconds=40)
@@ -65,18 +66,12 @@ def test_stochastic_rounding_is_drawn_from_the_run_seed_per_client_and_round():
     assert np.max(np.abs(q.decode(same[0], 1) - x)) <= q.resolution
 
 
-def _without_timings(row):
-    if isinstance(row, dict):
-        return {k: _without_timings(v) for k, v in row.items() if "seconds" not in k}
-    return row
-
-
 def test_two_secure_runs_with_one_seed_write_identical_rows(tiny_cfg, tmp_path):
     from fedexlora.run.inprocess import run_experiment
 
     cfg = tiny_cfg.replace(methods=["fedex"], secure_aggregation=True, lr=2e-2)
     rows = [
-        [_without_timings(r) for r in run_experiment(cfg, tmp_path / f"run{i}", progress=False)]
+        [without_timings(r) for r in run_experiment(cfg, tmp_path / f"run{i}", progress=False)]
         for i in range(2)
     ]
     assert rows[0] == rows[1]

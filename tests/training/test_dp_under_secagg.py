@@ -12,6 +12,8 @@ import pytest
 pytest.importorskip("flwr")
 pytest.importorskip("opacus")
 
+from conftest import crash_then_resume, without_timings  # noqa: E402
+
 pytestmark = pytest.mark.slow(seconds=60)
 
 _FIGURES = ("sample_rate", "noise_multiplier", "planned_steps", "dp-sample-rate", "dp-epsilon")
@@ -22,12 +24,6 @@ def _dp_secure(tiny_cfg, **kw):
         methods=["fedex"], secure_aggregation=True, dp_epsilon=4.0, dp_delta=1e-3,
         local_steps=1, lr=2e-2, **kw,
     )  # fmt: skip
-
-
-def _without_timings(row):
-    if isinstance(row, dict):
-        return {k: _without_timings(v) for k, v in row.items() if "seconds" not in k}
-    return row
 
 
 def test_in_process_rows_hold_no_clients_figures_and_a_resume_keeps_the_budget(tiny_cfg, tmp_path):
@@ -46,17 +42,8 @@ def test_in_process_rows_hold_no_clients_figures_and_a_resume_keeps_the_budget(t
         assert row["accepted"] == [0, 1, 2]
     assert "kept its accounting to itself" in (tmp_path / "straight" / "summary.md").read_text()
 
-    from fedexlora.run.client_step import local_update
-
-    def crash(cfg, method, model, data, rnd, client, **kw):
-        if rnd == 2:
-            raise RuntimeError("the machine went down")
-        return local_update(cfg, method, model, data, rnd, client, **kw)
-
-    with pytest.raises(RuntimeError, match="went down"):
-        run_experiment(cfg, tmp_path / "resumed", progress=False, local_update=crash)
-    resumed = run_experiment(cfg, tmp_path / "resumed", progress=False, resume=True)
-    assert [_without_timings(r) for r in resumed] == [_without_timings(r) for r in straight]
+    resumed = crash_then_resume(cfg, tmp_path / "resumed", crash_round=2)
+    assert [without_timings(r) for r in resumed] == [without_timings(r) for r in straight]
 
     longer = run_experiment(cfg.replace(rounds=3), tmp_path / "resumed", resume=True,
                             progress=False)  # fmt: skip
