@@ -18,11 +18,28 @@ needs it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fedexlora.core.factors import Residual
 
-__all__ = ["Accumulator", "SideBranch", "rank_cap"]
+__all__ = ["REFACTOR_GROWTH", "Accumulator", "SideBranch", "passes_rung", "rank_cap"]
+
+REFACTOR_GROWTH = 1.25
+"""The side branch's ladder: an uncapped branch re-factors its sum to numerical rank when
+its column count passes a power of this (..., 1.25**30 = 808, 1010, 1262, ...)."""
+
+
+def passes_rung(before: int, after: int, growth: float = REFACTOR_GROWTH) -> bool:
+    """Whether going from ``before`` to ``after`` columns passes a power of ``growth``."""
+    if after <= before:
+        return False
+    if before < 1:
+        return True
+    return math.floor(math.log(after) / math.log(growth)) > math.floor(
+        math.log(before) / math.log(growth)
+    )
 
 
 def rank_cap(side_rank, name: str) -> int | None:
@@ -104,12 +121,21 @@ class SideBranch(torch.nn.Module):
 
     @torch.no_grad()
     def add(self, residual: Residual) -> None:
-        """Adds ``residual`` (already scaled) and re-factors the sum to numerical rank.
+        """Adds ``residual`` (already scaled), stored in fp32, dense only where smaller.
 
-        The sum is formed and reduced in fp64 (QR and a small SVD, never the ``(d, n)``
-        product while factors are smaller), then stored in fp32, dense only where that
-        is smaller, and cut to ``max_rank`` when set. The first residual is kept as it
-        came.
+        Uncapped, the new factors are appended to the held ones (exact: no rounding but
+        fp32's storage, and a copy linear in their size), and the sum is re-factored to
+        numerical rank (fp64 QR of both factors and an SVD of the small core, never the
+        ``(d, n)`` product) only when its column count passes the next rung of a
+        geometric ladder (:data:`REFACTOR_GROWTH`). Clients in general position add
+        ``(k - 1) r`` new directions a round, which no re-factoring removes, so a
+        re-factor every round would cost ``O((d + n) q^2)`` a round for nothing; on the
+        ladder its total cost stays a few times that of the last one, and the columns
+        held never exceed the numerical rank by more than a rung (a quarter) plus one
+        round's. A rung is a function of the column counts alone, so a resumed run
+        re-factors exactly where the straight run does. With ``max_rank`` set the sum is
+        re-factored every round and cut to it (the best part, by SVD). The first residual
+        is kept as it came.
         """
         if residual.is_zero:
             return
@@ -128,7 +154,10 @@ class SideBranch(torch.nn.Module):
         else:
             U = torch.cat([cur.U.to(dev, torch.float64), residual.U.to(dev, torch.float64)], 1)
             V = torch.cat([cur.V.to(dev, torch.float64), residual.V.to(dev, torch.float64)], 0)
-            total = Residual.from_factors(U, V)
+            if self.max_rank is None and not passes_rung(cur.U.shape[1], U.shape[1]):
+                total = Residual.exact(U, V)  # appended; dense (one fp64 matmul) where smaller
+            else:
+                total = Residual.from_factors(U, V)
         if self.max_rank is not None and total.rank > self.max_rank:
             total, _ = total.truncate(self.max_rank)
         self.set(total)
