@@ -14,11 +14,11 @@ one dense ``d x n`` at round 15. Each round, in one process, on fresh client fac
     concatenated factors while smaller than dense, then one dense ``d x n`` (formed once
     from all the factors, then added to every round);
   - ``model``: a server whose ``delta_source`` is the global model
-    (``fedexlora.bridge.adapters.folded_delta``, what both engines set): where the record
+    (``fedexlora.bridge.fold.folded_delta``, what both engines set): where the record
     would turn dense it is dropped, and read from the model when a reset payload or a
     checkpoint needs it;
 
-* ``fold``: ``fedexlora.bridge.adapters.fold_residuals`` of the round's residual into a
+* ``fold``: ``fedexlora.bridge.fold.fold_residuals`` of the round's residual into a
   one-layer peft model (one ``W.addmm_(U, V)``), the ``model`` server's source;
 * ``floor``: one ``W.addmm_(U, V)`` of random rank-144 factors (that round's fold at its
   least);
@@ -92,7 +92,8 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
 
     from fedexlora import Server
-    from fedexlora.bridge.adapters import fold_residuals, folded_delta, get_state, layer_info
+    from fedexlora.bridge.adapters import get_state, layer_info
+    from fedexlora.bridge.fold import fold_residuals, folded_delta
     from fedexlora.core.state import AdapterState
     from fedexlora.server import ClientUpload
 

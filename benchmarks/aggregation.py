@@ -12,7 +12,7 @@ the residual into the base weight W (fp32 throughout, uniform weights, scale 2):
   (the variant behind the "about 19x" figure in PAPER.md).
 * ``ours``: ``fedexlora.aggregate(method="fedex")`` (the residual's exact factors
   ``U = [p_i (B_i - B̄)]``, ``V = [A_i - A_j]`` over the clients but the heaviest, ``j``:
-  rank (k-1) r, no QR or SVD) and ``fedexlora.bridge.adapters.fold_residuals`` on a
+  rank (k-1) r, no QR or SVD) and ``fedexlora.bridge.fold.fold_residuals`` on a
   one-layer peft model: one ``W.addmm_(U, V)``, and the residual recorded (factored)
   for the model's saved state. Where ``(k-1) r (d + n) >= d n`` the residual is smaller
   dense, so ``aggregate`` returns it dense (one matmul) and the fold is one ``add_``.

@@ -28,7 +28,7 @@ CHECK_ROUNDS = (1, 3, 10)
 
 def measure(model: str, rounds: int) -> list[tuple[int, int, int, int]]:
     """``(round, side bytes, adapter bytes, fp32 adapted-weight bytes)`` per check round."""
-    from fedexlora.bridge.adapters import folded_weights
+    from fedexlora.bridge.fold import folded_weights
     from fedexlora.bridge.steps import client_state
     from fedexlora.config import RunConfig
     from fedexlora.flower.records import to_array_record

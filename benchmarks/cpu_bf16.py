@@ -44,7 +44,7 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForSequenceClassification
 
-    from fedexlora.bridge.adapters import fold_residuals
+    from fedexlora.bridge.fold import fold_residuals
     from fedexlora.bridge.layers import lora_layers
     from fedexlora.bridge.models import resolve_model
     from fedexlora.core.factors import Residual

@@ -19,7 +19,10 @@ Measured per round, from the tensors actually held:
 - bytes down to each sampled client (``Server.payload_for``'s payload; ``m``: the rounds
   since that client last trained, ``new`` for a first visit) and up (its upload);
 - the server's memory (``Server.nbytes()``) and its own seconds (``last_round_seconds``);
-- the seconds FedEx's model takes to fold the round's residual (the side branch re-factored);
+- the seconds FedEx's model takes to load the round's factors and fold its residual into
+  the side branch (not in a ``--deviation`` round, whose fold is timed with the
+  measurement); the table gives their mean over the rounds so far and the largest, since
+  the side branch re-factors only on its ladder's rungs (``fedexlora.core.side``);
 - at ``--timed`` rounds only, one training step (forward and backward, ``--tokens`` tokens,
   bf16 autocast) of each model, interleaved, the minimum of ``--reps`` pairs;
 - at ``--deviation`` rounds, each model's deviation from the ideal model, relative to the
@@ -50,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from fedexlora.bridge.adapters import folded_delta, get_state, layer_info, use_side_branch
+from fedexlora.bridge.fold import base_nbytes, use_side_branch
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.steps import apply_outcome
 from fedexlora.core.messages import ClientUpload, Payload
@@ -118,7 +121,7 @@ def load_block(path: Path, precision: str, r: int, alpha: float, *, seed: int = 
     so it is not called here): bitsandbytes through transformers'
     ``BitsAndBytesConfig`` (:func:`~fedexlora.bridge.models.quantization_config`, compute
     dtype bf16), bitsandbytes' CPU repacking turned off, trainable weights in fp32, and
-    the fp32 side branch (:func:`~fedexlora.bridge.adapters.use_side_branch`; bf16 and nf4
+    the fp32 side branch (:func:`~fedexlora.bridge.fold.use_side_branch`; bf16 and nf4
     bases have one anyway).
     """
     from peft import LoraConfig, get_peft_model
@@ -169,19 +172,10 @@ def adapter_bytes(model: torch.nn.Module) -> int:
 
 
 def base_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the adapted projections' base weights, as stored.
-
-    A 4-bit weight: its packed bytes plus its quantization state (block scales, code).
-    """
-    out = 0
-    for layer in lora_layers(model).values():
-        w = layer.get_base_layer().weight
-        out += tensor_bytes([w])
-        qs = getattr(w, "quant_state", None)
-        while qs is not None:  # nested for double quantization
-            out += tensor_bytes(t for t in (qs.absmax, qs.code) if t is not None)
-            qs = getattr(qs, "state2", None)
-    return out
+    """Bytes of the adapted projections' base weights, as stored
+    (:func:`fedexlora.bridge.fold.base_nbytes`: a 4-bit weight's packed bytes and its
+    block scales)."""
+    return sum(base_nbytes(layer) for layer in lora_layers(model).values())
 
 
 def payload_bytes(payload: Payload) -> int:
@@ -282,7 +276,7 @@ class RoundRow:
     server_fedit: int
     server_s_fedex: float
     server_s_fedit: float
-    fold_s: float  # FedEx's model: the round's residual into the side branch
+    fold_s: float | None  # FedEx's model: the round's residual in (None: a measured round)
     step_fedex: float | None = None  # wall seconds, min over the interleaved repeats
     step_fedit: float | None = None
     cpu_fedex: float | None = None  # process CPU seconds, the same way
@@ -309,19 +303,13 @@ class RoundEvent:
 
 
 def new_server(model, method: str, fraction: float, seed: int) -> Server:
-    """The server of ``method`` for ``model``, as ``fedexlora.run.build.new_server`` builds it."""
-    import functools
+    """The server of ``method`` for ``model``: :func:`fedexlora.run.build.new_server` itself,
+    at FlowerTune's 20 clients and ``fraction``."""
+    from fedexlora.config import RunConfig
+    from fedexlora.run.build import new_server as build_server
 
-    server = Server(
-        get_state(model),
-        layer_info(model),
-        method=method,
-        num_clients=NUM_CLIENTS,
-        fraction=fraction,
-        seed=seed,
-    )
-    server.delta_source = functools.partial(folded_delta, model)
-    return server
+    cfg = RunConfig(num_clients=NUM_CLIENTS, fraction=fraction, seed=seed)
+    return build_server(cfg, method, model)
 
 
 def simulate(
@@ -364,12 +352,12 @@ def simulate(
         previous = servers["fedex"].state
         uploads = client_uploads(previous, sampled, rnd, seed=seed, sigma=sigma)
         measure = rnd in deviation
-        devs, fold_s = {}, 0.0
+        devs, fold_s = {}, None
         for m, server in servers.items():
             outcome = server.aggregate(uploads, effective=False)
             t = time.perf_counter()
             dev = apply_outcome(models[m], server, outcome, uploads if measure else None)
-            if m == "fedex":
+            if m == "fedex" and not measure:  # a measured round's time is mostly the measure
                 fold_s = time.perf_counter() - t
             devs[m] = max(dev.values()) if dev else None
         for c in sampled:
@@ -419,10 +407,11 @@ def _progress(row: RoundRow) -> str:
             f", step CPU {row.cpu_fedex:.2f} s vs {row.cpu_fedit:.2f} s, wall "
             f"{row.step_fedex:.2f} s vs {row.step_fedit:.2f} s"
         )
+    fold = "measured with the deviation" if row.fold_s is None else f"{row.fold_s:.2f} s"
     return (
         f"{row.precision} k={row.k} r={row.r} round {row.round}: side rank "
         f"{max(row.side_rank.values())}, side {row.side_bytes / 1e6:.1f} MB, fold "
-        f"{row.fold_s:.2f} s, server {row.server_s_fedex:.2f} s{step}"
+        f"{fold}, server {row.server_s_fedex:.2f} s{step}"
     )
 
 
@@ -448,7 +437,8 @@ def memory_table(rows: list[RoundRow], report: Iterable[int], blocks: int) -> st
     out = [
         "| base | k | r | round | side rank (q / down) | side branch GB | adapters GB | "
         "beside base FedEx / FedIT | client memory FedEx / FedIT (base + beside) | "
-        "step FedEx / FedIT: CPU time (FedIT's) / wall | step FLOPs FedEx / FedIT | fold s/round | "
+        "step FedEx / FedIT: CPU time (FedIT's) / wall | step FLOPs FedEx / FedIT | "
+        "fold s/round: mean (max) so far | "
         "deviation FedEx / FedIT |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -472,9 +462,27 @@ def memory_table(rows: list[RoundRow], report: Iterable[int], blocks: int) -> st
             f"| {row.precision} | {row.k} | {row.r} | {row.round} | "
             f"{row.side_rank['q_proj']} / {row.side_rank['down_proj']} | {_gb(side)} | "
             f"{_gb(ad)} | {(side + ad) / ad:.1f}x | {memory_ratio(row):.2f}x | "
-            f"{step} | {flops} | {row.fold_s:.2f} | {dev} |"
+            f"{step} | {flops} | {fold_so_far(rows, row)} | {dev} |"
         )
     return "\n".join(out)
+
+
+def fold_so_far(rows: list[RoundRow], row: RoundRow) -> str:
+    """The mean and the largest of FedEx's fold seconds in ``row``'s setting up to its round.
+
+    Rounds whose deviation was measured are left out (their fold is timed with the
+    measurement); so is a row saved before that rule, whose fold is its deviation's.
+    """
+    key = (row.precision, row.k, row.r)
+    got = [
+        x.fold_s
+        for x in rows
+        if (x.precision, x.k, x.r) == key and x.round <= row.round
+        and x.fold_s is not None and x.deviation_fedex is None
+    ]  # fmt: skip
+    if not got:
+        return "–"
+    return f"{sum(got) / len(got):.2f} ({max(got):.2f})"
 
 
 def traffic_table(rows: list[RoundRow], report: Iterable[int], blocks: int) -> str:

@@ -41,7 +41,7 @@ def child(args) -> dict:
     """One precision, in this process: the federated run, then the timed steps."""
     import torch
 
-    from fedexlora.bridge.adapters import side_nbytes
+    from fedexlora.bridge.fold import side_nbytes
     from fedexlora.bridge.layers import lora_layers
     from fedexlora.config import RunConfig
     from fedexlora.run.build import autocast_dtype, new_model, prepare

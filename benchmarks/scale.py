@@ -97,7 +97,7 @@ def child(args) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from fedexlora.bridge.adapters import effective_weight, load_side_state, side_state
+    from fedexlora.bridge.fold import effective_weight, load_side_state, side_state
     from fedexlora.bridge.layers import lora_layers
     from fedexlora.bridge.steps import apply_payload
     from fedexlora.run.build import new_model, new_server, prepare

@@ -19,7 +19,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from fedexlora.bridge.adapters import fold_residuals
+from fedexlora.bridge.fold import fold_residuals
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.config import RunConfig
 from fedexlora.core.factors import Residual

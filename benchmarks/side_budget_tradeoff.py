@@ -64,7 +64,7 @@ def _rows(path: Path) -> list[dict]:
 
 def _base_bytes(prec: str, rank: int) -> int:
     """The adapted layers' stored base bytes (what ``--side-budget`` is a fraction of)."""
-    from fedexlora.bridge.adapters import base_nbytes
+    from fedexlora.bridge.fold import base_nbytes
     from fedexlora.bridge.layers import lora_layers
     from fedexlora.config import RunConfig
     from fedexlora.run.build import new_model

@@ -48,7 +48,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from trl import SFTTrainer
 
 from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_info, make_upload
-from fedexlora.bridge.adapters import use_side_branch
+from fedexlora.bridge.fold import use_side_branch
 from fedexlora.bridge.models import load_base  # fp32; a GGUF file dequantized
 from fedexlora.run.export import save_adapter
 from fedexlora.tasks.metrics import exact_match

@@ -22,8 +22,8 @@ _LAZY = {
     "get_state": "bridge.adapters",
     "set_state": "bridge.adapters",
     "layer_info": "bridge.adapters",
-    "fold_residuals": "bridge.adapters",
-    "effective_weight": "bridge.adapters",
+    "fold_residuals": "bridge.fold",
+    "effective_weight": "bridge.fold",
 }
 
 __all__ = [

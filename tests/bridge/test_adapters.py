@@ -8,7 +8,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
 from fedexlora import AdapterState, aggregate_states
-from fedexlora.bridge.adapters import fold_residuals, get_state, layer_info, set_state
+from fedexlora.bridge.adapters import get_state, layer_info, set_state
+from fedexlora.bridge.fold import fold_residuals
 from fedexlora.bridge.layers import lora_layers
 
 

@@ -14,7 +14,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_info, make_upload
-from fedexlora.bridge.adapters import use_side_branch
+from fedexlora.bridge.fold import use_side_branch
 from fedexlora.bridge.layers import lora_layers
 
 SCALE = 2.0  # lora_alpha / r

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedexlora.bridge.adapters import effective_weight
+from fedexlora.bridge.fold import effective_weight
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.models import load_model
 from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
@@ -131,7 +131,7 @@ def _random_residual(d, n, q, scale, seed=0):
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])
 def test_quantized_weight_untouched_and_forward_applies_side_branch(tiny_bert_dir, quantization):
-    from fedexlora.bridge.adapters import fold_residuals, side_nbytes
+    from fedexlora.bridge.fold import fold_residuals, side_nbytes
 
     model = _quantized_bert(tiny_bert_dir, quantization)
     layers = lora_layers(model)
@@ -156,7 +156,7 @@ def test_quantized_weight_untouched_and_forward_applies_side_branch(tiny_bert_di
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_weight_untouched_and_forward_applies_side_branch(tiny_bert_dir, dtype):
-    from fedexlora.bridge.adapters import fold_residuals
+    from fedexlora.bridge.fold import fold_residuals
 
     model = load_model(
         tiny_bert_dir, causal=False, num_labels=3, r=4, alpha=8, dropout=0.0,
@@ -249,7 +249,7 @@ def test_hetero_clients_on_the_shared_model_start_from_the_global_model(tiny_cfg
 
 @pytest.mark.parametrize("cap", [2, 64])
 def test_side_rank_caps_the_side_branch_and_says_so(tiny_cfg, tmp_path, cap):
-    from fedexlora.bridge.adapters import _side
+    from fedexlora.bridge.fold import _side
 
     cfg = _cfg(tiny_cfg, dtype="bf16", side_rank=cap, rounds=3)
     rows = run_experiment(cfg, tmp_path, progress=False)

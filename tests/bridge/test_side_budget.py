@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow(seconds=60)
 
 
 def _run(cfg, seen_updates):
-    from fedexlora.bridge.adapters import base_nbytes, effective_weight
+    from fedexlora.bridge.fold import base_nbytes, effective_weight
     from fedexlora.bridge.layers import lora_layers
     from fedexlora.run.build import new_model, prepare
     from fedexlora.run.inprocess import run_method

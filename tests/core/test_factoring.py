@@ -122,12 +122,7 @@ def test_concat_without_reduction_is_exact_and_dense_when_smaller():
 def test_an_fp32_layer_folds_in_place_and_rebuilds_bit_for_bit_from_its_state(tiny_bert_dir):
     """Each fold is one ``addmm_`` into the weight; the state (the residuals while smaller
     than the weight, then the weight) rebuilds the very bits; the sum is exact."""
-    from fedexlora.bridge.adapters import (
-        effective_weight,
-        fold_residuals,
-        load_side_state,
-        side_state,
-    )
+    from fedexlora.bridge.fold import effective_weight, fold_residuals, load_side_state, side_state
     from fedexlora.bridge.layers import lora_layers
     from fedexlora.bridge.models import load_model
 

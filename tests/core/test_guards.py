@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fedexlora import Server, aggregate, apply_outcome, apply_payload, get_state, layer_info
-from fedexlora.bridge.adapters import effective_weight, folded_delta
+from fedexlora.bridge.fold import effective_weight, folded_delta
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.training.privacy import DPCheckError
 from test_privacy import independent_epsilon

@@ -23,7 +23,7 @@ def test_every_api_doc_example_runs_and_is_exact(capsys):
     # the loop's global model is the hand-computed ideal: every client, after applying
     # its next payload, holds exactly the server's global model
     server, clients, glob = namespace["server"], namespace["clients"], namespace["global_model"]
-    from fedexlora.bridge.adapters import effective_weight
+    from fedexlora.bridge.fold import effective_weight
     from fedexlora.bridge.layers import lora_layers
 
     for i in range(3):

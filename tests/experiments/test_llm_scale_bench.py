@@ -43,7 +43,7 @@ def block(bench, tmp_path_factory):
 
 def _run(bench, block, precision="bf16", *, fraction=0.1, r=2):
     """The rows, and per round the event with each model's side-branch bytes then."""
-    from fedexlora.bridge.adapters import side_nbytes
+    from fedexlora.bridge.fold import side_nbytes
 
     events = []
 

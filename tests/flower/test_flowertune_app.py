@@ -73,7 +73,7 @@ def flowertune(monkeypatch, chat_llama, tiny_qa_jsonl, tmp_path):
 
 def _weights(model) -> dict[str, torch.Tensor]:
     """Each layer's dequantized base + side branch + ``s B A``, fp64: the forward's weight."""
-    from fedexlora.bridge.adapters import effective_weight
+    from fedexlora.bridge.fold import effective_weight
     from fedexlora.bridge.layers import lora_layers
 
     return {n: effective_weight(layer) for n, layer in lora_layers(model).items()}

@@ -231,7 +231,8 @@ def _verify():
 
 
 def _model_vs_ideal(cfg, run_dir):
-    from fedexlora.bridge.adapters import effective_weight, lora_layers
+    from fedexlora.bridge.adapters import lora_layers
+    from fedexlora.bridge.fold import effective_weight
     from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
     from fedexlora.run.restore import load_task_for, restore_model
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_info
-from fedexlora.bridge.adapters import effective_weight, folded_delta
+from fedexlora.bridge.fold import effective_weight, folded_delta
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.core.aggregation import deviation
 from test_scale import _hand_ideal, _model, _rel_gap, _uploads

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_info
-from fedexlora.bridge.adapters import effective_weight, folded_delta
+from fedexlora.bridge.fold import effective_weight, folded_delta
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.models import load_model
 from fedexlora.core.state import AdapterState
@@ -226,7 +226,7 @@ def test_200_clients_in_process_each_sampled_client_is_exact_after_its_payload(
 ):
     """Every sampled client's model, rebuilt from what it held plus its payload, is the
     global model; the server's memory stays within its bound every round."""
-    from fedexlora.bridge.adapters import load_side_state, side_state
+    from fedexlora.bridge.fold import load_side_state, side_state
     from fedexlora.run.build import new_model, new_server, prepare
     from fedexlora.run.inprocess import run_method
     from fedexlora.run.restore import load_task_for

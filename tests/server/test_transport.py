@@ -7,7 +7,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from fedexlora.bridge.adapters import fold_residuals, get_state, layer_info, set_state
+from fedexlora.bridge.adapters import get_state, layer_info, set_state
+from fedexlora.bridge.fold import fold_residuals
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.steps import apply_payload
 from fedexlora.server import ClientUpload, Payload, Server

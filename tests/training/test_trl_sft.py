@@ -18,7 +18,7 @@ import torch
 from peft import PeftModel
 from typer.testing import CliRunner
 
-from fedexlora.bridge.adapters import effective_weight
+from fedexlora.bridge.fold import effective_weight
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.cli import app
 from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint

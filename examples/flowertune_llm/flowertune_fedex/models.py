@@ -46,7 +46,7 @@ def get_model(model_cfg: SimpleNamespace):
     """
     from peft import LoraConfig, get_peft_model
 
-    from fedexlora.bridge.adapters import use_side_branch
+    from fedexlora.bridge.fold import use_side_branch
 
     base, tokenizer = get_base(model_cfg)
     if model_cfg.gradient_checkpointing:

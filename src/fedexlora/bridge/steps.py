@@ -26,14 +26,12 @@ from collections.abc import Mapping
 
 import torch
 
-from fedexlora.bridge.adapters import (
+from fedexlora.bridge.adapters import get_state, lift, set_state
+from fedexlora.bridge.fold import (
     effective_weight,
     fold_layer,
     fold_residuals,
-    get_state,
-    lift,
     load_side_state,
-    set_state,
     side_state,
 )
 from fedexlora.bridge.layers import lora_layers
@@ -68,7 +66,7 @@ def apply_payload(
         payload: From :meth:`~fedexlora.server.Server.payload_for` (or
             :meth:`~fedexlora.server.Payload.from_bytes` on the client's side).
         side_rank: The run's side-branch cap, if any: one rank, or per layer
-            (:func:`fedexlora.bridge.adapters.side_caps`).
+            (:func:`fedexlora.bridge.fold.side_caps`).
         adapter: The peft adapter the client trains (heterogeneous ranks: the payload is
             in that adapter's rank and scale); default: the active one.
 

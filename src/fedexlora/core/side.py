@@ -10,7 +10,7 @@ whichever is smaller, and added to the layer's output in the forward pass:
 An fp32 (or fp64) weight holds its update itself: an :class:`Accumulator` keeps the sum of
 what was folded, and the weight is rebuilt as ``W0 + sum``. (Or, where exactness below
 fp32's rounding of ``W`` matters, an fp32 layer keeps a side branch as well:
-:func:`fedexlora.bridge.adapters.use_side_branch`.)
+:func:`fedexlora.bridge.fold.use_side_branch`.)
 
 Pure torch: no peft. :mod:`fedexlora.bridge.adapters` attaches one to each LoRA layer that
 needs it.

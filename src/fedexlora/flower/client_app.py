@@ -320,7 +320,7 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
         ValueError: If the client's configuration or partition does not match the
             server's, or it does not hold the base version the payload builds on.
     """
-    from fedexlora.bridge.adapters import side_caps
+    from fedexlora.bridge.fold import side_caps
     from fedexlora.bridge.steps import apply_payload
     from fedexlora.core.messages import Payload
     from fedexlora.run.client_step import local_update

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fedexlora.bridge.adapters import folded_delta, get_state, layer_info, side_caps
+from fedexlora.bridge.adapters import get_state, layer_info
+from fedexlora.bridge.fold import folded_delta, side_caps
 from fedexlora.config import RunConfig
 from fedexlora.core.methods import get_method
 from fedexlora.server.server import Server
@@ -78,7 +79,7 @@ def new_model(cfg: RunConfig, task, method: str):
     With ``dtype`` bf16/fp16 the frozen base weights are stored in that dtype while the
     adapters stay fp32 (peft's adapter autocast); with ``quantization`` the base is
     quantized by bitsandbytes. Either way residuals go to an fp32 side branch, never into
-    the base weights (:func:`fedexlora.bridge.adapters.fold_residuals`); so they do on an
+    the base weights (:func:`fedexlora.bridge.fold.fold_residuals`); so they do on an
     fp32 base with ``fp32_side_branch``.
     """
     from fedexlora.bridge.models import load_model
@@ -99,7 +100,7 @@ def new_model(cfg: RunConfig, task, method: str):
     )
     check_max_length(cfg, model)
     if cfg.fp32_side_branch_resolved:
-        from fedexlora.bridge.adapters import use_side_branch
+        from fedexlora.bridge.fold import use_side_branch
 
         use_side_branch(model)
     spec.prepare(ModelSetup(cfg, task, model, tokenizer))  # Fed-SB: its frozen A and B

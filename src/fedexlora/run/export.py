@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from fedexlora.bridge.adapters import _side, effective_weight, folded_delta
+from fedexlora.bridge.fold import _side, effective_weight, folded_delta
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.models import resolve_model
 from fedexlora.config import load_run_config
@@ -197,7 +197,7 @@ def save_adapter(
         dest: The adapter directory (created).
         delta: Module -> what was folded into its fp32 base, in the adapter's units
             (``Server.delta``); by default read from the model itself
-            (:func:`fedexlora.bridge.adapters.folded_delta`). Side branches (bf16/fp16 or
+            (:func:`fedexlora.bridge.fold.folded_delta`). Side branches (bf16/fp16 or
             quantized bases) are always read from the model.
         base: ``base_model_name_or_path`` written into the adapter's config (by default
             what peft recorded).

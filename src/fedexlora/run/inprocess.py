@@ -21,14 +21,8 @@ from pathlib import Path
 
 import torch
 
-from fedexlora.bridge.adapters import (
-    fold_residuals,
-    get_state,
-    layer_info,
-    restore_base,
-    set_state,
-    snapshot_base,
-)
+from fedexlora.bridge.adapters import get_state, layer_info, set_state
+from fedexlora.bridge.fold import fold_residuals, restore_base, snapshot_base
 from fedexlora.config import RunConfig
 from fedexlora.core.messages import ClientUpload
 from fedexlora.core.state import AdapterState

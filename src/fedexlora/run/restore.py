@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from fedexlora.bridge.adapters import folded_weights, load_side_state, set_state, side_state
+from fedexlora.bridge.adapters import set_state
+from fedexlora.bridge.fold import folded_weights, load_side_state, side_state
 from fedexlora.config import RunConfig
 from fedexlora.run.build import new_model, new_server
 from fedexlora.run.checkpoint import (
@@ -33,7 +34,7 @@ __all__ = [
 def base_deltas(model) -> dict[str, torch.Tensor]:
     """What folding changed in the model: each layer's accumulated residual.
 
-    ``side.<module>.*`` (:func:`fedexlora.bridge.adapters.side_state`): a freshly loaded
+    ``side.<module>.*`` (:func:`fedexlora.bridge.fold.side_state`): a freshly loaded
     model plus these is the model, bit for bit.
     """
     return side_state(model)

@@ -137,7 +137,7 @@ def close_round(
         personalized=per_client,
     )
     if federated and cfg.side_branch and (cfg.low_precision or cfg.side_budget is not None):
-        from fedexlora.bridge.adapters import side_nbytes
+        from fedexlora.bridge.fold import side_nbytes
 
         # what every client holds beside its half-precision or quantized base (and the
         # budget it was given), from the side branches' tensors

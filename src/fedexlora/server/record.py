@@ -3,7 +3,7 @@
 Reset payloads and checkpoints are built from it. Per layer it is kept factored while that
 is smaller (the round's factors appended in place), then dense. An engine that folds every
 outcome into a model it holds can spare the server the dense copy: with :attr:`source`
-set (both of fedex-lora's engines set it to :func:`fedexlora.bridge.adapters.folded_delta`
+set (both of fedex-lora's engines set it to :func:`fedexlora.bridge.fold.folded_delta`
 on their model), a layer whose record would turn dense is dropped (:attr:`outgrown`) and
 read from the model when asked. The model is checked against the factors of the rounds
 that reached it at the first read, or at the start of the next round

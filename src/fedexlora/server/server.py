@@ -42,7 +42,7 @@ class Server(Payloads, HeteroRanks, Aggregation, LossyModes, StateDict):
 
     An engine that holds the global model can spare the server its dense copy of the base
     delta: with :attr:`delta_source` set (both of fedex-lora's engines set it to
-    :func:`fedexlora.bridge.adapters.folded_delta` on their model), a layer whose record
+    :func:`fedexlora.bridge.fold.folded_delta` on their model), a layer whose record
     would turn dense is dropped instead (:attr:`outgrown`) and read back from the model
     when a reset payload or a checkpoint needs it. Each round then costs the server no
     more than aggregating: no dense rebuild, no growing copy.

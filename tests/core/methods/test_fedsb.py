@@ -17,7 +17,7 @@ def _bases(model):
 
 
 def _effective(model):
-    from fedexlora.bridge.adapters import effective_weight
+    from fedexlora.bridge.fold import effective_weight
     from fedexlora.bridge.layers import lora_layers
 
     return {name: effective_weight(layer) for name, layer in lora_layers(model).items()}
@@ -26,7 +26,7 @@ def _effective(model):
 @pytest.mark.parametrize("init", ["gradient", "random"])
 def test_fedsb_global_model_is_the_average_of_the_clients_models(tiny_cfg, init):
     """Each round's effective weights equal, by hand in fp64, W0 + s B (sum p_i R_i) A."""
-    from fedexlora.bridge.adapters import base_weight
+    from fedexlora.bridge.fold import base_weight
     from fedexlora.bridge.layers import lora_layers
     from fedexlora.run.build import new_model, prepare
     from fedexlora.run.inprocess import run_method

@@ -5,7 +5,8 @@ computation by hand, then end to end on both engines."""
 import torch
 from safetensors.torch import load_file
 
-from fedexlora.bridge.adapters import effective_weight, get_state
+from fedexlora.bridge.adapters import get_state
+from fedexlora.bridge.fold import effective_weight
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.core.aggregation import aggregate
 from fedexlora.core.messages import ClientUpload

@@ -43,7 +43,7 @@ def train_a(monkeypatch):
 def test_a_method_that_trains_only_A_runs_exactly_on_both_engines(
     train_a, tiny_cfg, tmp_path, task_identity, seen_updates
 ):
-    from fedexlora.bridge.adapters import effective_weight
+    from fedexlora.bridge.fold import effective_weight
     from fedexlora.bridge.layers import lora_layers
     from fedexlora.run.build import new_model, prepare
     from fedexlora.run.inprocess import run_method

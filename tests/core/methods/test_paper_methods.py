@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fedexlora.bridge.adapters import effective_weight, get_state, layer_info
+from fedexlora.bridge.adapters import get_state, layer_info
+from fedexlora.bridge.fold import effective_weight
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.steps import apply_payload
 from fedexlora.core.aggregation import aggregate
