@@ -290,3 +290,40 @@ def test_an_error_found_while_loading_the_model_or_partitions_leaves_nothing(
     assert res.exit_code == 2, res.output
     assert "Traceback" not in res.output
     assert not out.exists()
+
+
+def test_export_into_a_directory_of_other_files_is_refused_and_leaves_them(
+    tmp_path, finished_run, tiny_bert_dir, tiny_csv
+):
+    dest = tmp_path / "mine"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("my notes\n")
+    res = _run("export", finished_run, dest)
+    _clear(res, f"export destination {str(dest)!r} is not empty (notes.txt)",
+           "choose a new or empty directory")  # fmt: skip
+    assert [p.name for p in dest.iterdir()] == ["notes.txt"]
+    assert (dest / "notes.txt").read_text() == "my notes\n"
+    out = tmp_path / "o"  # the run's --export: refused before training
+    res = _tiny(tiny_bert_dir, tiny_csv, out, "--export", dest)
+    _clear(res, f"--export {str(dest)!r} is not empty (notes.txt)")
+    assert not out.exists()
+
+
+def test_an_export_replaces_an_earlier_export_and_nothing_else(tmp_path, finished_run):
+    """merged, then adapter, into one directory: only the adapter's files are left."""
+    import json
+
+    dest = tmp_path / "exp"
+    assert _run("export", finished_run, dest, "--format", "merged").exit_code == 0
+    merged = json.loads((dest / "fedexlora_export.json").read_text())["files"]
+    assert any(f.startswith("model") and f.endswith(".safetensors") for f in merged)
+    res = _run("export", finished_run, dest, "--format", "adapter")
+    assert res.exit_code == 0, res.output
+    info = json.loads((dest / "fedexlora_export.json").read_text())
+    assert info["format"] == "adapter"
+    held = sorted(p.name for p in dest.iterdir())
+    assert held == sorted(info["files"] + ["fedexlora_export.json"])
+    assert not any(f.startswith("model") and f.endswith(".safetensors") for f in held), held
+    (dest / "notes.txt").write_text("mine\n")  # now the directory holds something else
+    _clear(_run("export", finished_run, dest), "is not empty")
+    assert (dest / "adapter_config.json").is_file()

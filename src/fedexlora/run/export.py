@@ -33,9 +33,10 @@ from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
 from fedexlora.run.layout import RunError, RunLayout
 from fedexlora.run.restore import load_task_for, restore_model
 
-__all__ = ["ExportResult", "export_model", "output_dir_error", "save_adapter"]
+__all__ = ["ExportResult", "export_dest_error", "export_model", "output_dir_error", "save_adapter"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_INFO = "fedexlora_export.json"  # what an export wrote: its format, method, round, files
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,46 @@ def output_dir_error(path: str | Path) -> str | None:
         return f"cannot be made: {str(parent)!r} accepts no new directory ({why})"
     os.rmdir(probe)
     return None
+
+
+def _previous_export(dest: Path) -> list[Path] | None:
+    """The files of the fedex-lora export in ``dest``, if that is all ``dest`` holds.
+
+    ``None`` when ``dest`` holds anything else: files an export did not write, or an export
+    that did not list its files (from before it did).
+    """
+    try:
+        listed = json.loads((dest / _INFO).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(listed, list) or not all(isinstance(f, str) for f in listed):
+        return None
+    present = {p.relative_to(dest).as_posix() for p in dest.rglob("*") if not p.is_dir()}
+    if not present <= set(listed) | {_INFO}:
+        return None
+    return [dest / f for f in sorted(present)]
+
+
+def export_dest_error(dest: str | Path) -> str | None:
+    """Why an export cannot be written to ``dest`` (``None``: it can).
+
+    :func:`output_dir_error`'s checks, and one more: an export goes into a new or empty
+    directory, or replaces an earlier fedex-lora export there (the files it listed, and
+    nothing else, so an adapter and a merged model never mix). A directory that holds
+    anything else is refused, so that nothing of the user's is overwritten.
+    """
+    problem = output_dir_error(dest)
+    if problem is not None:
+        return problem
+    d = Path(dest).expanduser()
+    if not d.is_dir() or not any(d.iterdir()) or _previous_export(d) is not None:
+        return None
+    names = sorted(p.name for p in d.iterdir())
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (
+        f"is not empty ({shown}) and is not an earlier fedex-lora export; fix: choose a new "
+        "or empty directory"
+    )
 
 
 def export_model(
@@ -129,7 +170,7 @@ def export_model(
     method = method or cfg.methods[0]
     if method not in cfg.methods:
         raise RunError(f"method {method!r} is not in this run; it has {cfg.methods}")
-    problem = output_dir_error(dest)  # before the model is loaded
+    problem = export_dest_error(dest)  # before the model is loaded
     if problem is not None:
         raise RunError(f"export destination {str(dest)!r} {problem}")
     ckpt = latest_checkpoint(layout.checkpoints(method))
@@ -137,8 +178,10 @@ def export_model(
         raise RunError(f"run {str(run)!r} has no checkpoint for method {method!r}")
     task = load_task_for(cfg)
     model, tokenizer, server, _ = restore_model(cfg, task, method, ckpt, config_fingerprint(cfg))
-    dest = Path(dest)
+    dest = Path(dest).expanduser()
     dest.mkdir(parents=True, exist_ok=True)
+    for old in _previous_export(dest) or []:  # an earlier export's files (nothing else)
+        old.unlink()
     if fmt == "adapter":
         note = _write_adapter(cfg, model, server, dest)
     else:
@@ -153,7 +196,8 @@ def export_model(
     info = {"format": fmt, "method": method, "round": server.round, "base": load, "note": note}
     if fmt == "merged":
         info["dtype"] = dtype
-    (dest / "fedexlora_export.json").write_text(json.dumps(info, indent=1))
+    info["files"] = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
+    (dest / _INFO).write_text(json.dumps(info, indent=1))
     return ExportResult(dest, fmt, note)
 
 

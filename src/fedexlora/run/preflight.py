@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fedexlora.config import RunConfig
-from fedexlora.run.export import output_dir_error
+from fedexlora.run.export import export_dest_error, output_dir_error
 from fedexlora.run.layout import RunError
 from fedexlora.run.restore import load_task_for
 
@@ -57,7 +57,7 @@ def check_inputs(
         if problem is not None:
             raise RunError(f"--out {str(out)!r} {problem}")
     if cfg.export:
-        problem = output_dir_error(cfg.export)
+        problem = export_dest_error(cfg.export)
         if problem is not None:
             raise RunError(f"--export {str(cfg.export)!r} {problem}")
     if cfg.engine == "flower" or cfg.secure_aggregation:
