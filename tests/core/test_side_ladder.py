@@ -93,3 +93,17 @@ def test_a_branch_rebuilt_from_its_tensors_folds_bit_for_bit_as_the_straight_one
 def test_the_rungs_are_the_powers_of_the_growth(before, after, passes):
     # 1.25**30 = 807.8, 1.25**31 = 1009.7
     assert passes_rung(before, after) is passes
+
+
+def test_a_dense_branch_adds_with_the_bits_of_a_sum_formed_apart_and_leaves_its_input():
+    d, n = 30, 20
+    g = torch.Generator().manual_seed(4)
+    side = SideBranch(d, n)
+    saved = torch.randn(d, n, generator=g)  # a client's saved state, which set() aliases
+    before = saved.clone()
+    side.set(Residual((d, n), dense=saved))
+    R = _round_residual(g, d, n, 2, 2)
+    want = (saved.double() + R.to_dense()).float()
+    side.add(R)
+    assert torch.equal(side.dense, want)
+    assert torch.equal(saved, before)  # the saved state is not changed by the fold

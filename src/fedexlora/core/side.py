@@ -145,6 +145,14 @@ class SideBranch(torch.nn.Module):
             self.set(residual)  # the first one: as it came (already at numerical rank)
             return
         dev = self.U.device
+        if cur.dense is not None and self.max_rank is None:
+            # into a copy (the held tensor may be shared with a saved state): the sum is
+            # formed in fp64 and rounded once to the stored dtype, the bits of a sum formed
+            # apart, without two more dense fp64 copies
+            total = self.dense.clone()
+            total.add_(residual.to_dense().to(dev, torch.float64))
+            self.dense = total
+            return
         if residual.dense is not None or cur.dense is not None:
             total = Residual(
                 self.shape,
