@@ -4,13 +4,20 @@ One decoder block of Llama-3-8B (q/o 4096x4096, k/v 4096 -> 1024, gate/up 4096 -
 down 14336 -> 4096; random weights, saved once and loaded through transformers as bf16, or
 as nf4 through bitsandbytes exactly as ``fedexlora.bridge.models`` loads a quantized base),
 LoRA on all seven projections through peft. Two copies of the block: FedEx-LoRA's global
-model (its residuals in the fp32 side branch, ``fedexlora.bridge.adapters``) and FedIT's,
+model (its residuals in the fp32 side branch, ``fedexlora.bridge.fold``) and FedIT's,
 each driven by its own :class:`fedexlora.server.Server` (built as
 ``fedexlora.run.build.new_server`` builds it, ``delta_source`` included). Synthetic clients
 at FlowerTune's settings (20 clients, ``fraction`` 0.1 or 0.2: k = 2 or 4 a round): each
 sampled client uploads the global factors plus a seeded random perturbation of relative
 size ``--sigma``, the same uploads to both servers; each server's outcome goes into its
 model with ``fedexlora.bridge.steps.apply_outcome``, the engines' own step.
+
+The first of ``--precisions`` drives the rounds. The servers, the payloads and the fp32
+side branch do not depend on the base's precision, so the other precisions' two models
+share them, and are brought to the driving models' state (LoRA factors and side-branch
+tensors, :func:`sync`) at the rounds where they are timed or measured; a measured round's
+outcome each model applies and is measured on itself, against its own base. Their rows
+say ``driven_by``.
 
 Measured per round, from the tensors actually held:
 
@@ -35,8 +42,8 @@ multiplied by 32. Embeddings and ``lm_head`` (not adapted) are left out of the b
 Usage::
 
     python benchmarks/llm_scale.py                  # default grid: a few minutes
-    python benchmarks/llm_scale.py --precisions bf16,nf4 --fractions 0.1,0.2 \\
-        --ranks 8,16,32 --rounds 200 --report 10,20,50,200 --json full.json   # full grid
+    python benchmarks/llm_scale.py --ranks 16,8,32 --rounds 200 --report 10,20,50,200 \\
+        --timed 1,10,20,50,200 --deviation 10,20,50,200 --json full.json   # the full grid
 """
 
 from __future__ import annotations
@@ -47,13 +54,14 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from fedexlora.bridge.fold import base_nbytes, use_side_branch
+from fedexlora.bridge.adapters import get_state, set_state
+from fedexlora.bridge.fold import base_nbytes, load_side_state, side_state, use_side_branch
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.steps import apply_outcome
 from fedexlora.core.messages import ClientUpload, Payload
@@ -286,6 +294,9 @@ class RoundRow:
     deviation_fedex: float | None = None  # max over layers, relative to the round's update
     deviation_fedit: float | None = None
     resets: int = 0  # FedEx payloads that were reset (the whole delta since W0)
+    # the precision whose models took every round (server, payloads, fold, side bytes
+    # shared); this one's were synced to them to be timed and measured. None: itself
+    driven_by: str | None = None
 
 
 @dataclass
@@ -300,6 +311,8 @@ class RoundEvent:
     fedex_server: Server
     fedit_server: Server
     payloads: dict[str, list[Payload]] = field(default_factory=dict)
+    # the other precisions' models ({"fedex": ..., "fedit": ...}), as of their last sync
+    shadows: dict[str, dict[str, torch.nn.Module]] = field(default_factory=dict)
 
 
 def new_server(model, method: str, fraction: float, seed: int) -> Server:
@@ -312,9 +325,17 @@ def new_server(model, method: str, fraction: float, seed: int) -> Server:
     return build_server(cfg, method, model)
 
 
+def sync(dst: torch.nn.Module, src: torch.nn.Module) -> None:
+    """Brings ``dst`` (another base precision of the same block) to ``src``'s state: its
+    LoRA factors, and what its layers folded (the side branches' tensors, shared, since a
+    fold replaces them instead of writing into them)."""
+    set_state(dst, get_state(src))
+    load_side_state(dst, side_state(src))
+
+
 def simulate(
     path: Path,
-    precision: str,
+    precision: str | Sequence[str],
     fraction: float,
     r: int,
     rounds: int,
@@ -329,20 +350,30 @@ def simulate(
     on_round: Callable[[RoundEvent], None] | None = None,
     log: Callable[[str], None] | None = None,
 ) -> list[RoundRow]:
-    """``rounds`` rounds of FedEx and FedIT on the block saved at ``path``; one row a round."""
+    """``rounds`` rounds of FedEx and FedIT on the block saved at ``path``; one row a round
+    and precision.
+
+    The first precision drives: its two models take every round's outcome. Neither the
+    servers nor a side branch depend on the base's precision (the side branch is fp32
+    beside any base), so the other precisions' models share the round's server, payloads
+    and fold, and are brought to the driving models' state (:func:`sync`) where they are
+    measured: before a ``deviation`` round (whose outcome each model then applies and is
+    measured on, against its own base) and after a ``timed`` one. Their rows say so
+    (``driven_by``).
+    """
+    precisions = [precision] if isinstance(precision, str) else list(precision)
     alpha = 2.0 * r if alpha is None else alpha
     timed, deviation = set(timed), set(deviation)
-    fedex = load_block(path, precision, r, alpha, seed=seed)
-    fedit = load_block(path, precision, r, alpha, seed=seed)
-    servers = {
-        "fedex": new_server(fedex, "fedex", fraction, seed),
-        "fedit": new_server(fedit, "fedit", fraction, seed),
+    models = {
+        p: {m: load_block(path, p, r, alpha, seed=seed) for m in ("fedex", "fedit")}
+        for p in precisions
     }
-    models = {"fedex": fedex, "fedit": fedit}
-    base = base_bytes(fedex)
+    drive = models[precisions[0]]
+    servers = {m: new_server(drive[m], m, fraction, seed) for m in ("fedex", "fedit")}
+    base = {p: base_bytes(models[p]["fedex"]) for p in precisions}
     ids = torch.randint(0, 128, (1, tokens), generator=torch.Generator().manual_seed(seed))
     last: dict[int, int] = {}
-    rows = []
+    rows: dict[str, list[RoundRow]] = {p: [] for p in precisions}
     for rnd in range(1, rounds + 1):
         sampled = servers["fedex"].sample(rnd)
         if sampled != servers["fedit"].sample(rnd):
@@ -352,26 +383,30 @@ def simulate(
         previous = servers["fedex"].state
         uploads = client_uploads(previous, sampled, rnd, seed=seed, sigma=sigma)
         measure = rnd in deviation
-        devs, fold_s = {}, None
+        if measure:  # every model from the round's start, to apply the outcome itself
+            for p in precisions[1:]:
+                for m in ("fedex", "fedit"):
+                    sync(models[p][m], drive[m])
+        devs: dict[str, dict[str, float | None]] = {p: {} for p in precisions}
+        fold_s = None
         for m, server in servers.items():
             outcome = server.aggregate(uploads, effective=False)
-            t = time.perf_counter()
-            dev = apply_outcome(models[m], server, outcome, uploads if measure else None)
-            if m == "fedex" and not measure:  # a measured round's time is mostly the measure
-                fold_s = time.perf_counter() - t
-            devs[m] = max(dev.values()) if dev else None
+            for p in precisions if measure else precisions[:1]:
+                t = time.perf_counter()
+                dev = apply_outcome(models[p][m], server, outcome, uploads if measure else None)
+                if p == precisions[0] and m == "fedex" and not measure:
+                    fold_s = time.perf_counter() - t  # a measured round's is mostly the measure
+                devs[p][m] = max(dev.values()) if dev else None
         for c in sampled:
             last[c] = rnd
-        row = RoundRow(
-            precision=precision,
+        common = dict(
             fraction=fraction,
             k=len(sampled),
             r=r,
             round=rnd,
-            side_rank=side_ranks(fedex),
-            side_bytes=side_bytes(fedex),
-            adapter_bytes=adapter_bytes(fedex),
-            base_bytes=base,
+            side_rank=side_ranks(drive["fedex"]),
+            side_bytes=side_bytes(drive["fedex"]),
+            adapter_bytes=adapter_bytes(drive["fedex"]),
             down_fedex=[(payload_bytes(p), seen[c]) for p, c in zip(payloads["fedex"], sampled)],
             down_fedit=[(payload_bytes(p), seen[c]) for p, c in zip(payloads["fedit"], sampled)],
             up_bytes=[tensor_bytes(u.to_flat().values()) for u in uploads],
@@ -380,24 +415,39 @@ def simulate(
             server_s_fedex=servers["fedex"].last_round_seconds,
             server_s_fedit=servers["fedit"].last_round_seconds,
             fold_s=fold_s,
-            deviation_fedex=devs["fedex"],
-            deviation_fedit=devs["fedit"],
             resets=sum(p.reset for p in payloads["fedex"]),
         )
-        if rnd in timed:
-            for key, value in time_steps(fedex, fedit, ids, reps).items():
-                setattr(row, key, value)
-            if precision != "nf4":  # the counter does not see the 4-bit matmuls
-                row.flops_fedex, row.flops_fedit = step_flops(fedex, ids), step_flops(fedit, ids)
-        rows.append(row)
+        for p in precisions:
+            row = RoundRow(
+                precision=p,
+                base_bytes=base[p],
+                deviation_fedex=devs[p].get("fedex"),
+                deviation_fedit=devs[p].get("fedit"),
+                driven_by=None if p == precisions[0] else precisions[0],
+                **common,
+            )
+            if rnd in timed:
+                if p != precisions[0] and not measure:
+                    for m in ("fedex", "fedit"):
+                        sync(models[p][m], drive[m])
+                fedex, fedit = models[p]["fedex"], models[p]["fedit"]
+                for key, value in time_steps(fedex, fedit, ids, reps).items():
+                    setattr(row, key, value)
+                if p != "nf4":  # the counter does not see the 4-bit matmuls
+                    row.flops_fedex, row.flops_fedit = (
+                        step_flops(fedex, ids),
+                        step_flops(fedit, ids),
+                    )
+            rows[p].append(row)
+            if log is not None:
+                log(_progress(row))
         if on_round is not None:
             on_round(
-                RoundEvent(rnd, uploads, previous, fedex, fedit, servers["fedex"],
-                           servers["fedit"], payloads)
+                RoundEvent(rnd, uploads, previous, drive["fedex"], drive["fedit"],
+                           servers["fedex"], servers["fedit"], payloads,
+                           {p: models[p] for p in precisions[1:]})
             )  # fmt: skip
-        if log is not None:
-            log(_progress(row))
-    return rows
+    return [row for p in precisions for row in rows[p]]
 
 
 def _progress(row: RoundRow) -> str:
@@ -598,16 +648,15 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="fedex-llm-scale-") as tmp:
         path = save_block(shape, Path(tmp) / "block", seed=args.seed)
         for r in _ints(args.ranks):
-            for precision in args.precisions.split(","):
-                for fraction in _floats(args.fractions):
-                    rows += simulate(
-                        path, precision, fraction, r, args.rounds, alpha=args.alpha,
-                        timed=timed, deviation=_ints(args.deviation), tokens=args.tokens,
-                        reps=args.reps, seed=args.seed, sigma=args.sigma,
-                        log=lambda s: print(s, flush=True),
-                    )  # fmt: skip
-                    if args.json:
-                        Path(args.json).write_text(json.dumps([asdict(x) for x in rows]))
+            for fraction in _floats(args.fractions):
+                rows += simulate(
+                    path, args.precisions.split(","), fraction, r, args.rounds,
+                    alpha=args.alpha, timed=timed, deviation=_ints(args.deviation),
+                    tokens=args.tokens, reps=args.reps, seed=args.seed, sigma=args.sigma,
+                    log=lambda s: print(s, flush=True),
+                )  # fmt: skip
+                if args.json:
+                    Path(args.json).write_text(json.dumps([asdict(x) for x in rows]))
     print(
         f"\n{NUM_CLIENTS} clients; bytes scaled to {args.blocks} blocks (x{args.blocks}); "
         f"step: batch 1 x {args.tokens} tokens, bf16 autocast, min of {args.reps} interleaved "

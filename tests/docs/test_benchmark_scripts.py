@@ -3,7 +3,9 @@
 - ``benchmarks/verify_export.py`` judges a merged (fp32) export by fp32's rounding of the
   weights it stores, as docs/LARGE_MODELS.md describes it, and still fails a wrong one;
 - ``benchmarks/precision.py`` shows a round the run did not reach as missing, not 0 B;
-- ``benchmarks/bf16_rounding.py`` measures the update lost to the storage dtype.
+- ``benchmarks/bf16_rounding.py`` measures the update lost to the storage dtype;
+- ``benchmarks/side_fold.py`` times the side branch's fold on its ladder against one that
+  re-factors every round.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from fedexlora.core.factors import Residual
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -104,3 +108,22 @@ def test_bf16_rounding_measures_the_update_lost_to_the_storage_dtype():
     assert bf16.lost_fraction(w, 1e-3, torch.float64) == 0.0  # fp64 keeps all of it
     assert bf16.lost_fraction(w, 1e-3, torch.bfloat16) > 0.5  # bf16 loses most of it
     assert bf16.lost_fraction(w, 1e-1, torch.bfloat16) < 0.05  # not a large one
+
+
+def test_side_fold_compares_the_ladder_with_a_refactor_every_round():
+    """Both variants hold the hand sum; the every-round one really re-factors each round
+    (a repeated direction is dropped at once), the ladder only on its rungs."""
+    bench = _script("side_fold")
+    d, n = 200, 150
+    parts = bench.residuals(d, n, 3, 4, 6)  # 8 new columns a round: 48, factored
+    g = torch.Generator().manual_seed(1)
+    base = Residual((d, n), U=torch.randn(d, 40, generator=g, dtype=torch.float64),
+                    V=torch.randn(40, n, generator=g, dtype=torch.float64))  # fmt: skip
+    again = Residual((d, n), U=base.U[:, :2] * 0.5, V=base.V[:2])  # directions it holds
+    for every, held in ((True, 40), (False, 42)):  # 40 -> 42 passes no power of 1.25
+        res = bench.fold_all(d, n, parts, every_round=every)
+        assert bench.relative_error(res["side"], parts) < 1e-6
+        assert res["columns"] == 48
+        res = bench.fold_all(d, n, [base, again], every_round=every)
+        assert res["columns"] == held
+        assert bench.relative_error(res["side"], [base, again]) < 1e-6

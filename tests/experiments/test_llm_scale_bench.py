@@ -164,3 +164,43 @@ def test_table_scales_bytes_to_every_block(bench, block):
     assert cells[5] == f"{32 * last.side_bytes / 1e9:.3f}"
     beside = (last.side_bytes + last.adapter_bytes) / last.adapter_bytes
     assert cells[7] == f"{beside:.1f}x"
+
+
+def test_a_driven_precision_is_the_ideal_where_it_is_timed_and_measured(bench, block):
+    """nf4 driven by bf16's rounds: synced where timed, it is the ideal model on its own
+    4-bit base; at a measured round it applies the outcome itself, within 1e-5."""
+    pytest.importorskip("bitsandbytes")
+    from fedexlora.bridge.layers import lora_layers
+
+    fresh = lora_layers(bench.load_block(block, "nf4", 2, 4.0))
+    w0 = {name: _base(layer, "nf4") for name, layer in fresh.items()}
+    ideal = {name: w0[name].clone() for name in w0}
+    worst = []
+
+    def check(ev):
+        k = len(ev.uploads)
+        shadow = lora_layers(ev.shadows["nf4"]["fedex"])
+        for name, layer in lora_layers(ev.fedex).items():
+            s = float(layer.scaling["default"])
+            A0, B0 = (t.double() for t in ev.previous.factors[name])
+            mean = sum(u.state.factors[name][1].double() @ u.state.factors[name][0].double()
+                       for u in ev.uploads) / k  # fmt: skip
+            ideal[name] += s * (mean - B0 @ A0)
+            lyr = shadow[name]
+            A = lyr.lora_A["default"].weight.detach().double()
+            B = lyr.lora_B["default"].weight.detach().double()
+            assert torch.equal(_base(lyr, "nf4"), w0[name])
+            got = _base(lyr, "nf4") + _side_dense(lyr) + s * (B @ A)
+            total = torch.linalg.norm(ideal[name] - w0[name])
+            worst.append(float(torch.linalg.norm(got - ideal[name]) / total))
+
+    rows = bench.simulate(block, ["bf16", "nf4"], 0.2, 2, ROUNDS, alpha=4.0, reps=1,
+                          timed=range(1, ROUNDS + 1), deviation=[2], on_round=check)  # fmt: skip
+    assert len(worst) == ROUNDS * 7 and max(worst) <= 1e-5, worst
+    nf4 = [row for row in rows if row.precision == "nf4"]
+    assert [row.driven_by for row in nf4] == ["bf16"] * ROUNDS
+    assert all(row.step_fedex is not None for row in nf4)
+    measured = [row for row in nf4 if row.deviation_fedex is not None]
+    assert [row.round for row in measured] == [2]
+    assert measured[0].deviation_fedex <= 1e-5 and measured[0].deviation_fedit >= 1e-3
+    assert measured[0].base_bytes < rows[0].base_bytes  # its own (4-bit) base
