@@ -65,7 +65,7 @@ if not _NO_PEAK and os.environ.get("MALLOC_MMAP_THRESHOLD_") != _MMAP and __name
 
 import torch  # noqa: E402
 
-from fedexlora.bridge.adapters import fold_residuals  # noqa: E402
+from fedexlora.bridge.fold import fold_residuals  # noqa: E402
 from fedexlora.core.aggregation import aggregate  # noqa: E402
 
 SHAPES = [(768, 768), (4096, 4096), (4096, 11008)]

@@ -12,7 +12,7 @@ what was folded, and the weight is rebuilt as ``W0 + sum``. (Or, where exactness
 fp32's rounding of ``W`` matters, an fp32 layer keeps a side branch as well:
 :func:`fedexlora.bridge.fold.use_side_branch`.)
 
-Pure torch: no peft. :mod:`fedexlora.bridge.adapters` attaches one to each LoRA layer that
+Pure torch: no peft. :mod:`fedexlora.bridge.fold` attaches one to each LoRA layer that
 needs it.
 """
 
@@ -127,13 +127,15 @@ class SideBranch(torch.nn.Module):
         fp32's storage, and a copy linear in their size), and the sum is re-factored to
         numerical rank (fp64 QR of both factors and an SVD of the small core, never the
         ``(d, n)`` product) only when its column count passes the next rung of a
-        geometric ladder (:data:`REFACTOR_GROWTH`). Clients in general position add
-        ``(k - 1) r`` new directions a round, which no re-factoring removes, so a
-        re-factor every round would cost ``O((d + n) q^2)`` a round for nothing; on the
-        ladder its total cost stays a few times that of the last one, and the columns
-        held never exceed the numerical rank by more than a rung (a quarter) plus one
-        round's. A rung is a function of the column counts alone, so a resumed run
-        re-factors exactly where the straight run does. With ``max_rank`` set the sum is
+        geometric ladder (:data:`REFACTOR_GROWTH`), or would otherwise turn the branch
+        dense. Clients in general position add ``(k - 1) r`` new directions a round,
+        which no re-factoring removes, so a re-factor every round would cost
+        ``O((d + n) q^2)`` a round for nothing; on the ladder its total cost stays a few
+        times that of the last one. Between rungs the columns held exceed the rank found
+        at the last re-factor by at most a quarter of it plus one round's (where rounds
+        repeat or cancel directions, those columns are dropped at the next rung). A rung
+        is a function of the column counts alone, so a client resumed from its saved
+        tensors re-factors where its straight run does. With ``max_rank`` set the sum is
         re-factored every round and cut to it (the best part, by SVD). The first residual
         is kept as it came.
         """
@@ -142,9 +144,10 @@ class SideBranch(torch.nn.Module):
         cur = self.residual
         small = residual.dense is None and residual.U.shape[1] <= (self.max_rank or 0)
         if cur.is_zero and (self.max_rank is None or small):
-            self.set(residual)  # the first one: as it came (already at numerical rank)
+            self.set(residual)  # the first one: as it came
             return
         dev = self.U.device
+        d, n = self.shape
         if cur.dense is not None and self.max_rank is None:
             # into a copy (the held tensor may be shared with a saved state): the sum is
             # formed in fp64 and rounded once to the stored dtype, the bits of a sum formed
@@ -160,12 +163,21 @@ class SideBranch(torch.nn.Module):
                 + residual.to_dense().to(dev, torch.float64),
             )
         else:
-            U = torch.cat([cur.U.to(dev, torch.float64), residual.U.to(dev, torch.float64)], 1)
-            V = torch.cat([cur.V.to(dev, torch.float64), residual.V.to(dev, torch.float64)], 0)
-            if self.max_rank is None and not passes_rung(cur.U.shape[1], U.shape[1]):
-                total = Residual.exact(U, V)  # appended; dense (one fp64 matmul) where smaller
-            else:
+            Uc, Vc = cur.U.to(dev, torch.float64), cur.V.to(dev, torch.float64)
+            q = Uc.shape[1] + residual.U.shape[1]
+            rung = self.max_rank is not None or passes_rung(Uc.shape[1], q)
+            if not rung and q * (d + n) >= d * n:
+                # dense only if the sum's rank needs it: the held part to its numerical
+                # rank first (factored, it is below dense), as a rung would have it
+                held = Residual.from_factors(Uc, Vc)
+                Uc, Vc = held.U, held.V
+                rung = True
+            U = torch.cat([Uc, residual.U.to(dev, torch.float64)], 1)
+            V = torch.cat([Vc, residual.V.to(dev, torch.float64)], 0)
+            if rung:
                 total = Residual.from_factors(U, V)
+            else:
+                total = Residual.exact(U, V)  # appended, factored (below dense)
         if self.max_rank is not None and total.rank > self.max_rank:
             total, _ = total.truncate(self.max_rank)
         self.set(total)
@@ -195,7 +207,7 @@ class Accumulator(torch.nn.Module):
     """The record of what was folded into an fp32 (or fp64) weight, in place.
 
     Each residual goes into the weight with one ``addmm_`` (the least an exact fold can
-    cost; :mod:`fedexlora.bridge.adapters` does it), and is recorded here, factored and in
+    cost; :mod:`fedexlora.bridge.fold` does it), and is recorded here, factored and in
     the weight's dtype, while together the records are smaller than one dense
     ``(d, n)``. Replaying them in order on ``W0`` (``splits`` gives each one's rank)
     repeats the very operations, so the weight comes back bit for bit. Once they outgrow

@@ -5,7 +5,7 @@
 residual history that clients who skipped rounds need to catch up, and what was folded
 since ``W0`` (:class:`~fedexlora.server.record.DeltaRecord`); it never touches a model:
 engines fold the returned residuals into whatever model they hold (see
-:mod:`fedexlora.bridge.adapters`). Its methods come by concern, one module each:
+:mod:`fedexlora.bridge.fold`). Its methods come by concern, one module each:
 sampling and payloads (:mod:`~fedexlora.server.payloads`), clients of other ranks
 (:mod:`~fedexlora.server.hetero`), the round's aggregation and commit
 (:mod:`~fedexlora.server.aggregation`), the lossy modes (:mod:`~fedexlora.server.lossy`)
