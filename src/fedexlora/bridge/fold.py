@@ -336,14 +336,15 @@ def fold_residuals(
     """Applies ``scale * residual`` to each layer's frozen base, in place.
 
     The scale and the orientation come from the peft layer. Where the base weight is
-    bf16/fp16 or quantized (bitsandbytes) it is never rounded into: the scaled residual
-    is added to the layer's :class:`SideBranch` (appended, and re-factored in fp64 on
-    its ladder: :meth:`SideBranch.add`), which the forward pass applies. Where it is
-    fp32 (or fp64) the residual goes into the weight with one ``addmm_`` and is recorded
+    bf16/fp16 or quantized (bitsandbytes) it is never rounded into: the scaled residual is
+    added to the layer's :class:`SideBranch` (appended, and re-factored in fp64 on its
+    ladder: :meth:`SideBranch.add`), which the forward pass applies. Where it is fp32 (or
+    fp64) the residual goes into the weight with one ``addmm_`` and is recorded
     (:class:`Accumulator`), so two models that received the same residuals hold the same
-    bits, whether they were rebuilt from :func:`side_state` or folded round by round. ``side_rank`` caps each branch's rank, one cap or per
-    layer (:func:`side_caps`; the server's capped modes send residuals that keep it there;
-    the cap only drops the float noise of their cancellation).
+    bits, whether they were rebuilt from :func:`side_state` or folded round by round.
+    ``side_rank`` caps each branch's rank, one cap or per layer (:func:`side_caps`; the
+    server's capped modes send residuals that keep it there; the cap only drops the float
+    noise of their cancellation).
 
     Raises:
         ValueError: If a residual names an unknown module or has the wrong shape.
