@@ -327,3 +327,39 @@ def test_an_export_replaces_an_earlier_export_and_nothing_else(tmp_path, finishe
     (dest / "notes.txt").write_text("mine\n")  # now the directory holds something else
     _clear(_run("export", finished_run, dest), "is not empty")
     assert (dest / "adapter_config.json").is_file()
+
+
+def test_a_failed_export_leaves_the_earlier_export_whole(tmp_path, finished_run, monkeypatch):
+    import json
+
+    import fedexlora.run.export as export
+
+    dest = tmp_path / "exp"
+    assert _run("export", finished_run, dest, "--format", "merged").exit_code == 0
+    before = {p.name: p.read_bytes() for p in dest.iterdir()}
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export, "_write_adapter", full)
+    _clear(_run("export", finished_run, dest, "--format", "adapter"), "No space left on device")
+    assert {p.name: p.read_bytes() for p in dest.iterdir()} == before
+    assert json.loads((dest / "fedexlora_export.json").read_text())["format"] == "merged"
+    assert not list(tmp_path.glob(".fedexlora-export-*"))  # no staging left behind
+
+
+def test_an_earlier_export_with_a_folder_of_its_own_added_is_refused(tmp_path, finished_run):
+    dest = tmp_path / "exp"
+    assert _run("export", finished_run, dest).exit_code == 0
+    (dest / "mine").mkdir()
+    _clear(_run("export", finished_run, dest), "is not empty")
+    assert (dest / "mine").is_dir()
+
+
+def test_run_export_into_its_own_out_is_refused_before_training(tmp_path, tiny_bert_dir, tiny_csv):
+    out = tmp_path / "r"
+    res = _tiny(tiny_bert_dir, tiny_csv, out, "--export", out)
+    _clear(res, f"--export {str(out)!r} is --out or holds it")
+    res = _tiny(tiny_bert_dir, tiny_csv, out / "run", "--export", out)
+    _clear(res, "is --out or holds it")
+    assert not out.exists()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,8 +88,9 @@ def output_dir_error(path: str | Path) -> str | None:
 def _previous_export(dest: Path) -> list[Path] | None:
     """The files of the fedex-lora export in ``dest``, if that is all ``dest`` holds.
 
-    ``None`` when ``dest`` holds anything else: files an export did not write, or an export
-    that did not list its files (from before it did).
+    ``None`` when ``dest`` holds anything else: a file the export did not list, a folder
+    that holds none of its files (or is a link), or an export that did not list its files
+    (from before it did).
     """
     try:
         listed = json.loads((dest / _INFO).read_text()).get("files")
@@ -96,10 +98,19 @@ def _previous_export(dest: Path) -> list[Path] | None:
         return None
     if not isinstance(listed, list) or not all(isinstance(f, str) for f in listed):
         return None
-    present = {p.relative_to(dest).as_posix() for p in dest.rglob("*") if not p.is_dir()}
-    if not present <= set(listed) | {_INFO}:
-        return None
-    return [dest / f for f in sorted(present)]
+    folders = {Path(f).parent.as_posix() for f in listed} - {"."}
+    folders |= {Path(f).as_posix() for x in folders for f in Path(x).parents} - {"."}
+    files = []
+    for entry in dest.rglob("*"):
+        rel = entry.relative_to(dest).as_posix()
+        if entry.is_dir() and not entry.is_symlink():
+            if rel not in folders:
+                return None
+        elif rel in listed or rel == _INFO:
+            files.append(entry)
+        else:
+            return None
+    return sorted(files)
 
 
 def export_dest_error(dest: str | Path) -> str | None:
@@ -122,6 +133,29 @@ def export_dest_error(dest: str | Path) -> str | None:
         f"is not empty ({shown}) and is not an earlier fedex-lora export; fix: choose a new "
         "or empty directory"
     )
+
+
+def _swap_in(stage: Path, dest: Path) -> None:
+    """Moves a finished export from ``stage`` to ``dest``, replacing an earlier export.
+
+    ``dest`` is checked again first (between the first check and now, it may have been
+    given other files, which are then kept and the export refused).
+    """
+    problem = export_dest_error(dest)
+    if problem is not None:
+        raise RunError(f"export destination {str(dest)!r} {problem}")
+    if not dest.exists():
+        os.replace(stage, dest)
+        stage.mkdir()  # for the caller's clean-up
+        return
+    old = _previous_export(dest) or []
+    for f in old:
+        f.unlink()
+    for folder in sorted({f.parent for f in old} - {dest}, key=lambda x: -len(x.parts)):
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+    for entry in stage.iterdir():
+        os.replace(entry, dest / entry.name)
 
 
 def export_model(
@@ -179,25 +213,31 @@ def export_model(
     task = load_task_for(cfg)
     model, tokenizer, server, _ = restore_model(cfg, task, method, ckpt, config_fingerprint(cfg))
     dest = Path(dest).expanduser()
-    dest.mkdir(parents=True, exist_ok=True)
-    for old in _previous_export(dest) or []:  # an earlier export's files (nothing else)
-        old.unlink()
-    if fmt == "adapter":
-        note = _write_adapter(cfg, model, server, dest)
-    else:
-        note = _write_merged(cfg, task, method, model, dest, _DTYPES[dtype])
-    tokenizer.save_pretrained(str(dest))
-    load = {
-        "model": cfg.model,
-        "dtype": cfg.dtype,
-        "quantization": cfg.quantization,
-        "double_quant": cfg.double_quant,
-    }
-    info = {"format": fmt, "method": method, "round": server.round, "base": load, "note": note}
-    if fmt == "merged":
-        info["dtype"] = dtype
-    info["files"] = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
-    (dest / _INFO).write_text(json.dumps(info, indent=1))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # written beside DEST first: an earlier export there stays whole until this one is
+    stage = Path(tempfile.mkdtemp(prefix=".fedexlora-export-", dir=dest.parent))
+    try:
+        if fmt == "adapter":
+            note = _write_adapter(cfg, model, server, stage)
+        else:
+            note = _write_merged(cfg, task, method, model, stage, _DTYPES[dtype])
+        tokenizer.save_pretrained(str(stage))
+        load = {
+            "model": cfg.model,
+            "dtype": cfg.dtype,
+            "quantization": cfg.quantization,
+            "double_quant": cfg.double_quant,
+        }
+        info = {"format": fmt, "method": method, "round": server.round, "base": load}
+        info["note"] = note
+        if fmt == "merged":
+            info["dtype"] = dtype
+        written = [p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()]
+        info["files"] = sorted(written)
+        (stage / _INFO).write_text(json.dumps(info, indent=1))
+        _swap_in(stage, dest)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return ExportResult(dest, fmt, note)
 
 

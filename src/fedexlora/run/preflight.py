@@ -58,6 +58,9 @@ def check_inputs(
             raise RunError(f"--out {str(out)!r} {problem}")
     if cfg.export:
         problem = export_dest_error(cfg.export)
+        exp, run = Path(cfg.export).expanduser().resolve(), Path(out).expanduser().resolve()
+        if problem is None and (exp == run or exp in run.parents):
+            problem = "is --out or holds it; fix: export to a directory outside the run's"
         if problem is not None:
             raise RunError(f"--export {str(cfg.export)!r} {problem}")
     if cfg.engine == "flower" or cfg.secure_aggregation:
