@@ -349,9 +349,10 @@ def simulate(
     sigma: float = 0.05,
     on_round: Callable[[RoundEvent], None] | None = None,
     log: Callable[[str], None] | None = None,
+    on_rows: Callable[[list[RoundRow]], None] | None = None,
 ) -> list[RoundRow]:
     """``rounds`` rounds of FedEx and FedIT on the block saved at ``path``; one row a round
-    and precision.
+    and precision (``on_rows`` gets every row so far after each round, to save them).
 
     The first precision drives: its two models take every round's outcome. Neither the
     servers nor a side branch depend on the base's precision (the side branch is fp32
@@ -447,6 +448,8 @@ def simulate(
                            servers["fedex"], servers["fedit"], payloads,
                            {p: models[p] for p in precisions[1:]})
             )  # fmt: skip
+        if on_rows is not None:
+            on_rows([row for p in precisions for row in rows[p]])
     return [row for p in precisions for row in rows[p]]
 
 
@@ -649,14 +652,18 @@ def main(argv=None) -> None:
         path = save_block(shape, Path(tmp) / "block", seed=args.seed)
         for r in _ints(args.ranks):
             for fraction in _floats(args.fractions):
+                done = list(rows)
+
+                def save(now: list[RoundRow], done: list[RoundRow] = done) -> None:
+                    if args.json:  # every round, so that a stopped run keeps its rounds
+                        Path(args.json).write_text(json.dumps([asdict(x) for x in done + now]))
+
                 rows += simulate(
                     path, args.precisions.split(","), fraction, r, args.rounds,
                     alpha=args.alpha, timed=timed, deviation=_ints(args.deviation),
                     tokens=args.tokens, reps=args.reps, seed=args.seed, sigma=args.sigma,
-                    log=lambda s: print(s, flush=True),
+                    log=lambda s: print(s, flush=True), on_rows=save,
                 )  # fmt: skip
-                if args.json:
-                    Path(args.json).write_text(json.dumps([asdict(x) for x in rows]))
     print(
         f"\n{NUM_CLIENTS} clients; bytes scaled to {args.blocks} blocks (x{args.blocks}); "
         f"step: batch 1 x {args.tokens} tokens, bf16 autocast, min of {args.reps} interleaved "
