@@ -114,6 +114,22 @@ def _side_dense(layer):
     return side.U.double() @ side.V.double()
 
 
+def _advance_ideal(ideal: torch.Tensor, ev, name: str, s: float) -> None:
+    """The round's step of the ideal model, by hand: ``- s B A + sum_i p_i s B_i A_i``
+    (``p_i = 1/k``), from the factors the clients started from and their uploads."""
+    A0, B0 = (t.double() for t in ev.previous.factors[name])
+    mean = sum(u.state.factors[name][1].double() @ u.state.factors[name][0].double()
+               for u in ev.uploads) / len(ev.uploads)  # fmt: skip
+    ideal += s * (mean - B0 @ A0)
+
+
+def _effective(lyr, precision: str, s: float) -> torch.Tensor:
+    """A layer's weight as the forward pass applies it: base, side branch and adapter."""
+    A = lyr.lora_A["default"].weight.detach().double()
+    B = lyr.lora_B["default"].weight.detach().double()
+    return _base(lyr, precision) + _side_dense(lyr) + s * (B @ A)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "nf4"])
 def test_fedex_model_is_the_ideal_rebuilt_by_hand_and_fedit_is_not(bench, block, precision):
     if precision == "nf4":
@@ -127,21 +143,14 @@ def test_fedex_model_is_the_ideal_rebuilt_by_hand_and_fedit_is_not(bench, block,
     worst = {"fedex": 0.0, "fedit": float("inf")}
 
     def check(ev):
-        # the ideal model: W - s B A + sum_i p_i s B_i A_i, with p_i = 1/k
-        k = len(ev.uploads)
         for name, layer in lora_layers(ev.fedex).items():
             s = float(layer.scaling["default"])
-            A0, B0 = (t.double() for t in ev.previous.factors[name])
-            mean = sum(u.state.factors[name][1].double() @ u.state.factors[name][0].double()
-                       for u in ev.uploads) / k  # fmt: skip
-            ideal[name] += s * (mean - B0 @ A0)
+            _advance_ideal(ideal[name], ev, name, s)
             total = torch.linalg.norm(ideal[name] - w0[name])
             for method, model in (("fedex", ev.fedex), ("fedit", ev.fedit)):
                 lyr = lora_layers(model)[name]
-                A = lyr.lora_A["default"].weight.detach().double()
-                B = lyr.lora_B["default"].weight.detach().double()
                 assert torch.equal(_base(lyr, precision), w0[name])  # the base is untouched
-                got = _base(lyr, precision) + _side_dense(lyr) + s * (B @ A)
+                got = _effective(lyr, precision, s)
                 rel = float(torch.linalg.norm(got - ideal[name]) / total)
                 pick = max if method == "fedex" else min
                 worst[method] = pick(worst[method], rel)
@@ -178,19 +187,13 @@ def test_a_driven_precision_is_the_ideal_where_it_is_timed_and_measured(bench, b
     worst = []
 
     def check(ev):
-        k = len(ev.uploads)
         shadow = lora_layers(ev.shadows["nf4"]["fedex"])
         for name, layer in lora_layers(ev.fedex).items():
             s = float(layer.scaling["default"])
-            A0, B0 = (t.double() for t in ev.previous.factors[name])
-            mean = sum(u.state.factors[name][1].double() @ u.state.factors[name][0].double()
-                       for u in ev.uploads) / k  # fmt: skip
-            ideal[name] += s * (mean - B0 @ A0)
+            _advance_ideal(ideal[name], ev, name, s)
             lyr = shadow[name]
-            A = lyr.lora_A["default"].weight.detach().double()
-            B = lyr.lora_B["default"].weight.detach().double()
             assert torch.equal(_base(lyr, "nf4"), w0[name])
-            got = _base(lyr, "nf4") + _side_dense(lyr) + s * (B @ A)
+            got = _effective(lyr, "nf4", s)
             total = torch.linalg.norm(ideal[name] - w0[name])
             worst.append(float(torch.linalg.norm(got - ideal[name]) / total))
 
