@@ -145,8 +145,7 @@ def _swap_in(stage: Path, dest: Path) -> None:
     if problem is not None:
         raise RunError(f"export destination {str(dest)!r} {problem}")
     if not dest.exists():
-        os.replace(stage, dest)
-        stage.mkdir()  # for the caller's clean-up
+        os.replace(stage, dest)  # the caller's clean-up then finds nothing there
         return
     old = _previous_export(dest) or []
     for f in old:
