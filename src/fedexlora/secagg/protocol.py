@@ -39,6 +39,13 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from fedexlora.core.secure import MIN_SURVIVORS
+from fedexlora.secagg.consistency import (
+    DIGESTS,
+    check_digests,
+    check_threshold,
+    seal,
+    setup_digest,
+)
 from fedexlora.secagg.encoding import MOD_RANGE
 
 __all__ = ["STAGES", "ClientSession", "SecAggError", "ServerSession"]
@@ -123,11 +130,15 @@ class ServerSession:
             a float is a fraction of the sampled clients (Flower's rule). ``None``: every
             client up to 11, else ``2 ceil(log2 k) + 1`` (SecAgg+'s logarithmic graph).
         threshold: Shares needed to rebuild a secret; a float is a fraction of
-            ``num_shares`` (at least 2).
+            ``num_shares``, raised to more than half of them (and at least 2): with
+            half or fewer, a server that asks some clients for a client's mask-seed
+            share and the others for its key share would rebuild both
+            (:mod:`fedexlora.secagg.consistency`; the clients refuse such a setup).
         seed: Seeds the neighbour graph (Flower shuffles with Python's ``random``).
 
     Raises:
-        SecAggError: With fewer than :data:`MIN_SURVIVORS` clients.
+        SecAggError: With fewer than :data:`MIN_SURVIVORS` clients, or a threshold not
+            more than half the shares.
     """
 
     def __init__(
@@ -159,11 +170,16 @@ class ServerSession:
             if shares < k and shares % 2 == 0:  # Flower's rule: an odd number of shares
                 shares += 1
         if isinstance(threshold, float):
-            thr = max(round(threshold * shares), 2)
+            thr = min(max(math.ceil(threshold * shares), shares // 2 + 1, 2), shares)
         else:
             thr = int(threshold)
         if not 2 <= thr <= shares:
             raise SecAggError(f"threshold {thr} must be within 2..{shares} shares")
+        if 2 * thr <= shares:
+            raise SecAggError(
+                f"threshold {thr} of {shares} shares is not more than half: a server could "
+                "split the unmask requests and read a client's vector"
+            )
         self.clients = sorted(clients)
         self.size = int(size)
         self.num_shares, self.threshold = shares, thr
@@ -178,7 +194,7 @@ class ServerSession:
         self.shared: set[int] = set()  # sent their key shares (stage 1): masks with them
         self.survivors: set[int] = set()  # sent a masked vector (stage 2)
         self.malformed: dict[int, str] = {}  # sent one of the wrong size: left out
-        self._forward: dict[int, tuple[list[int], list[bytes]]] = {}
+        self._forward: dict[int, tuple[list[int], list[bytes], list[bytes]]] = {}
         self._masked: np.ndarray | None = None
 
     # -- stage 0 ---------------------------------------------------------------------
@@ -217,29 +233,34 @@ class ServerSession:
     def take_shares(self, replies: Mapping[int, Mapping]) -> None:
         """Stage 1's replies: encrypted shares, to forward to their destinations."""
         Key = _flwr()[3]
-        fwd: dict[int, tuple[list[int], list[bytes]]] = {}
+        fwd: dict[int, tuple[list[int], list[bytes], list[bytes]]] = {}
         for c, rep in replies.items():
             if c not in self.keyed:
                 continue
             self.shared.add(c)
-            for dst, ct in zip(rep[Key.DESTINATION_LIST], rep[Key.CIPHERTEXT_LIST], strict=True):
-                srcs, cts = fwd.setdefault(int(dst), ([], []))
+            dsts, cts_c = rep[Key.DESTINATION_LIST], rep[Key.CIPHERTEXT_LIST]
+            digests = rep.get(DIGESTS, [b""] * len(dsts))  # each sealed for its destination
+            for dst, ct, dg in zip(dsts, cts_c, digests, strict=True):
+                srcs, cts, dgs = fwd.setdefault(int(dst), ([], [], []))
                 srcs.append(c)
                 cts.append(bytes(ct))
+                dgs.append(bytes(dg))
         self._forward = fwd
         self._check(self.shared, "shared their keys")
 
     # -- stage 2 ---------------------------------------------------------------------
     def collect(self) -> dict[int, dict]:
-        """Stage 2's message to each client that shared keys: the shares addressed to it."""
+        """Stage 2's message to each client that shared keys: the shares addressed to it,
+        and their senders' sealed setup hashes."""
         Key = _flwr()[3]
         out = {}
         for c in sorted(self.shared):
-            srcs, cts = self._forward.get(c, ([], []))
+            srcs, cts, dgs = self._forward.get(c, ([], [], []))
             keep = [i for i, s in enumerate(srcs) if s in self.shared]
             out[c] = {
                 Key.SOURCE_LIST: [srcs[i] for i in keep],
                 Key.CIPHERTEXT_LIST: [cts[i] for i in keep],
+                DIGESTS: [dgs[i] for i in keep],
             }
         return out
 
@@ -341,17 +362,23 @@ class ClientSession:
 
     ``to_dict()`` / ``from_dict()`` keep it in a Flower node's ``Context.state`` between
     the stages' messages.
+
+    Against a server that lies (:mod:`fedexlora.secagg.consistency`), it refuses a setup
+    whose threshold is not more than half the shares, and sends its masked vector only if
+    every neighbour whose shares it holds was sent the same setup (and, where each client
+    shares with every other, the same neighbours and keys).
     """
 
-    def __init__(self, client: int, state=None):
+    def __init__(self, client: int, state=None, digest: bytes = b""):
         mod = _flwr()[0]
         self.client = int(client)
         self.state = state if state is not None else mod.SecAggPlusState()
         self.state.nid = self.client
+        self.digest = bytes(digest)  # the round's setup hash (stage 0, then stage 1)
 
     def to_dict(self) -> dict:
         """The state as ConfigRecord values."""
-        return {"client": self.client, **self.state.to_dict()}
+        return {"client": self.client, "fedex-digest": self.digest, **self.state.to_dict()}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> ClientSession:
@@ -359,7 +386,8 @@ class ClientSession:
         mod = _flwr()[0]
         d = dict(d)
         client = int(d.pop("client"))
-        return cls(client, mod.SecAggPlusState(**d))
+        digest = bytes(d.pop("fedex-digest", b""))
+        return cls(client, mod.SecAggPlusState(**d), digest)
 
     def _advance(self, want: str, to: str) -> None:
         """Flower's mod's stage check: each stage follows the one before, once."""
@@ -371,19 +399,42 @@ class ClientSession:
         self.state.current_stage = to
 
     def setup(self, msg: Mapping) -> dict:
-        """Stage 0: two fresh key pairs (Flower's ``_setup``); returns the public keys."""
-        mod = _flwr()[0]
+        """Stage 0: two fresh key pairs (Flower's ``_setup``); returns the public keys.
+
+        Raises:
+            ValueError: If the threshold is not more than half the shares.
+        """
+        mod, Key = _flwr()[0], _flwr()[3]
+        check_threshold(
+            self.client,
+            int(msg[Key.THRESHOLD]),
+            int(msg[Key.SHARE_NUMBER]),
+            int(msg[Key.SAMPLE_NUMBER]),
+        )
+        self.digest = setup_digest(msg)
         self.state.current_stage = "setup"
         with _quiet():
             return mod._setup(self.state, dict(msg))
 
     def share_keys(self, msg: Mapping) -> dict:
         """Stage 1: Shamir shares of the mask seed and key (Flower's ``_share_keys``)."""
-        mod = _flwr()[0]
+        mod, Key = _flwr()[0], _flwr()[3]
         self._advance("setup", "share-keys")
         keys = {str(k): [bytes(b) for b in v] for k, v in msg.items()}
+        st = self.state
+        if len(keys) > st.share_num:
+            raise ValueError(
+                f"client {self.client}: {len(keys)} neighbours for {st.share_num} shares"
+            )
+        if st.share_num == st.sample_num:  # each with every other: one neighbour set
+            self.digest = setup_digest({"setup": self.digest}, {int(k): v for k, v in keys.items()})
         with _quiet():
-            return mod._share_keys(self.state, keys)
+            reply = mod._share_keys(st, keys)
+        reply[DIGESTS] = [
+            seal(st.ss2_dict[int(d)], self.digest, self.client, int(d))
+            for d in reply[Key.DESTINATION_LIST]
+        ]
+        return reply
 
     def masked(self, msg: Mapping, ints: np.ndarray) -> bytes:
         """Stage 2: ``ints`` under the private and pairwise masks, as ``uint32`` bytes.
@@ -399,6 +450,7 @@ class ClientSession:
         cts = [bytes(c) for c in msg[Key.CIPHERTEXT_LIST]]
         if len(cts) + 1 < st.threshold:
             raise ValueError("Not enough available neighbour clients.")
+        check_digests(st.nid, self.digest, st.ss2_dict, srcs, list(msg.get(DIGESTS, [])))
         for src, ct in zip(srcs, cts, strict=True):
             plain = sym.decrypt(st.ss2_dict[src], ct)
             actual, dst, seed_share, sk1_share = separate(plain)
