@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("flwr")
 
 from conftest import without_timings  # noqa: E402
-from test_secure_aggregation import _protocol  # noqa: E402  (one SecAgg+ round in process)
+from test_secure_aggregation import _protocol, wide_bert_dir  # noqa: E402, F401  (a SecAgg+ round; a BERT whose layers send sketches)
 
 pytestmark = pytest.mark.slow(seconds=40)
 
@@ -204,3 +204,32 @@ def test_what_the_server_learns_of_a_refusing_client_names_none_of_its_figures(t
     assert "exceeds" in why["1"] and "not a positive integer" in why["2"]
     for reason in (why["1"], why["2"]):
         assert "2097159" not in reason and "-13" not in reason and "got" not in reason
+
+
+def test_two_secure_runs_whose_layers_send_sketches_write_identical_rows(
+    tiny_cfg, wide_bert_dir, tmp_path
+):
+    """#55: the rebuild from sketches (QR, least squares, SVD) repeats to the bit, so two
+    runs with one seed write the same rows (deviations included) and checkpoints."""
+    from fedexlora.core.sketch import SketchPlan
+    from fedexlora.run.inprocess import run_experiment
+
+    cfg = tiny_cfg.replace(
+        model=wide_bert_dir, methods=["fedex"], secure_aggregation=True, lr=2e-2, rounds=3
+    )
+    assert SketchPlan(cfg.num_clients, 0).shape(96, 96, cfg.lora_r) is not None  # sketched
+    rows = [
+        [without_timings(r) for r in run_experiment(cfg, tmp_path / f"run{i}", progress=False)]
+        for i in range(2)
+    ]
+    assert rows[0] == rows[1]
+    assert all(r["deviation"] for r in rows[0][1:])  # a residual was rebuilt each round
+    import hashlib
+
+    def files(run):
+        return {
+            p.relative_to(run).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run.rglob("*.safetensors"))
+        }
+
+    assert files(tmp_path / "run0") == files(tmp_path / "run1") != {}

@@ -159,3 +159,99 @@ def test_bytes_up_at_minilm_shapes_are_within_twice_the_floor():
     assert sizes[0] <= 2.0 * floor, sizes[0] / floor
     assert sizes[0] < 0.25 * 4 * 2 * 12 * 384 * 384  # far below the dense products' limbs
     assert clear < sizes[0]
+
+
+def _digest(*tensors):
+    import hashlib
+
+    return hashlib.sha256(b"".join(t.contiguous().numpy().tobytes() for t in tensors)).hexdigest()
+
+
+def test_the_rebuild_repeats_to_the_bit_whatever_the_thread_count():
+    """#55: torch's default least squares (MKL's gelsy) gave several results for one
+    input; the rebuild now gives one, on one thread or two, wherever its buffers land."""
+    from fedexlora.core.sketch import Sketch, client_sketches, residual_from_dense
+
+    k, d, r = 3, 192, 8
+    shape = SketchPlan(k, 5).shape(d, d, r)
+    g = torch.Generator().manual_seed(0)
+    ups = [(torch.randn(r, d, generator=g, dtype=torch.float64) * 0.05,
+            torch.randn(d, r, generator=g, dtype=torch.float64) * 0.01) for _ in range(k)]  # fmt: skip
+    Y, W = (sum(t) / k for t in zip(*(client_sketches(A, B, shape, 5, "l0") for A, B in ups)))
+    A_bar, B_bar = (sum(t) / k for t in zip(*ups))
+    M = sum(B @ A for A, B in ups) / k
+    sketch = Sketch("l0", shape, 5, Y, W)
+    threads, seen, dense, keep = torch.get_num_threads(), set(), set(), []
+    try:
+        for i in range(8):
+            torch.set_num_threads(1 + i % 2)
+            keep.append(torch.empty(1 + 37 * i, dtype=torch.float64))  # moves the buffers
+            seen.add(_digest(*sketch.residual(A_bar, B_bar, (k - 1) * r)))
+            dense.add(_digest(*residual_from_dense(M, A_bar, B_bar, (k - 1) * r)))
+            assert torch.get_num_threads() == 1 + i % 2  # the caller's count, restored
+    finally:
+        torch.set_num_threads(threads)
+    assert len(seen) == 1 and len(dense) == 1, (seen, dense)
+
+
+def _secure_round_model(k, n_examples, uniform=False, seed=0):
+    """One FedEx round of ``k`` clients of ``n_examples`` each through SecAgg+ (the
+    round's own limbs, every stage): the model ``B̄ Ā + R`` of a sketched (256 x 192) and a
+    dense (24 x 96) layer against the hand-computed ``Σ p_i B_i A_i``, relative to the
+    round's update; the same for fp32's mean of the products (the clear path's
+    precision); and the limbs."""
+    from fedexlora.secagg.protocol import ClientSession
+    from fedexlora.secagg.rounds import SecureRound, client_reply, client_session_reply
+
+    r, g = 4, torch.Generator().manual_seed(seed)
+    start = {name: (torch.randn(r, n, generator=g) / n**0.5, torch.randn(d, r, generator=g) * 1e-2)
+             for name, (d, n) in {"q": (256, 192), "f": (24, 96)}.items()}  # fmt: skip
+    ups = [
+        ClientUpload(c, AdapterState(factors={
+            name: (A + 1e-2 * torch.randn(A.shape, generator=g),
+                   B + 1e-3 * torch.randn(B.shape, generator=g))
+            for name, (A, B) in start.items()}), n_examples, 1.0)
+        for c in range(k)
+    ]  # fmt: skip
+    template = AdapterState(factors=start)
+    rnd = SecureRound(template, "fedex", list(range(k)), seed=1, uniform=uniform)
+    sessions = {c: ClientSession(c) for c in range(k)}
+
+    def exchange(stage, msgs):
+        return {c: client_session_reply(sessions[c], stage, m) for c, m in msgs.items()}
+
+    rnd.keys(exchange)
+    setups, collect = rnd.setup(), rnd.session.collect()
+    masked = {c: client_reply(sessions[c], setups[c], collect[c], up, seed=0, rnd=1)
+              for c, up in enumerate(ups)}  # fmt: skip
+    sums = rnd.finish(masked, exchange)
+    assert list(sums.sketches) == ["q"] and list(sums.products) == ["f"]
+    secure, clear = [], []
+    for name, (A0, B0) in start.items():
+        M, _, _ = _hand([u.state.factors[name] for u in ups], [1.0] * k)
+        A, B = sums.means[name]
+        if name in sums.sketches:
+            U, V = sums.sketches[name].residual(A, B, (k - 1) * r)
+            got = B @ A + U @ V
+        else:
+            got = sums.products[name]
+        update = torch.linalg.norm(M - B0.double() @ A0.double())
+        fp32 = sum(B @ A for A, B in (u.state.factors[name] for u in ups)) / k
+        secure.append(float(torch.linalg.norm(got - M) / update))
+        clear.append(float(torch.linalg.norm(fp32.double() - M) / update))
+    return max(secure), max(clear), rnd.quant.limbs
+
+
+@pytest.mark.parametrize("k, n_examples", [(20, 8), (3, 1)])
+def test_many_small_clients_are_exact_under_example_weighting(k, n_examples):
+    """#55: the weights ``n_i / 2**20`` took up to 20 bits off the quantization: 20
+    clients of 8 examples were 1e-5 of the update from the ideal with two limbs. The
+    limbs now come from the public bound on the examples: within the clear path's."""
+    secure, clear, limbs = _secure_round_model(k, n_examples)
+    assert secure <= 1e-5 and secure <= 1e-3 * clear, (secure, clear, limbs)
+    assert limbs == 3
+    if k < 20:
+        return
+    # uniform weighting keeps its two limbs, and its precision
+    secure, clear, limbs = _secure_round_model(k, n_examples, uniform=True)
+    assert secure <= 1e-3 * clear and limbs == 2, (secure, clear, limbs)

@@ -28,13 +28,24 @@ The test matrices are drawn from a public seed and the layer's name by an intege
 on different machines and torch versions derive the same ``Ω`` and ``Ψ`` bit for bit.
 Their entries are uniform on ``[-sqrt(3), sqrt(3))`` (unit variance).
 
+The rebuild is bitwise reproducible (#55): for one input, the same output on every call
+and whatever torch's thread count (:func:`_serial`). torch's default least-squares driver
+on CPU (MKL's ``gelsy``, a QR with column pivoting) returned several different results for
+one input in as many calls, even on one thread; ``Ψ Q`` has full column rank (``s2 > s``,
+``Q`` orthonormal), so the plain QR solve ``gels`` is used, and the QR, the solve, the
+SVD and the products run on one thread, whose result does not depend on how many
+threads the caller set. (Another BLAS or LAPACK build may round differently: the same
+run on the same installation repeats to the bit.)
+
 Pure torch: nothing here knows of clients, messages or the protocol.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -171,6 +182,22 @@ def sketch_matrices(seed: int, name: str, shape: SketchShape) -> tuple[torch.Ten
     return omega, psi
 
 
+@contextlib.contextmanager
+def _serial() -> Iterator[None]:
+    """torch on one thread for the block: linear algebra whose rounding is the same
+    whatever the caller's thread count (a multi-threaded QR or product splits its sums
+    by thread); the caller's count is restored after."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def _oriented(A: torch.Tensor, B: torch.Tensor, shape: SketchShape):
     """``(L, R)`` with ``L R`` the sketched matrix: ``(B, A)``, or ``(A^T, B^T)``."""
     return (A.T, B.T) if shape.transposed else (B, A)
@@ -232,14 +259,17 @@ class Sketch:
             )
         omega, psi = sketch_matrices(self.seed, self.name, sh)
         L, R = _oriented(A_bar.double().cpu(), B_bar.double().cpu(), sh)
-        Y = self.Y.double() - L @ (R @ omega)  # (m, s): the residual's range sketch
-        W = self.W.double() - (psi @ L) @ R  # (s2, c): its co-range sketch
-        Q, _ = torch.linalg.qr(Y)  # (m, s)
-        core = torch.linalg.lstsq(psi @ Q, W).solution  # (s, c): (Ψ Q)^+ W
-        X, S, Vh = torch.linalg.svd(core, full_matrices=False)  # core = X S Vh
-        q = min(rank, S.numel())
-        left = (Q @ X[:, :q]) * S[:q]  # (m, q)
-        right = Vh[:q]  # (q, c)
+        with _serial():  # bitwise reproducible (see the module's docstring)
+            Y = self.Y.double() - L @ (R @ omega)  # (m, s): the residual's range sketch
+            W = self.W.double() - (psi @ L) @ R  # (s2, c): its co-range sketch
+            Q, _ = torch.linalg.qr(Y)  # (m, s)
+            # (s, c): (Ψ Q)^+ W; ΨQ has full column rank, and gels (a QR solve) repeats
+            # to the bit where the default gelsy does not
+            core = torch.linalg.lstsq(psi @ Q, W, driver="gels").solution
+            X, S, Vh = torch.linalg.svd(core, full_matrices=False)  # core = X S Vh
+            q = min(rank, S.numel())
+            left = (Q @ X[:, :q]) * S[:q]  # (m, q)
+            right = Vh[:q]  # (q, c)
         if sh.transposed:  # (left right)^T = right^T left^T
             return right.T.contiguous(), left.T.contiguous()
         return left.contiguous(), right.contiguous()
@@ -254,7 +284,8 @@ def residual_from_dense(
     """
     if rank < 0:
         raise ValueError(f"`rank` must be >= 0, got {rank}")
-    dense = M.double() - B_bar.double() @ A_bar.double()
-    X, S, Vh = torch.linalg.svd(dense, full_matrices=False)
+    with _serial():  # bitwise reproducible, as Sketch.residual
+        dense = M.double() - B_bar.double() @ A_bar.double()
+        X, S, Vh = torch.linalg.svd(dense, full_matrices=False)
     q = min(rank, S.numel())
     return (X[:, :q] * S[:q]).contiguous(), Vh[:q].contiguous()

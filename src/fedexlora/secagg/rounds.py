@@ -18,6 +18,7 @@ survivors' sum (:meth:`fedexlora.server.Server.aggregate_secure`). The client si
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -45,6 +46,21 @@ __all__ = [
 MAX_EXAMPLES = 2**20
 """The public bound on a client's example count: its weight is ``n_i / MAX_EXAMPLES``."""
 
+BITS = 52
+"""Bits of each number's quantization over ``[-clip, clip]`` (fp64's mantissa)."""
+
+WEIGHT_BITS = int(math.log2(MAX_EXAMPLES))
+"""The bits a weight ``n_i / MAX_EXAMPLES`` can take off a number (#55).
+
+Each client's vector is ``w_i x_i`` quantized at a fixed resolution, and the means are
+the sums over ``Σ w_i``: the error of a mean is the error per number times
+``MAX_EXAMPLES / Σ n_i``, up to ``2**20`` times the uniform weighting's (every client of
+one example). Under ``weighting = "examples"`` the quantization carries these 20 bits
+more (three limbs instead of two), so that the mean is as precise as under uniform
+weighting whatever the counts below the public bound: 20 clients of 8 examples were
+2.6e-5 of the update from it with two limbs.
+"""
+
 
 def upload_bytes(layout: SecureLayout, quant: Quantization) -> int:
     """Bytes of one client's masked vector (``uint32`` limbs, plus the clip count)."""
@@ -62,7 +78,7 @@ class SecureRound:
         seed: Seeds the SecAgg+ neighbour graph.
         clip: The clipping range of the quantization.
         uniform: Every client weighs the same (``weighting = "uniform"``); otherwise
-            by its examples.
+            by its examples, and the quantization has :data:`WEIGHT_BITS` more bits.
         sketch: FedEx's products travel as sketches where smaller
             (:mod:`fedexlora.core.sketch`, public test matrices drawn from ``seed``);
             ``False``: every product dense.
@@ -100,7 +116,10 @@ class SecureRound:
                 k = max(len(self.clients), 1)
                 plan = SketchPlan(k, self.seed, over=self.over, extra=self.extra)
             self.layout = SecureLayout.for_template(self.template, products=products, sketch=plan)
-            self.quant = Quantization.for_clients(max(len(self.clients), 1), clip=self.clip)
+            bits = BITS if self.uniform else BITS + WEIGHT_BITS  # from the public bounds
+            self.quant = Quantization.for_clients(
+                max(len(self.clients), 1), clip=self.clip, bits=bits
+            )
             self.session = ServerSession(
                 list(self.clients), self.layout.size * self.quant.limbs + 1, seed=self.seed
             )
