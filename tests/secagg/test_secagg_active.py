@@ -175,3 +175,49 @@ def test_a_server_that_sends_one_client_a_different_setup_is_refused():
     msg.pop("fedex.digests")
     with pytest.raises(ValueError, match="setup hashes came with the shares"):
         client_reply(fresh[victim], honest.setup()[victim], msg, ups[victim], seed=0, rnd=1)
+
+
+def withhold_and_call_dropped(k=5, victim=0, size=64, seed=0):
+    """A server that forwards the victim the shares of only ``t - 1`` neighbours (the
+    fewest a client accepted), so that it masks with those alone, then tells the other
+    clients those neighbours dropped (rebuilding their keys) while asking for the
+    victim's seed share. Returns ``(recovered, vectors)`` as :func:`split_unmask`."""
+    shamir, sym, Key, asym = _flower()
+    rng = np.random.default_rng(seed)
+    vectors = [rng.integers(0, 2**20, size=size) for _ in range(k)]
+    server = ServerSession(list(range(k)), size, seed=3)
+    t = server.threshold
+    clients = {c: ClientSession(c) for c in range(k)}
+    server.take_keys({c: clients[c].setup(m) for c, m in server.setup().items()})
+    server.take_shares({c: clients[c].share_keys(m) for c, m in server.share_keys().items()})
+    collect = server.collect()
+    withheld = sorted(server.neighbours[victim] - {victim})[t - 1 :]
+    masked_with = sorted(server.neighbours[victim] - {victim})[: t - 1]
+    keep = [i for i, s in enumerate(collect[victim][Key.SOURCE_LIST]) if s not in withheld]
+    collect[victim] = {key: [v[i] for i in keep] for key, v in collect[victim].items()}
+    masked = {c: clients[c].masked(m, vectors[c]) for c, m in collect.items()}
+    shares = {}
+    for c in sorted(server.neighbours[victim] - {victim}):  # victim alive, masked_with dropped
+        active = sorted(server.neighbours[c] - set(masked_with))
+        rep = clients[c].unmask(
+            {Key.ACTIVE_NODE_ID_LIST: active, Key.DEAD_NODE_ID_LIST: masked_with}
+        )
+        for owner, share in zip(rep[Key.NODE_ID_LIST], rep[Key.SHARE_LIST], strict=True):
+            shares.setdefault(owner, []).append(bytes(share))
+    seed_v = shamir.combine_shares(shares[victim])
+    vec = np.frombuffer(masked[victim], dtype=np.uint32).astype(np.int64) - _mask(seed_v, size)
+    for n in masked_with:
+        private = asym.bytes_to_private_key(shamir.combine_shares(shares[n]))
+        key = sym.generate_shared_key(
+            private, asym.bytes_to_public_key(server.public_keys[victim][0])
+        )
+        pair = _mask(key, size)
+        vec = vec - pair if victim > n else vec + pair
+    return vec % 2**32, vectors
+
+
+def test_a_client_masked_with_fewer_neighbours_than_it_was_sent_keys_for_refuses():
+    """The victim refuses to send a vector masked with only some neighbours: the server
+    could otherwise call those neighbours dropped and rebuild their keys."""
+    with pytest.raises(ValueError, match=r"no key shares came from neighbours \[3, 4\]"):
+        withhold_and_call_dropped()

@@ -215,7 +215,7 @@ def test_two_secure_runs_whose_layers_send_sketches_write_identical_rows(
     from fedexlora.run.inprocess import run_experiment
 
     cfg = tiny_cfg.replace(
-        model=wide_bert_dir, methods=["fedex"], secure_aggregation=True, lr=2e-2, rounds=3
+        model=wide_bert_dir, methods=["fedex"], secure_aggregation=True, lr=2e-2
     )
     assert SketchPlan(cfg.num_clients, 0).shape(96, 96, cfg.lora_r) is not None  # sketched
     rows = [

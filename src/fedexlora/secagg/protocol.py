@@ -442,6 +442,11 @@ class ClientSession:
         Flower's ``_collect_masked_vectors`` after its quantization (ours is
         :class:`fedexlora.secagg.encoding.Quantization`): decrypt and keep the shares,
         add the private mask and the pairwise masks, reduce modulo ``2**32``.
+
+        Raises:
+            ValueError: If a neighbour whose public keys it was sent forwarded no key
+                shares, or one was sent another setup (:mod:`fedexlora.secagg.consistency`):
+                it sends nothing.
         """
         _, _, sym, Key, separate, asym = _flwr()
         self._advance("share-keys", "collect")
@@ -450,6 +455,14 @@ class ClientSession:
         cts = [bytes(c) for c in msg[Key.CIPHERTEXT_LIST]]
         if len(cts) + 1 < st.threshold:
             raise ValueError("Not enough available neighbour clients.")
+        missing = sorted(set(st.public_keys_dict) - {st.nid} - set(srcs))
+        if missing:  # masked with fewer, its pairwise keys could be rebuilt as dropouts'
+            raise ValueError(
+                f"client {st.nid}: no key shares came from neighbours {missing}, whose public "
+                "keys it was sent; refusing to send its vector (masked with fewer "
+                "neighbours, a server that then calls those neighbours dropped could "
+                "remove its masks)"
+            )
         check_digests(st.nid, self.digest, st.ss2_dict, srcs, list(msg.get(DIGESTS, [])))
         for src, ct in zip(srcs, cts, strict=True):
             plain = sym.decrypt(st.ss2_dict[src], ct)
