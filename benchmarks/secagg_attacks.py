@@ -31,19 +31,19 @@ def _outcome(fn, *args) -> str:
     if isinstance(truth, list):
         truth = truth[0]
     if recovered.dtype.kind == "f":
-        return f"read within {np.max(np.abs(recovered - truth)):.1e} (values up to {np.max(np.abs(truth)):.1e})"
+        err, top = np.max(np.abs(recovered - truth)), np.max(np.abs(truth))
+        return f"read within {err:.1e} (values up to {top:.1e})"
     return "recovered exactly" if np.array_equal(recovered, truth) else "not recovered"
 
 
 def main() -> None:
+    from fedexlora.secagg.protocol import ServerSession
     from test_secagg_active import (
         _mains_threshold,
         read_victim_with_a_different_clip,
         split_unmask,
         withhold_and_call_dropped,
     )
-
-    from fedexlora.secagg.protocol import ServerSession
 
     for k in (4, 5, 6, 8, 9, 10, 12):
         s = ServerSession(list(range(k)), 1)

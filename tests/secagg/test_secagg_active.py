@@ -43,7 +43,7 @@ def split_unmask(k, threshold, victim=0, size=64, seed=0):
     masked = {c: clients[c].masked(m, vectors[c]) for c, m in server.collect().items()}
     server.take_masked(masked)
     holders = sorted(server.neighbours[victim])
-    seed_from, key_from = holders[:threshold], holders[threshold:]  # disjoint: honest replies
+    seed_from = holders[:threshold]  # the rest are asked for its key share: disjoint
     seed_shares, key_shares = [], []
     for c in holders:
         others = sorted(server.neighbours[c] - {victim})

@@ -9,7 +9,10 @@ import pytest
 pytest.importorskip("flwr")
 
 from conftest import without_timings  # noqa: E402
-from test_secure_aggregation import _protocol, wide_bert_dir  # noqa: E402, F401  (a SecAgg+ round; a BERT whose layers send sketches)
+from test_secure_aggregation import (
+    _protocol,  # noqa: E402  (one SecAgg+ round in process)
+    wide_bert_dir,  # noqa: E402, F401  (layers sending sketches)
+)
 
 pytestmark = pytest.mark.slow(seconds=40)
 
@@ -207,7 +210,7 @@ def test_what_the_server_learns_of_a_refusing_client_names_none_of_its_figures(t
 
 
 def test_two_secure_runs_whose_layers_send_sketches_write_identical_rows(
-    tiny_cfg, wide_bert_dir, tmp_path
+    tiny_cfg, tmp_path, request
 ):
     """#55: the rebuild from sketches (QR, least squares, SVD) repeats to the bit, so two
     runs with one seed write the same rows (deviations included) and checkpoints."""
@@ -215,7 +218,10 @@ def test_two_secure_runs_whose_layers_send_sketches_write_identical_rows(
     from fedexlora.run.inprocess import run_experiment
 
     cfg = tiny_cfg.replace(
-        model=wide_bert_dir, methods=["fedex"], secure_aggregation=True, lr=2e-2
+        model=request.getfixturevalue("wide_bert_dir"),
+        methods=["fedex"],
+        secure_aggregation=True,
+        lr=2e-2,
     )
     assert SketchPlan(cfg.num_clients, 0).shape(96, 96, cfg.lora_r) is not None  # sketched
     rows = [

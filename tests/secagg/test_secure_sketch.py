@@ -175,8 +175,9 @@ def test_the_rebuild_repeats_to_the_bit_whatever_the_thread_count():
     k, d, r = 3, 192, 8
     shape = SketchPlan(k, 5).shape(d, d, r)
     g = torch.Generator().manual_seed(0)
-    ups = [(torch.randn(r, d, generator=g, dtype=torch.float64) * 0.05,
-            torch.randn(d, r, generator=g, dtype=torch.float64) * 0.01) for _ in range(k)]  # fmt: skip
+    f64 = torch.float64
+    ups = [(torch.randn(r, d, generator=g, dtype=f64) * 0.05,
+            torch.randn(d, r, generator=g, dtype=f64) * 0.01) for _ in range(k)]  # fmt: skip
     Y, W = (sum(t) / k for t in zip(*(client_sketches(A, B, shape, 5, "l0") for A, B in ups)))
     A_bar, B_bar = (sum(t) / k for t in zip(*ups))
     M = sum(B @ A for A, B in ups) / k

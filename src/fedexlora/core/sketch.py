@@ -184,9 +184,11 @@ def sketch_matrices(seed: int, name: str, shape: SketchShape) -> tuple[torch.Ten
 
 @contextlib.contextmanager
 def _serial() -> Iterator[None]:
-    """torch on one thread for the block: linear algebra whose rounding is the same
-    whatever the caller's thread count (a multi-threaded QR or product splits its sums
-    by thread); the caller's count is restored after."""
+    """Runs the block with torch on one thread, restoring the caller's count after.
+
+    Linear algebra whose rounding is then the same whatever the caller's thread count
+    (a multi-threaded QR or product splits its sums by thread).
+    """
     n = torch.get_num_threads()
     if n == 1:
         yield

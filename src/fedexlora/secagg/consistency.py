@@ -74,9 +74,7 @@ def _canon(value) -> bytes:
     raise TypeError(f"a secure aggregation setup holds a {type(value).__name__}")
 
 
-def setup_digest(
-    setup: Mapping, neighbours: Mapping[int, Sequence[bytes]] | None = None
-) -> bytes:
+def setup_digest(setup: Mapping, neighbours: Mapping[int, Sequence[bytes]] | None = None) -> bytes:
     """SHA-256 of the setup message (every field), and of ``neighbours`` if given.
 
     ``neighbours`` (each neighbour's id and its two public keys) is hashed where every
@@ -92,8 +90,10 @@ def setup_digest(
 
 
 def seal(key: bytes, digest: bytes, src: int, dst: int) -> bytes:
-    """``digest`` for neighbour ``dst``, encrypted and authenticated (Fernet) under
-    the channel key ``src`` and ``dst`` agreed (Flower's ``ss2``)."""
+    """``digest`` for neighbour ``dst``, encrypted and authenticated (Fernet).
+
+    Under the channel key ``src`` and ``dst`` agreed (Flower's ``ss2``).
+    """
     from flwr.common.secure_aggregation.crypto.symmetric_encryption import encrypt
 
     return encrypt(key, _CONTEXT + f"|{src}|{dst}|".encode() + digest)

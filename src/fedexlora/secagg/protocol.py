@@ -250,8 +250,10 @@ class ServerSession:
 
     # -- stage 2 ---------------------------------------------------------------------
     def collect(self) -> dict[int, dict]:
-        """Stage 2's message to each client that shared keys: the shares addressed to it,
-        and their senders' sealed setup hashes."""
+        """Stage 2's message to each client that shared keys: the shares addressed to it.
+
+        With them, their senders' sealed setup hashes.
+        """
         Key = _flwr()[3]
         out = {}
         for c in sorted(self.shared):
