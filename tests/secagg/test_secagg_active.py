@@ -221,3 +221,19 @@ def test_a_client_masked_with_fewer_neighbours_than_it_was_sent_keys_for_refuses
     could otherwise call those neighbours dropped and rebuild their keys."""
     with pytest.raises(ValueError, match=r"no key shares came from neighbours \[3, 4\]"):
         withhold_and_call_dropped()
+
+
+def test_a_client_lost_between_its_keys_and_its_shares_fails_the_round():
+    """The price of the check above: such a client is no longer left out, every
+    neighbour refuses, and the round fails (docs/PRIVACY.md, "Dropouts")."""
+    k, size = 4, 8
+    server = ServerSession(list(range(k)), size, seed=3)
+    clients = {c: ClientSession(c) for c in range(k)}
+    server.take_keys({c: clients[c].setup(m) for c, m in server.setup().items()})
+    share = server.share_keys()
+    server.take_shares({c: clients[c].share_keys(m) for c, m in share.items() if c != 3})
+    for c, msg in server.collect().items():
+        with pytest.raises(ValueError, match=r"no key shares came from neighbours \[3\]"):
+            clients[c].masked(msg, np.zeros(size, dtype=np.int64))
+    with pytest.raises(SecAggError, match="sent their masked vectors"):
+        server.take_masked({})

@@ -339,14 +339,24 @@ def test_local_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dro
         if stage != "take_masked":  # public keys, ciphertexts and Shamir shares only
             assert all(isinstance(v, (bytes, list)) for v in r.values()), (stage, r)
     # the sketch where it is smaller than the product (the wide model's q and v), and the
-    # bytes up are the masked vectors received: 2 limbs of 4 bytes a number, and the count
+    # bytes up are the masked vectors received: 3 limbs of 4 bytes a number (example
+    # weighting: 52 + 20 bits), and the count
     sketched = {name for name, _ in layouts[-1].sketches}
     qv = {n for n in uploads[(2, 0)].state.factors if "dense" not in n}  # query, value
     assert sketched == (qv if "wide" in cfg.model else set())
     sizes = [len(r) for s, _, r in received if s == "take_masked"]
-    assert sizes == [4 * (layouts[-1].size * 2 + 1)] * 6
+    assert sizes == [4 * (layouts[-1].size * _limbs(4) + 1)] * 6
     assert [r["bytes_up"] for r in rows] == [sum(sizes[:3]), sum(sizes[3:])]
     assert rows[1]["num_examples"] == sum(int(uploads[(2, c)].num_examples) for c in (0, 2, 3))
+
+
+def _limbs(k):
+    """Limbs of ``k`` clients' round under example weighting (3: 52 + 20 bits)."""
+    from fedexlora.secagg.rounds import BITS, WEIGHT_BITS
+
+    limbs = Quantization.for_clients(k, bits=BITS + WEIGHT_BITS).limbs
+    assert limbs == 3
+    return limbs
 
 
 def _assert_noise(masked, uploads, quant):
@@ -447,7 +457,7 @@ def test_flower_engine_fedex_under_secure_aggregation_equals_the_ideal_with_a_dr
     # (the test matrices' seed changes no size)
     layout = SecureLayout.for_template(sent[0].state, products=True, sketch=SketchPlan(4, 0))
     assert bool(layout.sketches) == ("wide" in cfg.model)
-    assert [m.nbytes for m in masked] == [4 * (layout.size * 2 + 1)] * 11
+    assert [m.nbytes for m in masked] == [4 * (layout.size * _limbs(4) + 1)] * 11
     assert [r["bytes_up"] for r in rows] == [4 * masked[0].nbytes, 3 * masked[0].nbytes,
                                              4 * masked[0].nbytes]  # fmt: skip
 

@@ -149,15 +149,16 @@ def _secure_upload_bytes(layers, k, r, head, seed=0):
     rnd.finish(masked, exchange)
     floor_numbers = 2 + head + sum(k * r * (d + n) for d, n in layers)  # weight, loss, head
     floor = 4 * (floor_numbers * rnd.quant.limbs + 1)  # the same limbs and clip count
-    return [len(m) for m in masked.values()], ups[0].nbytes, floor
+    return [len(m) for m in masked.values()], ups[0].nbytes, floor, rnd.quant.limbs
 
 
 def test_bytes_up_at_minilm_shapes_are_within_twice_the_floor():
     # MiniLM's 12 adapted layers (q, v of 6 blocks), 384 x 384, r = 8, 3 clients, its head
-    sizes, clear, floor = _secure_upload_bytes([(384, 384)] * 12, k=3, r=8, head=384 * 5 + 5)
+    sizes, clear, floor, limbs = _secure_upload_bytes([(384, 384)] * 12, k=3, r=8, head=1925)  # 384 x 5 + 5
     assert len(set(sizes)) == 1
     assert sizes[0] <= 2.0 * floor, sizes[0] / floor
-    assert sizes[0] < 0.25 * 4 * 2 * 12 * 384 * 384  # far below the dense products' limbs
+    assert sizes[0] < 0.25 * 4 * limbs * 12 * 384 * 384  # far below the dense products'
+    assert limbs == 3  # example weighting: 52 + 20 bits
     assert clear < sizes[0]
 
 
