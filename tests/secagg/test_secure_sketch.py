@@ -154,7 +154,8 @@ def _secure_upload_bytes(layers, k, r, head, seed=0):
 
 def test_bytes_up_at_minilm_shapes_are_within_twice_the_floor():
     # MiniLM's 12 adapted layers (q, v of 6 blocks), 384 x 384, r = 8, 3 clients, its head
-    sizes, clear, floor, limbs = _secure_upload_bytes([(384, 384)] * 12, k=3, r=8, head=1925)  # 384 x 5 + 5
+    # (384 x 5 + 5 = 1925)
+    sizes, clear, floor, limbs = _secure_upload_bytes([(384, 384)] * 12, k=3, r=8, head=1925)
     assert len(set(sizes)) == 1
     assert sizes[0] <= 2.0 * floor, sizes[0] / floor
     assert sizes[0] < 0.25 * 4 * limbs * 12 * 384 * 384  # far below the dense products'
