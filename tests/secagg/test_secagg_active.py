@@ -11,6 +11,8 @@ import torch
 
 pytest.importorskip("flwr")
 
+pytestmark = pytest.mark.slow(seconds=15)
+
 from fedexlora.core.messages import ClientUpload  # noqa: E402
 from fedexlora.core.secure import client_vector  # noqa: E402
 from fedexlora.core.state import AdapterState  # noqa: E402

@@ -14,7 +14,7 @@ from test_secure_aggregation import (
     wide_bert_dir,  # noqa: E402, F401  (layers sending sketches)
 )
 
-pytestmark = pytest.mark.slow(seconds=40)
+pytestmark = pytest.mark.slow(seconds=75)
 
 
 def test_every_bit_of_the_secret_changes_the_mask():
