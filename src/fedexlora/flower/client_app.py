@@ -390,14 +390,18 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     if refused:  # past its budget: not trained, nothing of its data sent
         metrics["dp-refused"] = 1
     elif str(conf.get("secagg-stage", "")) == "collect":  # masked: count and loss in the sum
-        content["config"]["secagg.masked"] = _secure_upload(context, conf, up, cfg.seed, rnd)
+        # under DP (unless reproducible) its rounding is drawn from OS entropy, not the seed
+        seed = None if cfg.dp and not cfg.dp_reproducible else cfg.seed
+        content["config"]["secagg.masked"] = _secure_upload(context, conf, up, seed, rnd)
         if cfg.save_client_adapters and c.settings.run_dir:  # the client keeps its own
             from fedexlora.run.client_step import save_client_adapter
 
             save_client_adapter(model, Path(c.settings.run_dir), rnd, pid, int(up.num_examples))
     else:
         content["arrays"] = to_array_record(up.state.to_flat())
-        metrics.update({"num-examples": int(up.num_examples), "train-loss": float(up.train_loss)})
+        metrics["num-examples"] = int(up.num_examples)
+        if budget is None:  # under DP no loss is sent (it is outside DP-SGD's guarantee)
+            metrics["train-loss"] = float(up.train_loss)
     content["metrics"] = MetricRecord(metrics)
     return Message(content, reply_to=msg)
 
@@ -431,10 +435,11 @@ def secure_stage_step(msg: Message, context: Context, defaults: Mapping[str, Any
     return Message(RecordDict({"config": ConfigRecord(record)}), reply_to=msg)
 
 
-def _secure_upload(context: Context, conf, up, seed: int, rnd: int) -> bytes:
+def _secure_upload(context: Context, conf, up, seed: int | None, rnd: int) -> bytes:
     """Stage 2: this client's upload as its masked vector (its SecAgg+ state updated).
 
-    Its stochastic rounding is seeded by the run's seed, the round and the client.
+    Its stochastic rounding is seeded by the run's seed, the round and the client; with
+    ``seed`` None (DP, not reproducible) it is drawn from OS entropy.
     """
     from fedexlora.secagg.rounds import client_reply
 

@@ -533,12 +533,13 @@ class FedExLoRA(FedAvg):
         else:
             outcome = self.server.aggregate(ups, effective=self.effective)
         rec.outcome = outcome
+        from fedexlora.run.rounds import train_loss
+
         accepted = [u for u in ups if u.client_id in outcome.accepted]
-        losses = [u.train_loss for u in accepted]
         metrics = MetricRecord(
             {
                 self.weighted_by_key: sum(int(u.num_examples) for u in accepted),
-                "train-loss": sum(losses) / len(losses) if losses else float("nan"),
+                "train-loss": train_loss(ups, outcome),  # weighted as the rows' is
                 "dropped": len(rec.dropped),
             }
         )

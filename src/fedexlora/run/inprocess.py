@@ -251,7 +251,10 @@ class InProcess:
         refused, wants = self._refused(sampled)
         training = [c for c in sampled if c not in refused]
         sround = (
-            SecureRun(server, method, training, cfg.seed, rnd, reply=self.secure_reply)
+            SecureRun(
+                server, method, training, cfg.seed, rnd, reply=self.secure_reply,
+                secret_rounding=cfg.dp and not cfg.dp_reproducible,
+            )  # fmt: skip
             if self.secure
             else None
         )

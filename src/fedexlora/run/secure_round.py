@@ -32,12 +32,14 @@ class SecureRun:
         rnd: int,
         *,
         reply: Callable[..., bytes | None] | None = None,
+        secret_rounding: bool = False,
     ):
         from fedexlora.secagg.protocol import ClientSession
         from fedexlora.secagg.rounds import SecAggError, SecureRound
 
         self.server = server
-        self.run_seed, self.rnd = seed, rnd  # each client's stochastic rounding
+        # each client's stochastic rounding: from the seed, or (DP) from OS entropy
+        self.run_seed, self.rnd = (None if secret_rounding else seed), rnd
         if reply is None:
             from fedexlora.secagg.rounds import client_reply as reply
         self.client_reply = reply
