@@ -112,3 +112,42 @@ def test_dp_reproducible_needs_dp(tiny_cfg):
     seeded = tiny_cfg.replace(dp_epsilon=1.0, dp_delta=1e-3, dp_reproducible=True).validate()
     assert "NOT private against anyone who knows the seed" in seeded.to_toml()
     assert "NOT private" not in tiny_cfg.replace(dp_epsilon=1.0, dp_delta=1e-3).to_toml()
+
+
+def test_on_both_engines_the_noise_is_the_clients_own_and_no_loss_is_sent(
+    tiny_cfg, tmp_path, task_identity
+):
+    """One seed, both engines, by default: their DP rounds differ (with the seed's noise
+    they were equal, as under ``dp_reproducible``: see ``test_privacy``'s Flower test),
+    no Flower client's reply carries a loss, and the rows say where the noise came from."""
+    from fedexlora.flower.client_app import make_client_app
+    from fedexlora.run.inprocess import run_experiment
+    from fedexlora.run.rounds import DP_SECURE
+    from test_flower import InProcessGrid
+    from test_flower_parity import _flower
+
+    cfg = tiny_cfg.replace(methods=["fedex"], dp_epsilon=8.0, dp_delta=1e-3, rounds=1,
+                           local_steps=2)  # fmt: skip
+    local = run_experiment(cfg, tmp_path / "local", progress=False)
+    grid = InProcessGrid(make_client_app({}), 3)
+    send, replies = grid.send_and_receive, []
+
+    def recording(messages, *, timeout=None):
+        got = list(send(messages, timeout=timeout))
+        replies.extend(got)
+        return got
+
+    grid.send_and_receive = recording
+    flower, _ = _flower(cfg, tmp_path / "flower", grid=grid)
+    trains = [r for r in replies if r.has_content() and "metrics" in r.content]
+    assert len(trains) == 3 and all("arrays" in r.content for r in trains)
+    assert not any("train-loss" in r.content["metrics"] for r in trains)
+    for rows in (local, flower):
+        assert rows[0]["accepted"] == [0, 1, 2]
+        assert rows[0]["train_loss"] is None and rows[0]["privacy"]["randomness"] == DP_SECURE
+    assert local[0]["deviation"]["per_layer"] != pytest.approx(
+        flower[0]["deviation"]["per_layer"], rel=1e-6
+    )
+    summary = (tmp_path / "local" / "summary.md").read_text()
+    assert "No client sent its training loss" in summary and "OS entropy" in summary
+    assert "not sent (DP)" in summary
