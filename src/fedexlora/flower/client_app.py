@@ -472,7 +472,9 @@ def _save_session(context: Context, session, setup: Mapping) -> None:
 def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:
     """This client's own model (the global A of ``msg``, its own B) on its own test split.
 
-    For a personalized method (FedSA-LoRA); the client's state is left as it was.
+    For a personalized method (FedSA-LoRA); the client's state is left as it was. A client
+    configured for secure aggregation refuses (a reply with ``error``, nothing measured):
+    its metrics and test-split size would reach the server in the clear.
 
     Raises:
         ValueError: If the configuration or partition does not match the server's, or the
@@ -481,6 +483,18 @@ def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -
     from fedexlora.core.state import AdapterState
     from fedexlora.run.rounds import evaluate_personal
 
+    cfg, _, _ = _resolve(defaults, context)
+    if cfg.secure_aggregation:
+        # its own configuration says secure aggregation: its metrics and test-split size
+        # are its own figures, never sent in the clear (as the train path refuses)
+        pid = int(context.node_config.get("partition-id", -1))
+        error = (
+            f"partition {pid} is configured for secure aggregation and refuses to send its "
+            "own evaluation in the clear; the server asked for one (is the server's "
+            "configuration the same?)"
+        )
+        fields = {"partition-id": pid, "error": error}
+        return Message(RecordDict({"config": ConfigRecord(fields)}), reply_to=msg)
     c = _client_for(msg, context, defaults)
     state = AdapterState.from_flat(from_array_record(msg.content["arrays"]))
     metrics, n = evaluate_personal(c.cfg, c.method, c.model, c.prep, c.pid, state)
