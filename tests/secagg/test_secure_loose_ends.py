@@ -55,3 +55,25 @@ def test_a_client_configured_for_secure_aggregation_refuses_a_clear_evaluation(
         conf = reply.content["config"]
         assert "metrics" not in conf and "test-examples" not in conf, dict(conf)
         assert "refuses to send its own evaluation in the clear" in str(conf["error"])
+
+
+def test_the_export_check_reads_only_the_accepted_clients_adapters(tiny_cfg, tmp_path):
+    """Round 1 is refused (two survivors), yet clients 0 and 1 trained and saved their
+    adapters; the ideal that ``benchmarks/verify_export.py`` rebuilds leaves them out, as
+    the model does, and equals the model within 1e-5."""
+    from fedexlora.run.inprocess import run_experiment
+    from fedexlora.secagg.rounds import client_reply
+    from test_secure_aggregation import _model_vs_ideal
+
+    def reply(session, setup, message, upload, **kw):
+        if session.client == 2 and kw["rnd"] == 1:
+            return None  # drops out after training: 2 of 3 would be left
+        return client_reply(session, setup, message, upload, **kw)
+
+    cfg = tiny_cfg.replace(methods=["fedex"], secure_aggregation=True, lr=2e-2,
+                           save_client_adapters=True)  # fmt: skip
+    rows = run_experiment(cfg, tmp_path, progress=False, secure_reply=reply)
+    assert rows[0]["accepted"] == [] and rows[1]["accepted"] == [0, 1, 2]
+    saved = sorted(p.name for p in (tmp_path / "clients" / "round-1").iterdir())
+    assert saved == ["client-0", "client-1"]  # trained, saved, and in no model
+    assert _model_vs_ideal(cfg, tmp_path) <= 1e-5
