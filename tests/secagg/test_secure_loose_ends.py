@@ -77,3 +77,52 @@ def test_the_export_check_reads_only_the_accepted_clients_adapters(tiny_cfg, tmp
     saved = sorted(p.name for p in (tmp_path / "clients" / "round-1").iterdir())
     assert saved == ["client-0", "client-1"]  # trained, saved, and in no model
     assert _model_vs_ideal(cfg, tmp_path) <= 1e-5
+
+
+def _bytes_in(value) -> int:
+    """An independent count of a reply: each byte string's length (keys, ciphertexts,
+    shares) and 8 bytes for each number (the node ids a share names)."""
+    if isinstance(value, (bytes, bytearray)):
+        return len(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return 8
+    if isinstance(value, dict):
+        return sum(_bytes_in(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_bytes_in(v) for v in value)
+    return 0
+
+
+def test_the_protocols_keys_and_shares_are_counted_on_both_engines(
+    tiny_cfg, tmp_path, task_identity, monkeypatch
+):
+    """``bytes_up_protocol``: what SecAgg+'s server side received of stages 0, 1 and 3,
+    counted at the server session itself; the same on both engines; apart from
+    ``bytes_up`` (the masked vectors)."""
+    from fedexlora.run.inprocess import run_experiment
+    from fedexlora.secagg import protocol
+    from test_flower_parity import _flower
+
+    received = []
+    for stage in ("take_keys", "take_shares", "take_unmask"):
+        orig = getattr(protocol.ServerSession, stage)
+
+        def spy(self, replies, _orig=orig):
+            received.append(sum(_bytes_in(r) for r in replies.values()))
+            return _orig(self, replies)
+
+        monkeypatch.setattr(protocol.ServerSession, stage, spy)
+    cfg = tiny_cfg.replace(methods=["fedex"], secure_aggregation=True, rounds=2, num_clients=4,
+                           min_partition_size=5)  # fmt: skip
+    local = run_experiment(cfg, tmp_path / "local", progress=False)
+    assert len(received) == 6  # three stages a round
+    per_round = [sum(received[:3]), sum(received[3:])]
+    received.clear()
+    flower, _ = _flower(cfg, tmp_path / "flower")
+    assert [sum(received[:3]), sum(received[3:])] == per_round
+    for rows in (local, flower):
+        assert [r["bytes_up_protocol"] for r in rows] == per_round
+        for r in rows:  # at least two keys, and shares for every other client, each
+            assert r["bytes_up_protocol"] > 4 * (2 * 32 + 3 * 32)
+            assert r["bytes_up"] > 0 and r["bytes_up"] != r["bytes_up_protocol"]
+    print("bytes_up_protocol per client and round (k=4):", [b / 4 for b in per_round])

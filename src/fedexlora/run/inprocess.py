@@ -305,6 +305,7 @@ class InProcess:
             rnd, sampled, uploads, outcome, t0, bytes_up, bytes_down, down_max,
             dropped=sorted(sround.dropped) if sround is not None else None,
             refused=refused, privacy=self._privacy(refused),
+            bytes_up_protocol=sround.protocol_bytes if sround is not None else 0,
         )  # fmt: skip
 
     def _privacy(self, refused: list[int]) -> dict | None:

@@ -62,6 +62,9 @@ class RoundTraffic:
         dropped: Clients that dropped out of a secure round (``None``: not secure).
         refused: Clients that were not trained because their privacy budget was spent.
         privacy: The round's ``privacy`` report with DP-SGD (``None``: no DP).
+        bytes_up_protocol: Bytes of the clients' SecAgg+ keys and shares (stages 0, 1
+            and 3; :func:`fedexlora.secagg.traffic.protocol_nbytes`), apart from
+            ``bytes_up``.
     """
 
     round: int
@@ -75,6 +78,7 @@ class RoundTraffic:
     dropped: list[int] | None = None
     refused: list[int] = field(default_factory=list)
     privacy: dict | None = None
+    bytes_up_protocol: int = 0
 
 
 def close_round(
@@ -148,6 +152,9 @@ def close_round(
         row["side_bytes"] = side_nbytes(model)
         if cfg.side_budget is not None:
             row["side_budget"] = cfg.side_budget
+    if federated and cfg.secure_aggregation:
+        # SecAgg+'s keys and shares, apart from the masked vectors in bytes_up
+        row["bytes_up_protocol"] = traffic.bytes_up_protocol
     if traffic.privacy is not None:
         row["privacy"] = {**traffic.privacy, "randomness": dp_randomness(cfg)}
         # no client sends its loss under DP: a noiseless loss is outside DP-SGD's guarantee

@@ -49,6 +49,7 @@ class SecureRun:
         self.refused: dict[int, str] = {}
         self.error: str | None = None
         self.collecting: dict[int, dict] = {}
+        self.protocol_bytes = 0  # the clients' keys and shares (stages 0, 1 and 3)
         self.round = None
         try:  # fewer than 2 clients (DP budgets spent) fail here: an unchanged round
             self.round = SecureRound(
@@ -66,10 +67,13 @@ class SecureRun:
 
     def _exchange(self, stage: str, messages: dict[int, dict]) -> dict[int, dict]:
         from fedexlora.secagg.rounds import client_session_reply
+        from fedexlora.secagg.traffic import protocol_nbytes
 
         if stage == "setup":
             messages = self.setups
-        return {c: client_session_reply(self.sessions[c], stage, m) for c, m in messages.items()}
+        replies = {c: client_session_reply(self.sessions[c], stage, m) for c, m in messages.items()}
+        self.protocol_bytes += sum(protocol_nbytes(r) for r in replies.values())
+        return replies
 
     def reply(self, c: int, up) -> int:
         """Client ``c``'s masked vector (through :attr:`client_reply`); its bytes."""
