@@ -126,3 +126,24 @@ def test_the_protocols_keys_and_shares_are_counted_on_both_engines(
             assert r["bytes_up_protocol"] > 4 * (2 * 32 + 3 * 32)
             assert r["bytes_up"] > 0 and r["bytes_up"] != r["bytes_up_protocol"]
     print("bytes_up_protocol per client and round (k=4):", [b / 4 for b in per_round])
+
+
+def test_train_loss_has_one_definition_clear_and_secure(tiny_cfg, tmp_path, seen_updates):
+    """A round's ``train_loss`` is the accepted clients' losses weighted as the model is
+    (here by examples), on the clear path as inside secure aggregation's sum: computed
+    by hand from the clients' own uploads, and equal across the two paths."""
+    from fedexlora.run.inprocess import run_experiment
+
+    seen, spy = seen_updates
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=1, weighting="examples")
+    clear = run_experiment(cfg, tmp_path / "clear", progress=False, local_update=spy)
+    ups = [seen[(1, c)][2] for c in clear[0]["accepted"]]
+    sizes = [int(u.num_examples) for u in ups]
+    assert len(set(sizes)) > 1, "the partitions must differ in size for the test to tell"
+    hand = sum(n * u.train_loss for n, u in zip(sizes, ups)) / sum(sizes)
+    assert clear[0]["train_loss"] == pytest.approx(hand, rel=1e-12)
+    plain = sum(u.train_loss for u in ups) / len(ups)
+    assert abs(hand - plain) > 1e-6  # the unweighted mean is another figure
+    secure = run_experiment(cfg.replace(secure_aggregation=True), tmp_path / "secure",
+                            progress=False)  # fmt: skip
+    assert secure[0]["train_loss"] == pytest.approx(hand, rel=1e-6)
