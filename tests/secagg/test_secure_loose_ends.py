@@ -16,11 +16,10 @@ def test_a_client_configured_for_secure_aggregation_refuses_a_clear_evaluation(
 
     from fedexlora.bridge.adapters import get_state
     from fedexlora.flower.client_app import make_client_app
-    from fedexlora.flower.records import resolve_run_config, to_run_config
+    from fedexlora.flower.records import resolve_run_config, to_array_record, to_run_config
     from fedexlora.flower.server_app import run_server
     from fedexlora.run.build import new_model
     from fedexlora.run.restore import load_task_for
-    from fedexlora.flower.records import to_array_record
     from test_flower import InProcessGrid
 
     cfg = tiny_cfg.replace(methods=["fedex"], secure_aggregation=True, engine="flower", rounds=1)

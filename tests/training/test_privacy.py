@@ -163,9 +163,8 @@ def test_under_flower_the_clients_account_and_the_server_records(tiny_cfg, tmp_p
     """The real ClientApp and strategy: each client plans, counts and refuses by itself;
     the rows equal the in-process engine's (same sampling, noise, refusals, epsilons)."""
     from fedexlora.run.inprocess import run_experiment
-    from test_flower_parity import _close, _flower
-
     from fedexlora.run.rounds import DP_SEEDED
+    from test_flower_parity import _close, _flower
 
     # seeded DP (the opt-in): both engines draw the same sampling and noise, bit for bit
     cfg = tiny_cfg.replace(methods=["fedex", "fedsb"], fedsb_rank=4, dp_epsilon=8.0,
@@ -176,9 +175,10 @@ def test_under_flower_the_clients_account_and_the_server_records(tiny_cfg, tmp_p
     _close(flower, local)
     for row in (*flower, *local):
         assert row["privacy"]["randomness"] == DP_SEEDED and row["train_loss"] is None
-    assert "not private against anyone who knows the seed" in (
-        tmp_path / "local" / "summary.md"
-    ).read_text()
+    assert (
+        "not private against anyone who knows the seed"
+        in (tmp_path / "local" / "summary.md").read_text()
+    )
     refused = 0
     for f, loc in zip(flower, local):
         fp, lp = f["privacy"], loc["privacy"]

@@ -252,7 +252,12 @@ class InProcess:
         training = [c for c in sampled if c not in refused]
         sround = (
             SecureRun(
-                server, method, training, cfg.seed, rnd, reply=self.secure_reply,
+                server,
+                method,
+                training,
+                cfg.seed,
+                rnd,
+                reply=self.secure_reply,
                 secret_rounding=cfg.dp and not cfg.dp_reproducible,
             )  # fmt: skip
             if self.secure

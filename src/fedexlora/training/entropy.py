@@ -1,5 +1,8 @@
-"""DP-SGD's noise from OS entropy: Opacus's ``DPOptimizer`` drawing from
-:class:`fedexlora.core.entropy.SecureRandom`, never from a seed the server knows."""
+"""DP-SGD's noise from OS entropy, never from a seed the server knows.
+
+Opacus's ``DPOptimizer`` drawing its Gaussian noise from
+:class:`fedexlora.core.entropy.SecureRandom`.
+"""
 
 from __future__ import annotations
 

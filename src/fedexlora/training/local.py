@@ -310,6 +310,7 @@ def _train_dp(
 
         def draw() -> torch.Tensor:
             return torch.from_numpy(sampler.random(n))
+
     torch.manual_seed(seed)  # dropout
     gsm = wrap(model)
     try:
