@@ -5,6 +5,8 @@ import pytest
 
 pytest.importorskip("flwr")
 
+pytestmark = pytest.mark.slow(seconds=120)
+
 
 def test_a_client_configured_for_secure_aggregation_refuses_a_clear_evaluation(
     tiny_cfg, tmp_path, task_identity

@@ -16,6 +16,8 @@ import torch
 
 pytest.importorskip("opacus")
 
+pytestmark = pytest.mark.slow(seconds=60)
+
 
 def test_secure_random_draws_uniforms_and_gaussians_of_the_asked_scale():
     from fedexlora.core.entropy import SecureRandom
