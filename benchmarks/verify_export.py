@@ -61,10 +61,22 @@ def fresh(cfg):
     return new_model(cfg, load_task_for(cfg), "fedex")[0]
 
 
+def accepted_clients(run_dir: Path, method: str = "fedex") -> dict[int, list[int]]:
+    """Each round's accepted clients, as ``metrics.jsonl``'s rows of ``method`` say."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{str(run_dir)!r} has no metrics.jsonl: which clients counted?")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {int(r["round"]): sorted(r["accepted"]) for r in rows if r["method"] == method}
+
+
 def ideal_from_client_adapters(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
     """The exact global model's adapted weights, from W0 and the saved client adapters.
 
     Each round's clients weigh in by their examples, or alike with ``--weighting uniform``.
+    Only the clients the round's row in ``metrics.jsonl`` lists as ``accepted`` count: an
+    adapter saved by a client that trained in a refused round (secure aggregation with too
+    few survivors), or whose upload was rejected or lost, is in no model.
     """
     model = fresh(cfg)
     layers = lora_layers(model)
@@ -76,8 +88,15 @@ def ideal_from_client_adapters(run_dir: Path, cfg) -> dict[str, torch.Tensor]:
     M = {n: w0(layer) for n, layer in layers.items()}
     W0 = {n: w.clone() for n, w in M.items()}
     prev_global = {n: 0.0 for n in layers}
+    accepted = accepted_clients(run_dir)
     for rnd in range(1, cfg.rounds + 1):
-        clients = sorted((run_dir / "clients" / f"round-{rnd}").iterdir())
+        if not accepted.get(rnd):  # a refused round: the global model is unchanged
+            continue
+        folder = run_dir / "clients" / f"round-{rnd}"
+        clients = [folder / f"client-{c}" for c in accepted[rnd]]
+        missing = [c.name for c in clients if not (c / "meta.json").is_file()]
+        if missing:
+            raise ValueError(f"round {rnd}: no saved adapter for accepted {missing}")
         metas = [json.loads((c / "meta.json").read_text()) for c in clients]
         tensors = [load_file(str(c / "adapter_model.safetensors")) for c in clients]
         if uniform:  # --weighting uniform: every client the same

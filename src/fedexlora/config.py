@@ -419,6 +419,13 @@ class RunConfig:
     dp_max_grad_norm: float = setting(
         1.0, help="DP-SGD per-sample clipping norm", panel=PRIVACY, low=0, low_open=True
     )
+    dp_reproducible: bool = setting(
+        False,
+        help="Draw DP-SGD's sampling and noise (and SecAgg+'s rounding) from the run's seed, "
+        "for simulations that must repeat: not private against anyone who knows the seed "
+        "(off: OS entropy on each client)",
+        panel=PRIVACY,
+    )
     # Output and resume
     keep_checkpoints: int = setting(2, help="Checkpoints kept per method", panel=OUTPUT, low=1)
     save_client_adapters: bool = setting(False, help="Write client adapters", panel=OUTPUT)
@@ -625,6 +632,11 @@ class RunConfig:
             "--export-dtype fp32, use --export-format adapter, or confirm with "
             "--allow-inexact",
         )
+        need(
+            self.dp or not self.dp_reproducible,
+            "`dp_reproducible` applies only with `dp_epsilon` (it seeds DP-SGD's noise); "
+            "fix: drop --dp-reproducible, or set --dp-epsilon",
+        )
         if self.dp:
             cannot = []  # what the methods cannot run with, each method says (`check`)
             if self.gradient_checkpointing:
@@ -721,8 +733,15 @@ class RunConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
     def to_toml(self) -> str:
-        """The resolved configuration as TOML."""
-        return tomli_w.dumps(self.to_dict())
+        """The resolved configuration as TOML (a seeded DP run says so in a comment too)."""
+        text = tomli_w.dumps(self.to_dict())
+        if self.dp and self.dp_reproducible:
+            text = (
+                "# dp_reproducible = true: DP-SGD's sampling and noise are drawn from `seed`;\n"
+                "# this run is NOT private against anyone who knows the seed (simulation only)\n"
+                + text
+            )
+        return text
 
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with ``changes`` applied."""
@@ -815,6 +834,7 @@ ADDED_LATER: dict[str, Any] = {
     "secure_aggregation": False,
     "trainer": "builtin",
     "fp32_side_branch": False,
+    "dp_reproducible": False,
 }
 """Settings added after runs existed, with the value those runs had: a run's
 ``config.toml`` without one reads it back so (:func:`load_run_config`), and the resume

@@ -26,14 +26,46 @@ def _dp_secure(tiny_cfg, **kw):
     )  # fmt: skip
 
 
-def test_in_process_rows_hold_no_clients_figures_and_a_resume_keeps_the_budget(tiny_cfg, tmp_path):
+def _rounding_seeds(monkeypatch) -> list:
+    """The ``seed`` of every client's stochastic rounding (``client_reply``), as called."""
+    import fedexlora.secagg.rounds as secagg_rounds
+
+    seeds, real = [], secagg_rounds.client_reply
+
+    def spy(*args, **kwargs):
+        seeds.append(kwargs["seed"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(secagg_rounds, "client_reply", spy)
+    return seeds
+
+
+def test_in_process_under_dp_the_rounding_is_the_clients_own(tiny_cfg, tmp_path, monkeypatch):
+    """By default each client's stochastic rounding is drawn from OS entropy (no seed a
+    server knows), and the secure rows carry no loss (none went into the sum)."""
+    from fedexlora.run.inprocess import run_experiment
+    from fedexlora.run.rounds import DP_SECURE
+
+    seeds = _rounding_seeds(monkeypatch)
+    rows = run_experiment(_dp_secure(tiny_cfg, rounds=1), tmp_path, progress=False)
+    assert seeds == [None, None, None]
+    assert rows[0]["accepted"] == [0, 1, 2] and rows[0]["train_loss"] is None
+    assert rows[0]["privacy"]["randomness"] == DP_SECURE
+
+
+def test_in_process_rows_hold_no_clients_figures_and_a_resume_keeps_the_budget(
+    tiny_cfg, tmp_path, monkeypatch
+):
     """Two rounds planned, run straight and crashed in round 2 then resumed: the same
     rows, none naming a client's figures; resumed to three, every client refuses (its
     own checkpointed record says its budget is spent)."""
     from fedexlora.run.inprocess import run_experiment
 
-    cfg = _dp_secure(tiny_cfg, rounds=2)
+    # seeded DP (the opt-in), so that the resumed run can equal the straight one
+    cfg = _dp_secure(tiny_cfg, rounds=2, dp_reproducible=True)
+    seeds = _rounding_seeds(monkeypatch)
     straight = run_experiment(cfg, tmp_path / "straight", progress=False)
+    assert seeds and all(s == cfg.seed for s in seeds)  # the opt-in seeds the rounding too
     text = (tmp_path / "straight" / "metrics.jsonl").read_text()
     assert not any(f in text for f in _FIGURES)
     for row in straight:
@@ -52,7 +84,7 @@ def test_in_process_rows_hold_no_clients_figures_and_a_resume_keeps_the_budget(t
 
 
 def test_under_flower_no_reply_names_a_clients_figures_and_a_lost_record_refuses(
-    tiny_cfg, tmp_path, task_identity
+    tiny_cfg, tmp_path, task_identity, monkeypatch
 ):
     """Every reply the server receives is recorded: none carries a DP figure. Resumed
     with every client's Context lost (a new federation), a client that trained cannot
@@ -72,7 +104,10 @@ def test_under_flower_no_reply_names_a_clients_figures_and_a_lost_record_refuses
         return got
 
     grid.send_and_receive = recording
+    seeds = _rounding_seeds(monkeypatch)
     first, _ = _flower(cfg, run, grid=grid)
+    assert seeds == [None] * 6  # each client's rounding from OS entropy, both rounds
+    assert all(r["train_loss"] is None for r in first)
     assert [r["accepted"] for r in first] == [[0, 1, 2], [0, 1, 2]]
     trains = [r for r in replies if r.has_content() and "metrics" in r.content]
     assert trains

@@ -114,8 +114,8 @@ def test_dp_run_is_private_by_its_log_and_fedex_stays_exact(tiny_cfg):
         assert rows[-1]["privacy"]["epsilon"] == pytest.approx(3.0, rel=0.01)  # all spent
     # DP changed training: the same run without DP ends elsewhere
     plain, _, _ = run_method(cfg.replace(dp_epsilon=None), "fedex", prep, progress=False)
-    assert plain[-1]["train_loss"] != rows_by["fedex"][-1]["train_loss"]
-    assert "privacy" not in plain[-1]
+    assert plain[-1]["deviation"] != rows_by["fedex"][-1]["deviation"]
+    assert "privacy" not in plain[-1] and rows_by["fedex"][-1]["train_loss"] is None
 
 
 def test_a_resume_past_the_plan_refuses_every_client(tiny_cfg, tmp_path):
@@ -163,13 +163,22 @@ def test_under_flower_the_clients_account_and_the_server_records(tiny_cfg, tmp_p
     """The real ClientApp and strategy: each client plans, counts and refuses by itself;
     the rows equal the in-process engine's (same sampling, noise, refusals, epsilons)."""
     from fedexlora.run.inprocess import run_experiment
+    from fedexlora.run.rounds import DP_SEEDED
     from test_flower_parity import _close, _flower
 
+    # seeded DP (the opt-in): both engines draw the same sampling and noise, bit for bit
     cfg = tiny_cfg.replace(methods=["fedex", "fedsb"], fedsb_rank=4, dp_epsilon=8.0,
-                           dp_delta=1e-3, rounds=4, fraction=0.34, local_steps=1)  # fmt: skip
+                           dp_delta=1e-3, rounds=4, fraction=0.34, local_steps=1,
+                           dp_reproducible=True)  # fmt: skip
     local = run_experiment(cfg, tmp_path / "local", progress=False)
     flower, grid = _flower(cfg, tmp_path / "flower")
     _close(flower, local)
+    for row in (*flower, *local):
+        assert row["privacy"]["randomness"] == DP_SEEDED and row["train_loss"] is None
+    assert (
+        "not private against anyone who knows the seed"
+        in (tmp_path / "local" / "summary.md").read_text()
+    )
     refused = 0
     for f, loc in zip(flower, local):
         fp, lp = f["privacy"], loc["privacy"]

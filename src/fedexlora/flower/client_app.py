@@ -390,14 +390,18 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     if refused:  # past its budget: not trained, nothing of its data sent
         metrics["dp-refused"] = 1
     elif str(conf.get("secagg-stage", "")) == "collect":  # masked: count and loss in the sum
-        content["config"]["secagg.masked"] = _secure_upload(context, conf, up, cfg.seed, rnd)
+        # under DP (unless reproducible) its rounding is drawn from OS entropy, not the seed
+        seed = None if cfg.dp and not cfg.dp_reproducible else cfg.seed
+        content["config"]["secagg.masked"] = _secure_upload(context, conf, up, seed, rnd)
         if cfg.save_client_adapters and c.settings.run_dir:  # the client keeps its own
             from fedexlora.run.client_step import save_client_adapter
 
             save_client_adapter(model, Path(c.settings.run_dir), rnd, pid, int(up.num_examples))
     else:
         content["arrays"] = to_array_record(up.state.to_flat())
-        metrics.update({"num-examples": int(up.num_examples), "train-loss": float(up.train_loss)})
+        metrics["num-examples"] = int(up.num_examples)
+        if budget is None:  # under DP no loss is sent (it is outside DP-SGD's guarantee)
+            metrics["train-loss"] = float(up.train_loss)
     content["metrics"] = MetricRecord(metrics)
     return Message(content, reply_to=msg)
 
@@ -431,10 +435,11 @@ def secure_stage_step(msg: Message, context: Context, defaults: Mapping[str, Any
     return Message(RecordDict({"config": ConfigRecord(record)}), reply_to=msg)
 
 
-def _secure_upload(context: Context, conf, up, seed: int, rnd: int) -> bytes:
+def _secure_upload(context: Context, conf, up, seed: int | None, rnd: int) -> bytes:
     """Stage 2: this client's upload as its masked vector (its SecAgg+ state updated).
 
-    Its stochastic rounding is seeded by the run's seed, the round and the client.
+    Its stochastic rounding is seeded by the run's seed, the round and the client; with
+    ``seed`` None (DP, not reproducible) it is drawn from OS entropy.
     """
     from fedexlora.secagg.rounds import client_reply
 
@@ -467,7 +472,9 @@ def _save_session(context: Context, session, setup: Mapping) -> None:
 def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:
     """This client's own model (the global A of ``msg``, its own B) on its own test split.
 
-    For a personalized method (FedSA-LoRA); the client's state is left as it was.
+    For a personalized method (FedSA-LoRA); the client's state is left as it was. A client
+    configured for secure aggregation refuses (a reply with ``error``, nothing measured):
+    its metrics and test-split size would reach the server in the clear.
 
     Raises:
         ValueError: If the configuration or partition does not match the server's, or the
@@ -476,6 +483,18 @@ def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -
     from fedexlora.core.state import AdapterState
     from fedexlora.run.rounds import evaluate_personal
 
+    cfg, _, _ = _resolve(defaults, context)
+    if cfg.secure_aggregation:
+        # its own configuration says secure aggregation: its metrics and test-split size
+        # are its own figures, never sent in the clear (as the train path refuses)
+        pid = int(context.node_config.get("partition-id", -1))
+        error = (
+            f"partition {pid} is configured for secure aggregation and refuses to send its "
+            "own evaluation in the clear; the server asked for one (is the server's "
+            "configuration the same?)"
+        )
+        fields = {"partition-id": pid, "error": error}
+        return Message(RecordDict({"config": ConfigRecord(fields)}), reply_to=msg)
     c = _client_for(msg, context, defaults)
     state = AdapterState.from_flat(from_array_record(msg.content["arrays"]))
     metrics, n = evaluate_personal(c.cfg, c.method, c.model, c.prep, c.pid, state)

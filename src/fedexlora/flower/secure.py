@@ -53,6 +53,8 @@ def secure_exchange(
     strategy, grid: Grid, rec: Any, stage: str, msgs: Mapping[int, Mapping]
 ) -> dict[int, dict]:
     """One SecAgg+ stage: a message to each client, its reply's ``secagg.`` fields."""
+    from fedexlora.secagg.traffic import protocol_nbytes
+
     by_partition = strategy.nodes.refresh(grid)
     out_msgs = []
     for c, fields in msgs.items():
@@ -88,6 +90,7 @@ def secure_exchange(
         conf = reply.content["config"]
         got = {k[len("secagg.") :]: v for k, v in conf.items() if k.startswith("secagg.")}
         strategy.received.append((stage, c, got))
+        rec.bytes_up_protocol += protocol_nbytes(got)  # its keys and shares, as received
         replies[c] = got
     return replies
 

@@ -161,7 +161,7 @@ class FlowerRounds:
         return RoundTraffic(
             rec.round, rec.sampled, rec.uploads, rec.outcome, rec.started, rec.bytes_up,
             rec.bytes_down, rec.bytes_down_max, dropped=rec.dropped,
-            refused=rec.refused, privacy=privacy,
+            refused=rec.refused, privacy=privacy, bytes_up_protocol=rec.bytes_up_protocol,
         )  # fmt: skip
 
     def evaluate_clients(self, clients: list[int]) -> dict[int, tuple[dict[str, float], int]]:

@@ -80,6 +80,7 @@ class RoundRecord:
         bytes_down: Bytes of every payload tensor sent.
         bytes_down_max: Bytes of the largest payload one client received.
         bytes_up: Bytes of every upload tensor received.
+        bytes_up_protocol: Bytes of the clients' SecAgg+ keys and shares (stages 0, 1, 3).
         started: ``time.perf_counter()`` when the round was configured.
         errors: Partition -> why its upload is missing.
         refused: Partitions that did not train: their DP budget would be exceeded (their
@@ -97,6 +98,7 @@ class RoundRecord:
     outcome: RoundOutcome | None = None
     bytes_down: int = 0
     bytes_down_max: int = 0
+    bytes_up_protocol: int = 0
     bytes_up: int = 0
     started: float = 0.0
     errors: dict[int, str] = field(default_factory=dict)
@@ -533,12 +535,13 @@ class FedExLoRA(FedAvg):
         else:
             outcome = self.server.aggregate(ups, effective=self.effective)
         rec.outcome = outcome
+        from fedexlora.run.rounds import train_loss
+
         accepted = [u for u in ups if u.client_id in outcome.accepted]
-        losses = [u.train_loss for u in accepted]
         metrics = MetricRecord(
             {
                 self.weighted_by_key: sum(int(u.num_examples) for u in accepted),
-                "train-loss": sum(losses) / len(losses) if losses else float("nan"),
+                "train-loss": train_loss(ups, outcome),  # weighted as the rows' is
                 "dropped": len(rec.dropped),
             }
         )

@@ -13,6 +13,7 @@ identically on either.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -61,7 +62,10 @@ def local_update(
         client: The client id.
         steps: Local steps; ``None`` takes ``cfg.local_steps``.
         progress: Whether to show a progress bar.
-        dp: This client's DP-SGD budget (:class:`fedexlora.training.privacy.Budget`), or None.
+        dp: This client's DP-SGD budget (:class:`fedexlora.training.privacy.Budget`), or
+            None. With it the upload carries no training loss (NaN): only what DP-SGD
+            covers leaves the client. Its sampling and noise come from OS entropy unless
+            ``cfg.dp_reproducible``.
         tokenizer: The model's tokenizer (``cfg.trainer == "trl"`` needs it).
     """
     spec = get_method(method)
@@ -98,6 +102,7 @@ def local_update(
             device=device,
             autocast=autocast_dtype(cfg),
             dp=dp,
+            dp_reproducible=cfg.dp_reproducible,
             penalty=hooks.penalty,
         )
     if hooks.after is not None:
@@ -107,7 +112,9 @@ def local_update(
         model,
         res.num_examples,
         client_id=client,
-        train_loss=res.loss,
+        # under DP the loss is not sent: a noiseless mean of batch losses is outside
+        # DP-SGD's guarantee (it would be a figure of the client's data in the clear)
+        train_loss=res.loss if dp is None else math.nan,
         include_A=up_A,
         include_B=up_B,
         include_extra=spec.shares_head,

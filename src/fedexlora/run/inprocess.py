@@ -251,7 +251,15 @@ class InProcess:
         refused, wants = self._refused(sampled)
         training = [c for c in sampled if c not in refused]
         sround = (
-            SecureRun(server, method, training, cfg.seed, rnd, reply=self.secure_reply)
+            SecureRun(
+                server,
+                method,
+                training,
+                cfg.seed,
+                rnd,
+                reply=self.secure_reply,
+                secret_rounding=cfg.dp and not cfg.dp_reproducible,
+            )  # fmt: skip
             if self.secure
             else None
         )
@@ -302,6 +310,7 @@ class InProcess:
             rnd, sampled, uploads, outcome, t0, bytes_up, bytes_down, down_max,
             dropped=sorted(sround.dropped) if sround is not None else None,
             refused=refused, privacy=self._privacy(refused),
+            bytes_up_protocol=sround.protocol_bytes if sround is not None else 0,
         )  # fmt: skip
 
     def _privacy(self, refused: list[int]) -> dict | None:

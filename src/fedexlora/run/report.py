@@ -75,6 +75,11 @@ def sampled_examples(row: dict) -> int:
     return int(row.get("test_examples") or 0)
 
 
+def _loss(value: float | None) -> str:
+    """A row's train loss; ``None``: not sent (under DP no client sends its loss)."""
+    return "not sent (DP)" if value is None else f"{value:.4f}"
+
+
 def _final(metric: str, value: float, n: int) -> str:
     if metric in PROPORTIONS and n and math.isfinite(value):
         lo, hi = wilson(value, n)
@@ -118,7 +123,7 @@ def summary_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
                 label,
                 _final(metric, vals[-1], sampled_examples(last)),
                 f"{best:.4f}",
-                f"{last['train_loss']:.4f}",
+                _loss(last.get("train_loss")),
                 format_bytes(sum(r["bytes_up"] for r in rs)),
                 format_bytes(sum(r["bytes_down"] for r in rs)),
                 f"{sum(devs) / len(devs):.3g}" if devs else "n/a",
@@ -317,6 +322,22 @@ def write_summary(
                 "rate would tell its example count; the server learned only which clients "
                 "refused to train, their budget spent)."
             )
+        randomness = sorted({v.get("randomness") for v in last.values()} - {None})
+        if any(v.startswith("seeded") for v in randomness):
+            parts.append(
+                "- **DP-SGD's sampling and noise were seeded (`dp_reproducible`): this run is "
+                "not private against anyone who knows the seed**, the server included; it "
+                "repeats bit for bit, for simulations only."
+            )
+        elif randomness:
+            parts.append(
+                "- DP-SGD's sampling and noise (and, under secure aggregation, the stochastic "
+                "rounding) were drawn on each client from OS entropy, never from the seed."
+            )
+        parts.append(
+            "- No client sent its training loss (a noiseless figure of its data, outside "
+            "DP-SGD's guarantee): the rows' `train_loss` is `null`."
+        )
         refused = sorted({(r["method"], r["round"], tuple(r["privacy"]["refused"]))
                           for r in private if r["privacy"]["refused"]})  # fmt: skip
         for method, rnd, ids in refused:

@@ -32,10 +32,14 @@ from fedexlora.training.local import Encoded, evaluate
 __all__ = [
     "RoundTraffic",
     "apply_round",
+    "DP_SECURE",
+    "DP_SEEDED",
     "close_round",
+    "dp_randomness",
     "evaluate_personal",
     "personal_metrics",
     "round_row",
+    "train_loss",
 ]
 
 EvaluateClients = Callable[[list[int]], dict[int, tuple[dict[str, float], int]]]
@@ -58,6 +62,9 @@ class RoundTraffic:
         dropped: Clients that dropped out of a secure round (``None``: not secure).
         refused: Clients that were not trained because their privacy budget was spent.
         privacy: The round's ``privacy`` report with DP-SGD (``None``: no DP).
+        bytes_up_protocol: Bytes of the clients' SecAgg+ keys and shares (stages 0, 1
+            and 3; :func:`fedexlora.secagg.traffic.protocol_nbytes`), apart from
+            ``bytes_up``.
     """
 
     round: int
@@ -71,6 +78,7 @@ class RoundTraffic:
     dropped: list[int] | None = None
     refused: list[int] = field(default_factory=list)
     privacy: dict | None = None
+    bytes_up_protocol: int = 0
 
 
 def close_round(
@@ -144,14 +152,31 @@ def close_round(
         row["side_bytes"] = side_nbytes(model)
         if cfg.side_budget is not None:
             row["side_budget"] = cfg.side_budget
+    if federated and cfg.secure_aggregation:
+        # SecAgg+'s keys and shares, apart from the masked vectors in bytes_up
+        row["bytes_up_protocol"] = traffic.bytes_up_protocol
     if traffic.privacy is not None:
-        row["privacy"] = traffic.privacy
+        row["privacy"] = {**traffic.privacy, "randomness": dp_randomness(cfg)}
+        # no client sends its loss under DP: a noiseless loss is outside DP-SGD's guarantee
+        row["train_loss"] = None
         if traffic.refused:
             row["note"] = (
                 f"clients {sorted(traffic.refused)} were not trained: their privacy budget "
                 f"(epsilon {cfg.dp_epsilon}) would be exceeded"
             )
     return row
+
+
+DP_SEEDED = (
+    "seeded (dp_reproducible): drawn from the run's seed, not private against anyone "
+    "who knows the seed"
+)
+DP_SECURE = "os-entropy: drawn on each client from OS entropy (ChaCha20), never from a seed"
+
+
+def dp_randomness(cfg) -> str:
+    """Where DP-SGD's sampling and noise came from, as rows and summaries name it."""
+    return DP_SEEDED if cfg.dp_reproducible else DP_SECURE
 
 
 def _summ(values: dict[str, float]) -> dict:
@@ -163,6 +188,24 @@ def _summ(values: dict[str, float]) -> dict:
         "max": max(short.values()),
         "per_layer": short,
     }
+
+
+def train_loss(uploads: list[ClientUpload], outcome: RoundOutcome) -> float:
+    """The round's training loss: the accepted clients' losses, weighted as the model is.
+
+    One definition on every path: each accepted client's loss under its aggregation weight
+    (``outcome.weights``: its example count's share under ``--weighting examples``, equal
+    shares under ``uniform``), which is what secure aggregation's sum gives too. Without
+    weights (a method that keeps none) the plain mean. NaN when no client reported one.
+    """
+    losses = {u.client_id: u.train_loss for u in uploads if u.client_id in outcome.accepted}
+    if not losses:
+        return float("nan")
+    weights = outcome.weights
+    if set(losses) <= set(weights) and sum(weights[c] for c in losses) > 0:
+        total = sum(weights[c] for c in losses)
+        return sum(weights[c] * loss for c, loss in losses.items()) / total
+    return sum(losses.values()) / len(losses)
 
 
 def round_row(
@@ -197,13 +240,12 @@ def round_row(
     ``(metrics, test examples)``: ``metrics`` are then their weighted mean, the clients'
     own go under ``personalized``, and no deviation is reported (``None``).
     """
-    losses = [u.train_loss for u in uploads if u.client_id in outcome.accepted]
     row = {
         "method": method,
         "round": rnd,
         "metrics": metrics,
         "test_examples": test_examples,
-        "train_loss": sum(losses) / len(losses) if losses else float("nan"),
+        "train_loss": train_loss(uploads, outcome),
         "seconds": seconds,
         "server_seconds": server_seconds,
         "bytes_up": bytes_up,

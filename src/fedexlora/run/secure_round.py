@@ -32,12 +32,14 @@ class SecureRun:
         rnd: int,
         *,
         reply: Callable[..., bytes | None] | None = None,
+        secret_rounding: bool = False,
     ):
         from fedexlora.secagg.protocol import ClientSession
         from fedexlora.secagg.rounds import SecAggError, SecureRound
 
         self.server = server
-        self.run_seed, self.rnd = seed, rnd  # each client's stochastic rounding
+        # each client's stochastic rounding: from the seed, or (DP) from OS entropy
+        self.run_seed, self.rnd = (None if secret_rounding else seed), rnd
         if reply is None:
             from fedexlora.secagg.rounds import client_reply as reply
         self.client_reply = reply
@@ -47,6 +49,7 @@ class SecureRun:
         self.refused: dict[int, str] = {}
         self.error: str | None = None
         self.collecting: dict[int, dict] = {}
+        self.protocol_bytes = 0  # the clients' keys and shares (stages 0, 1 and 3)
         self.round = None
         try:  # fewer than 2 clients (DP budgets spent) fail here: an unchanged round
             self.round = SecureRound(
@@ -64,10 +67,13 @@ class SecureRun:
 
     def _exchange(self, stage: str, messages: dict[int, dict]) -> dict[int, dict]:
         from fedexlora.secagg.rounds import client_session_reply
+        from fedexlora.secagg.traffic import protocol_nbytes
 
         if stage == "setup":
             messages = self.setups
-        return {c: client_session_reply(self.sessions[c], stage, m) for c, m in messages.items()}
+        replies = {c: client_session_reply(self.sessions[c], stage, m) for c, m in messages.items()}
+        self.protocol_bytes += sum(protocol_nbytes(r) for r in replies.values())
+        return replies
 
     def reply(self, c: int, up) -> int:
         """Client ``c``'s masked vector (through :attr:`client_reply`); its bytes."""

@@ -269,7 +269,7 @@ def client_reply(
     msg: Mapping,
     upload: ClientUpload,
     *,
-    seed: int,
+    seed: int | None,
     rnd: int,
 ) -> bytes:
     """One client's stage-2 reply: its upload as a masked vector.
@@ -281,6 +281,9 @@ def client_reply(
         upload: What it would have uploaded in the clear.
         seed: The run's seed; with ``rnd`` and the client it seeds the stochastic
             rounding (:func:`rounding_generator`), so that a run repeats exactly.
+            ``None`` (under DP, unless ``dp_reproducible``): the rounding is drawn from
+            OS entropy (:class:`fedexlora.core.entropy.SecureRandom`), so that no one
+            who knows the seed can replay it.
         rnd: The round.
 
     Raises:
@@ -306,5 +309,11 @@ def client_reply(
     vec = client_vector(layout, upload.state, weight, upload.train_loss)
     if not torch.isfinite(vec).all():  # the clear path's validation, done by the client
         raise ValueError(f"client {upload.client_id}: its upload contains NaN or Inf")
-    ints, clipped = quant.encode(vec.numpy(), rounding_generator(seed, rnd, upload.client_id))
+    if seed is None:
+        from fedexlora.core.entropy import SecureRandom
+
+        rng = SecureRandom()
+    else:
+        rng = rounding_generator(seed, rnd, upload.client_id)
+    ints, clipped = quant.encode(vec.numpy(), rng)
     return session.masked(msg, np.concatenate([ints, np.array([clipped], dtype=np.int64)]))

@@ -180,6 +180,7 @@ def train_local(
     progress: bool = True,
     autocast: torch.dtype | None = None,
     dp=None,
+    dp_reproducible: bool = False,
     penalty: Callable[[], torch.Tensor] | None = None,
 ) -> TrainResult:
     """Trains the model's trainable parameters on ``data`` with AdamW.
@@ -205,7 +206,12 @@ def train_local(
         dp: DP-SGD (a :class:`fedexlora.training.privacy.Budget`, or anything with its
             ``noise_multiplier``, ``sample_rate`` and ``max_grad_norm``): Poisson-sampled
             batches, per-sample clipping and Gaussian noise (Opacus), instead of plain
-            clipping of the batch gradient. The noise comes from ``seed`` too.
+            clipping of the batch gradient. The sampling and the noise come from OS
+            entropy (:mod:`fedexlora.core.entropy`), never from ``seed``: no one who
+            knows the seed can replay them.
+        dp_reproducible: With ``dp``, draw the sampling and the noise from ``seed`` instead
+            (a simulation that must repeat bit for bit): not private against anyone who
+            knows the seed.
         penalty: A regularizer added to each step's loss (HetLoRA's rank pruning); the
             reported loss is the task's alone. Not with ``dp``.
     """
@@ -215,7 +221,7 @@ def train_local(
         return _train_dp(
             model, data, dp, epochs=epochs, steps=steps, batch_size=batch_size, lr=lr,
             weight_decay=weight_decay, warmup_ratio=warmup_ratio, seed=seed, device=device,
-            desc=desc, progress=progress, autocast=autocast,
+            desc=desc, progress=progress, autocast=autocast, reproducible=dp_reproducible,
         )  # fmt: skip
     n = len(data)
     if n == 0:
@@ -263,9 +269,13 @@ def _schedule(total: int, warmup_ratio: float):
 
 def _train_dp(
     model, data: Encoded, dp, *, epochs, steps, batch_size, lr, weight_decay, warmup_ratio,
-    seed, device, desc, progress, autocast,
+    seed, device, desc, progress, autocast, reproducible=False,
 ) -> TrainResult:  # fmt: skip
     """DP-SGD: Poisson sampling, per-sample clipping, Gaussian noise (Opacus).
+
+    The sampling and the noise are drawn from OS entropy (:class:`~fedexlora.core.
+    entropy.SecureRandom`), or, ``reproducible``, from ``seed`` (not private against
+    anyone who knows it). Dropout, which the guarantee does not rest on, stays seeded.
 
     The first step with examples is checked (:class:`~fedexlora.training.privacy.
     FirstStepCheck`): every trainable parameter got its per-sample gradients and moved,
@@ -281,19 +291,34 @@ def _train_dp(
     total = steps if steps is not None else max(1, math.ceil(epochs * math.ceil(n / batch_size)))
     params = [p for p in model.parameters() if p.requires_grad]
     check = FirstStepCheck(model, params)
-    gen = torch.Generator().manual_seed(seed)
-    noise = torch.Generator(device=torch.device(device)).manual_seed(seed + 1)
+    dp_args = dict(
+        noise_multiplier=dp.noise_multiplier,
+        max_grad_norm=dp.max_grad_norm,
+        expected_batch_size=max(1, round(dp.sample_rate * n)),
+        loss_reduction="mean",
+    )
+    if reproducible:  # a simulation's choice: anyone with the seed replays it
+        gen = torch.Generator().manual_seed(seed)
+        noise = torch.Generator(device=torch.device(device)).manual_seed(seed + 1)
+
+        def draw() -> torch.Tensor:
+            return torch.rand(n, generator=gen)
+    else:  # OS entropy, on this client only
+        from fedexlora.training.entropy import SecureRandom, secure_dp_optimizer
+
+        sampler = SecureRandom()
+
+        def draw() -> torch.Tensor:
+            return torch.from_numpy(sampler.random(n))
+
     torch.manual_seed(seed)  # dropout
     gsm = wrap(model)
     try:
-        opt = DPOptimizer(
-            torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay),
-            noise_multiplier=dp.noise_multiplier,
-            max_grad_norm=dp.max_grad_norm,
-            expected_batch_size=max(1, round(dp.sample_rate * n)),
-            loss_reduction="mean",
-            generator=noise,
-        )
+        inner = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        if reproducible:
+            opt = DPOptimizer(inner, generator=noise, **dp_args)
+        else:
+            opt = secure_dp_optimizer(inner, **dp_args)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt.original_optimizer, _schedule(total, warmup_ratio)
         )
@@ -301,7 +326,7 @@ def _train_dp(
         losses = []
         bar = tqdm(range(total), desc=desc, leave=False, disable=not progress, dynamic_ncols=True)
         for _ in bar:
-            idx = (torch.rand(n, generator=gen) < dp.sample_rate).nonzero().flatten().tolist()
+            idx = (draw() < dp.sample_rate).nonzero().flatten().tolist()
             if not check.done:
                 check.before_forward()
             if idx:
