@@ -192,10 +192,6 @@ def setting(default: Any = None, *, factory: Callable[[], Any] | None = None, **
     return field(default=default, metadata=meta)
 
 
-def _at_least_1(help: str, panel: str, **more: Any) -> dict[str, Any]:
-    return dict(help=help, panel=panel, low=1, **more)
-
-
 @dataclass
 class RunConfig:
     """Everything a federated run needs. Every field is also a TOML key and a CLI flag.

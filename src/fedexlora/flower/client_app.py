@@ -467,7 +467,8 @@ def _save_session(context: Context, session, setup: Mapping) -> None:
 def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:
     """This client's own model (the global A of ``msg``, its own B) on its own test split.
 
-    For a personalized method (FedSA-LoRA); the client's state is left as it was.
+    For a personalized method (one whose spec keeps client parts, such as FedSA-LoRA:
+    :data:`fedexlora.core.methods.REGISTRY`); the client's state is left as it was.
 
     Raises:
         ValueError: If the configuration or partition does not match the server's, or the
