@@ -55,3 +55,13 @@ def test_privacy_accountant_figures_are_what_benchmarks_accountant_prints(capsys
     assert f"`dp-accounting` at {float(theirs):.2f}" in doc
     _, ours, theirs = by_q["0.05"]
     assert f"(at q = 0.05: {float(ours):.2f} and {float(theirs):.2f})" in doc
+
+
+def test_large_models_dense_ranks_are_the_llama_shapes_break_even():
+    """A side branch goes dense past ``d n / (d + n)``: the ranks the page gives for
+    Llama-3-8B's projections (k/v 4096 -> 1024, q/o 4096 -> 4096, MLP 4096 <-> 14336)."""
+    doc = _flat("docs/LARGE_MODELS.md")
+    said = re.search(r"\((\d+) for k/v, (\d+) for q/o, (\d+) for gate/up/down", doc)
+    assert said, "docs/LARGE_MODELS.md no longer gives the dense ranks"
+    shapes = [(1024, 4096), (4096, 4096), (14336, 4096)]
+    assert [int(x) for x in said.groups()] == [round(d * n / (d + n)) for d, n in shapes]

@@ -23,9 +23,7 @@ def test_portable_reference_names_no_installed_package_path():
     assert portable_reference("~/models/mine") == os.path.expanduser("~/models/mine")
 
 
-def test_adapter_and_merged_exports_carry_labels_portable_base_rank_and_modes(
-    tiny_cfg, tmp_path
-):
+def test_adapter_and_merged_exports_carry_labels_portable_base_rank_and_modes(tiny_cfg, tmp_path):
     from peft import PeftConfig
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
