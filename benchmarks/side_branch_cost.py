@@ -33,13 +33,24 @@ def _step(m: torch.nn.Module, ids: torch.Tensor, y: torch.Tensor) -> None:
     m.zero_grad(set_to_none=True)
 
 
+def models(cfg: RunConfig, task) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The two models compared: residuals folded into the fp32 weights, then beside them.
+
+    Both are asked for explicitly: ``RunConfig()`` leaves ``fp32_side_branch`` unset, which
+    an exact method on an fp32 base resolves to the side branch, so a model built from the
+    defaults would compare the side branch with itself.
+    """
+    folded, _ = new_model(cfg.replace(fp32_side_branch=False), task, "fedex")
+    side, _ = new_model(cfg.replace(fp32_side_branch=True), task, "fedex")
+    return folded, side
+
+
 def main(reps: int = 3) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     base = RunConfig()
     task = load_task_for(base)
-    plain, _ = new_model(base, task, "fedex")
-    side, _ = new_model(base.replace(fp32_side_branch=True), task, "fedex")
+    plain, side = models(base, task)
     layers = lora_layers(plain)
     print(f"{len(layers)} LoRA layers; batch 16 x 64 tokens; {reps} interleaved repeats")
     ids = torch.randint(1000, 20000, (16, 64))

@@ -192,10 +192,6 @@ def setting(default: Any = None, *, factory: Callable[[], Any] | None = None, **
     return field(default=default, metadata=meta)
 
 
-def _at_least_1(help: str, panel: str, **more: Any) -> dict[str, Any]:
-    return dict(help=help, panel=panel, low=1, **more)
-
-
 @dataclass
 class RunConfig:
     """Everything a federated run needs. Every field is also a TOML key and a CLI flag.
@@ -677,10 +673,13 @@ class RunConfig:
             other = self._methods_where(
                 lambda s: s.federated and not s.hetero_ranks, unknown=True, unique=False
             )
+            exact = " and ".join(method_names(hetero_ranks=True, exact=True))
+            inexact = " and ".join(method_names(hetero_ranks=True, exact=False))
             need(
                 not other,
-                f"`client_ranks` works with {' and '.join(method_names(hetero_ranks=True))} "
-                f"(exact); it cannot be combined with methods {other}",
+                f"`client_ranks` works with {exact} (exact) and {inexact} (not exact; "
+                f"`fedexlora methods`), on both engines; it cannot be combined with methods "
+                f"{other}",
             )
         if self.engine == "flower" and self.save_client_adapters:
             for m in self._methods_where(lambda s: s.personalized):

@@ -12,12 +12,28 @@ def test_adding_a_method_walkthrough_runs(monkeypatch):
     monkeypatch.setattr(methods, "REGISTRY", dict(methods.REGISTRY))
     monkeypatch.setattr(aggregation, "REGISTRY", methods.REGISTRY)
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
-    assert len(blocks) == 3
+    assert len(blocks) == 5
     scope: dict = {}
     for block in blocks:
         exec(compile(block, str(DOC), "exec"), scope)
     assert "fedex_dense" in methods.REGISTRY
     assert methods.get_method("fedex_dense").exact
+    # the hook and kept-parts kinds: the specs the tests that run them on both engines use
+    from test_method_keeps import KEEP_A
+    from test_method_local_round import TRAIN_A
+
+    hook, kept = methods.get_method("toy_train_a"), methods.get_method("toy_keep_a")
+    assert hook.local_round is not None and hook.server_method == TRAIN_A.server_method
+    assert kept.keeps == KEEP_A.keeps == ("A",)
+    # each kind's example does what it says on a small round, in fp32 as asked
+    import torch
+
+    A, B = torch.randn(3, 2, 5, dtype=torch.float64), torch.randn(3, 4, 2, dtype=torch.float64)
+    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    gA, gB, res = kept.server_math(A, B, p, out_dtype=torch.float32)
+    assert gA.dtype == gB.dtype == torch.float32 and torch.equal(gA, A[0].float())
+    assert torch.allclose(gB.double(), torch.einsum("k,kdr->dr", p, B), atol=1e-6)
+    assert res.is_zero
 
 
 def test_the_tree_it_describes_exists():

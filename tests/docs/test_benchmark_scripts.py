@@ -127,3 +127,24 @@ def test_side_fold_compares_the_ladder_with_a_refactor_every_round():
         res = bench.fold_all(d, n, [base, again], every_round=every)
         assert res["columns"] == held
         assert bench.relative_error(res["side"], [base, again]) < 1e-6
+
+
+def test_side_branch_cost_compares_the_fold_with_the_side_branch(tiny_cfg):
+    """Its two models differ as its docstring says: folded into the weights, and beside
+    them (``RunConfig()`` resolves to the side branch, so both must be asked for)."""
+    from fedexlora.bridge.fold import _side, fold_residuals
+    from fedexlora.bridge.layers import lora_layers
+    from fedexlora.run.restore import load_task_for
+
+    mod = _script("side_branch_cost")
+    folded, side = mod.models(tiny_cfg.replace(methods=["fedex"]), load_task_for(tiny_cfg))
+    res = {}
+    for name, layer in lora_layers(folded).items():
+        d, n = layer.get_base_layer().weight.shape
+        res[name] = Residual((d, n), U=torch.ones(d, 1), V=torch.ones(1, n))
+    before = {k: v.clone() for k, v in folded.state_dict().items() if "base_layer" in k}
+    for m in (folded, side):
+        fold_residuals(m, res)
+    assert all(_side(layer) is None for layer in lora_layers(folded).values())
+    assert any(not torch.equal(v, folded.state_dict()[k]) for k, v in before.items())
+    assert all(_side(layer).rank == 1 for layer in lora_layers(side).values())

@@ -3,15 +3,64 @@
 import re
 from pathlib import Path
 
+import pytest
+import torch
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
+def _python_block(containing: str) -> str:
+    """The README's one ```python block that contains ``containing``."""
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)]
+    found = [b for b in blocks if containing in b]
+    assert len(found) == 1, (containing, len(found))
+    return found[0]
+
+
 def test_readme_python_example_runs_and_prints_what_it_says(capsys):
-    text = README.read_text()
-    block = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    block = _python_block("from fedexlora import aggregate")
     exec(compile(block, "README.md", "exec"), {})
     out = capsys.readouterr().out.split()
     assert out[0] == "True" and out[1] == "8" and out[2] == "49152"
+
+
+@pytest.mark.slow(seconds=12)
+def test_readme_loading_snippet_scores_the_runs_accuracy_with_its_label_names(
+    tiny_cfg, tmp_path, capsys
+):
+    """The README's export-loading block, run as written on a small run's adapter export.
+
+    Plain transformers + peft, the base named by the adapter itself, no ``num_labels`` by
+    hand: the loaded model scores the run's own final accuracy on the run's test split,
+    and predicts the task's label names.
+    """
+    from fedexlora.run.build import prepare
+    from fedexlora.run.export import export_model
+    from fedexlora.run.inprocess import run_experiment
+    from fedexlora.run.report import read_metrics
+    from fedexlora.run.restore import load_task_for
+    from fedexlora.training.local import predict
+
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=2)
+    rows = run_experiment(cfg, tmp_path / "run", progress=False)
+    assert export_model(tmp_path / "run", tmp_path / "model").format == "adapter"
+    block = _python_block("PeftModel.from_pretrained")
+    assert block.count('"runs/default-model"') == 1
+    ns: dict = {}
+    capsys.readouterr()  # the run's own output: not the block's
+    exec(compile(block.replace('"runs/default-model"', repr(str(tmp_path / "model"))),
+                 "README.md", "exec"), ns)  # fmt: skip
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    task = load_task_for(cfg)
+    assert printed in task.label_names  # a name of the task, not LABEL_k
+    model, tokenizer = ns["model"], ns["tokenizer"]
+    assert model.config.id2label == dict(enumerate(task.label_names))
+    prep = prepare(cfg, tokenizer, task)
+    logits = predict(model, prep.test)
+    accuracy = (logits.argmax(-1) == torch.tensor(prep.test.labels)).double().mean().item()
+    final = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
+    assert final["round"] == 2 and rows[-1]["round"] == 2
+    assert accuracy == pytest.approx(final["metrics"]["accuracy"], abs=1e-12)
 
 
 def test_readme_gives_exactly_two_commands_and_ci_runs_the_test_one():

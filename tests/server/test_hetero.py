@@ -163,3 +163,15 @@ def test_client_ranks_config_errors():
     assert any("must equal max(client_ranks) = 4, got 8" in e for e in errs)
     errs = RunConfig(num_clients=2, client_ranks=[2, 4], lora_r=4, methods=["ffa"]).errors()
     assert any("cannot be combined with methods ['ffa']" in e for e in errs)
+    # it calls exact only the methods `fedexlora methods` calls exact, from the registry
+    from fedexlora.core.methods import REGISTRY
+
+    (msg,) = [e for e in errs if "cannot be combined" in e]
+    said_exact = msg.split(" (exact)")[0].removeprefix("`client_ranks` works with ").split(" and ")
+    assert said_exact and all(REGISTRY[m].exact and REGISTRY[m].hetero_ranks for m in said_exact)
+    takes = {m for m, s in REGISTRY.items() if s.hetero_ranks}
+    assert all(f"{m}" in msg for m in takes) and "(not exact;" in msg
+    for m in sorted(takes):  # each accepted on either engine
+        for engine in ("local", "flower"):
+            cfg = RunConfig(num_clients=2, client_ranks=[2, 4], lora_r=4, methods=[m])
+            assert not [e for e in cfg.replace(engine=engine).errors() if "client_ranks" in e]

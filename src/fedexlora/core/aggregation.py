@@ -60,12 +60,11 @@ def aggregate(
         Bs: ``k`` tensors of shape ``(d, r)``.
         weights: Client weights (e.g. example counts), normalised inside; ``None`` is
             uniform.
-        method: A method of the registry (:mod:`fedexlora.core.methods`) that has server
-            math: ``"fedex"`` (exact: averaged factors plus residual), ``"fedit"``
-            (averaged factors, inexact), ``"ffa"`` (frozen shared A, average B),
-            ``"flora"`` (stacking: fold the exact merged update, fresh adapter) or
-            ``"fedsb"`` (Fed-SB in latent coordinates, ``A = I`` shared and ``B = R``:
-            FFA-LoRA's aggregation, exact because the update is linear in ``R``).
+        method: The name of any method of the registry
+            (:data:`fedexlora.core.methods.REGISTRY`; ``fedexlora methods`` lists them)
+            whose spec has server math (:attr:`MethodSpec.aggregate`), e.g. ``"fedex"``
+            (exact: averaged factors plus residual). Each method's module documents
+            its math.
         generator: Seeded generator for ``flora``'s fresh A.
         atol: Tolerance with which ``ffa`` checks that all clients share A.
         start: The global ``(A, B)`` the clients started the round from; needed by a

@@ -56,8 +56,10 @@ class SideBranch(torch.nn.Module):
     """An fp32 correction ``delta`` of shape ``(d, n)`` added to a layer's output.
 
     ``forward(x, out)`` returns ``out + x @ delta.T``, computed in fp32 with autocast
-    off and rounded once to ``out``'s dtype, exactly as peft treats the LoRA branch of a
-    half-precision layer. The tensors are non-persistent buffers: they follow the model
+    off and rounded once to ``out``'s dtype: as peft treats the fp32 LoRA branch of a
+    half-precision layer without autocast, and unlike peft under autocast, where its
+    branch computes in the autocast dtype (the residual is exact; bf16 would round it).
+    The tensors are non-persistent buffers: they follow the model
     across devices but never enter its ``state_dict``.
 
     Args:

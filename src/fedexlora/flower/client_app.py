@@ -472,7 +472,8 @@ def _save_session(context: Context, session, setup: Mapping) -> None:
 def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:
     """This client's own model (the global A of ``msg``, its own B) on its own test split.
 
-    For a personalized method (FedSA-LoRA); the client's state is left as it was. A client
+    For a personalized method (one whose spec keeps client parts, such as FedSA-LoRA:
+    :data:`fedexlora.core.methods.REGISTRY`); the client's state is left as it was. A client
     configured for secure aggregation refuses (a reply with ``error``, nothing measured):
     its metrics and test-split size would reach the server in the clear.
 

@@ -111,7 +111,8 @@ class FedExLoRA(FedAvg):
     """Flower strategy for FedEx-LoRA and its baselines over the shared server logic.
 
     Sampling, payloads, validation and aggregation are ``server``'s: this class only moves
-    records. It supports ``fedex``, ``fedit``, ``ffa`` and ``flora``; the centralized
+    records. It supports every method of the registry whose spec runs on Flower
+    (``method_names(flower=True)`` in :mod:`fedexlora.core.methods`); the centralized
     baseline has no clients and runs in-process only (``fedexlora run --engine local``).
 
     Args:

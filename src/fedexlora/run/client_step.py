@@ -55,7 +55,8 @@ def local_update(
 
     Args:
         cfg: The run configuration.
-        method: The method (``ffa`` uploads no A).
+        method: A method of the registry (:data:`fedexlora.core.methods.REGISTRY`); its
+            spec says what the client trains and uploads (``ffa``, for one, uploads no A).
         model: The client's model, on the device it trains on.
         data: The client's examples.
         rnd: The round.

@@ -27,7 +27,7 @@ import torch
 
 from fedexlora.bridge.fold import _side, effective_weight, folded_delta
 from fedexlora.bridge.layers import lora_layers
-from fedexlora.bridge.models import resolve_model
+from fedexlora.bridge.models import portable_reference
 from fedexlora.config import load_run_config
 from fedexlora.core.aggregation import Residual
 from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
@@ -211,15 +211,18 @@ def export_model(
         raise RunError(f"run {str(run)!r} has no checkpoint for method {method!r}")
     task = load_task_for(cfg)
     model, tokenizer, server, _ = restore_model(cfg, task, method, ckpt, config_fingerprint(cfg))
+    labels = _name_labels(model, task)  # into config.json: predictions carry the task's names
     dest = Path(dest).expanduser()
     dest.parent.mkdir(parents=True, exist_ok=True)
     # written beside DEST first: an earlier export there stays whole until this one is
     stage = Path(tempfile.mkdtemp(prefix=".fedexlora-export-", dir=dest.parent))
     try:
         if fmt == "adapter":
-            note = _write_adapter(cfg, model, server, stage)
+            note = _write_adapter(cfg, model, server, stage, labelled=bool(labels))
         else:
             note = _write_merged(cfg, task, method, model, stage, _DTYPES[dtype])
+        if fmt == "adapter" and labels:  # the base's config with the task's head and names
+            model.config.save_pretrained(str(stage))
         tokenizer.save_pretrained(str(stage))
         load = {
             "model": cfg.model,
@@ -227,17 +230,50 @@ def export_model(
             "quantization": cfg.quantization,
             "double_quant": cfg.double_quant,
         }
+        load["reference"] = portable_reference(cfg.model)
         info = {"format": fmt, "method": method, "round": server.round, "base": load}
         info["note"] = note
+        if labels:
+            info["num_labels"], info["id2label"] = len(labels), dict(enumerate(labels))
         if fmt == "merged":
             info["dtype"] = dtype
         written = [p.relative_to(stage).as_posix() for p in stage.rglob("*") if p.is_file()]
         info["files"] = sorted(written)
         (stage / _INFO).write_text(json.dumps(info, indent=1))
+        _usual_modes(stage)
         _swap_in(stage, dest)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return ExportResult(dest, fmt, note)
+
+
+def _name_labels(model, task) -> list[str]:
+    """Writes the task's label names into the model's config; returns them (causal: ``[]``).
+
+    ``num_labels``, ``id2label`` and ``label2id`` then reach a merged model's
+    ``config.json`` and an adapter's (the base's config with the task's head), so that a
+    loaded export predicts the task's names, not ``LABEL_0``.
+    """
+    names = [str(n) for n in task.label_names] if task.kind != "causal_lm" else []
+    if names:
+        config = model.config
+        config.id2label = dict(enumerate(names))
+        config.label2id = {n: i for i, n in enumerate(names)}
+    return names
+
+
+def _usual_modes(root: Path) -> None:
+    """Gives ``root`` and everything in it the modes of a new file under the umask.
+
+    The staging folder is made private (0700) and some writers make private files; an
+    export is a model to share, so folders get ``0777`` and files ``0666``, less the
+    umask (0755 and 0644 under the usual 022).
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in [root, *root.rglob("*")]:
+        if not p.is_symlink():
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def _as_factors(r: Residual) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,12 +286,16 @@ def _as_factors(r: Residual) -> tuple[torch.Tensor, torch.Tensor]:
     return (D, eye) if n <= d else (eye, D)
 
 
-def _write_adapter(cfg, model, server, dest: Path) -> str:
+def _write_adapter(cfg, model, server, dest: Path, *, labelled: bool = False) -> str:
     """One PEFT adapter of rank ``r + q`` per layer: ``[s B | U] @ [A ; V]``, scale 1."""
-    save_adapter(model, dest, delta=server.delta, base=resolve_model(cfg.model).path)
+    save_adapter(model, dest, delta=server.delta, base=portable_reference(cfg.model))
+    top = json.loads((dest / "adapter_config.json").read_text())["r"]
+    head = " and this directory's config.json (the task's labels)" if labelled else ""
     return (
-        "PEFT adapter: load the base model exactly as the run did (same dtype and "
-        "quantization), then peft.PeftModel.from_pretrained(base, this directory)"
+        f"PEFT adapter of rank up to {top}: r={cfg.lora_r} plus the rank of the residual "
+        "accumulated over the rounds, which one plain LoRA must hold to be exact; load the "
+        f"base model as the run did (same dtype and quantization){head}, then "
+        "peft.PeftModel.from_pretrained(base, this directory)"
     )
 
 

@@ -50,7 +50,8 @@ class Server(Payloads, HeteroRanks, Aggregation, LossyModes, StateDict):
     Args:
         state: The initial global adapter state (with A for every module).
         layers: Scale, orientation and shape of each LoRA layer.
-        method: ``fedex``, ``fedit``, ``ffa`` or ``flora``.
+        method: A federated method of the registry
+            (:data:`fedexlora.core.methods.REGISTRY`; ``fedexlora methods`` lists them).
         num_clients: Clients in the federation.
         fraction: Fraction of clients sampled per round (at least one).
         weighting: ``examples`` or ``uniform``; ``None``: the method's own

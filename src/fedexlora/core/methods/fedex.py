@@ -1,4 +1,4 @@
-"""FedEx-LoRA: averaged factors plus the exact residual folded into the frozen weights."""
+"""FedEx-LoRA: averaged factors plus the exact residual (a side branch, or a fold)."""
 
 from __future__ import annotations
 

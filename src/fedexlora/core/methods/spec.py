@@ -63,13 +63,6 @@ class LocalHooks:
 
 
 EXACT_BOUND = 1e-3
-FP32_UNIT_ROUNDING = 2.0**-24
-"""fp32's unit roundoff: one rounding of a weight ``w`` is off by at most ``2^-24 |w|``."""
-ROUNDING_MARGIN = 10.0
-"""How many times fp32's unit rounding of the weights (relative to the round's update) a
-model folded into fp32 weights may be off before the gap is not rounding: one fold rounds
-each weight once (at most the unit rounding, about 0.6 of it in the norm), the adapter's
-own product once more; 10 leaves room and still catches any departure of a method."""
 """How far from the ideal an exact method's model may be, relative to the round's update.
 
 Float rounding is all an exact method may add (:attr:`MethodSpec.exact`). With the
@@ -82,6 +75,13 @@ rounding reaches 1e-3 only when a round moves the weights by under about 6e-5 of
 themselves (6e-8 / 1e-3); so over the bound a run checks the method's math
 (:meth:`MethodSpec.math_deviation`) before it blames rounding.
 """
+FP32_UNIT_ROUNDING = 2.0**-24
+"""fp32's unit roundoff: one rounding of a weight ``w`` is off by at most ``2^-24 |w|``."""
+ROUNDING_MARGIN = 10.0
+"""How many times fp32's unit rounding of the weights (relative to the round's update) a
+model folded into fp32 weights may be off before the gap is not rounding: one fold rounds
+each weight once (at most the unit rounding, about 0.6 of it in the norm), the adapter's
+own product once more; 10 leaves room and still catches any departure of a method."""
 
 
 @dataclass(frozen=True)
