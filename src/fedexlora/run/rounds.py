@@ -33,6 +33,7 @@ __all__ = [
     "RoundTraffic",
     "apply_round",
     "close_round",
+    "lossy",
     "evaluate_personal",
     "personal_metrics",
     "round_row",
@@ -71,6 +72,22 @@ class RoundTraffic:
     dropped: list[int] | None = None
     refused: list[int] = field(default_factory=list)
     privacy: dict | None = None
+
+
+def lossy(cfg: RunConfig, server: Server) -> bool:
+    """Whether a lossy mode of ``cfg`` can cut anything from ``server``'s rounds.
+
+    A ``side_budget`` that leaves every layer uncapped (each could hold its dense delta)
+    cuts nothing: the run stays exact and is not marked approximate.
+    """
+    if not cfg.approximate:
+        return False
+    caps = server.side_rank
+    return not (
+        cfg.side_budget is not None
+        and isinstance(caps, dict)
+        and all(c is None for c in caps.values())
+    )
 
 
 def close_round(
@@ -126,7 +143,7 @@ def close_round(
         seconds=time.perf_counter() - traffic.started,
         bytes_up=traffic.bytes_up if federated else 0,
         bytes_down=traffic.bytes_down if federated else 0,
-        approximate=cfg.approximate and federated,
+        approximate=federated and lossy(cfg, server),
         sampled=traffic.sampled,
         dropped=traffic.dropped,
         effective=measured,
