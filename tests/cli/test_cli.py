@@ -31,7 +31,9 @@ def _run(*args):
         (["--export-format", "merged", "--export-dtype", "bf16"], "so it cannot be exact; fix"),
     ],
 )
-def test_user_mistakes_get_one_line_errors(args, match, tmp_path):
+def test_user_mistakes_get_one_line_errors(args, match, tmp_path, model_never_loads):
+    # model_never_loads: a mistake let through (a flag of 0 dropped, say) fails here at once,
+    # not after training the default job
     res = _run("run", "--out", str(tmp_path / "o"), "--no-progress", *args)
     assert res.exit_code == 2, res.output
     assert match in res.output

@@ -16,7 +16,6 @@ the side branches' state for a checkpoint, and their rank caps (``--side-budget`
 from __future__ import annotations
 
 import math
-
 from collections.abc import Mapping
 
 import torch
@@ -426,9 +425,10 @@ def side_caps(
             short[name] = 4 * (d + n) / base_nbytes(layer)
     if short:
         worst = max(short, key=short.__getitem__)
+        named = worst.removeprefix("base_model.model.")
         raise ValueError(
             f"--side-budget {budget:g} holds less than one rank of side branch in "
-            f"{len(short)} of {len(caps)} layers (one rank of {worst.removeprefix('base_model.model.')!r} "
+            f"{len(short)} of {len(caps)} layers (one rank of {named!r} "
             f"takes {short[worst]:.3g} of its base's bytes): those layers would fold nothing "
             f"and hold back an error that only grows; fix: --side-budget "
             f"{_round_up(short[worst]):g} or more, or leave it unset"
