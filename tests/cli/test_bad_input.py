@@ -369,3 +369,28 @@ def test_run_export_into_its_own_out_is_refused_before_training(
     res = _tiny(tiny_bert_dir, tiny_csv, out / "run", "--export", out)
     _clear(res, "is --out or holds it")
     assert not out.exists()
+
+
+def test_files_given_to_the_destination_during_an_export_are_kept(
+    tmp_path, finished_run, monkeypatch
+):
+    """DEST is new when the export starts; while it is written, the user makes DEST and
+    puts a file of theirs there by the name the export would write: the export is
+    refused at its swap-in (the destination checked again), and the file kept."""
+    import fedexlora.run.export as export
+
+    dest = tmp_path / "exp"
+    write = export._write_adapter
+
+    def meanwhile(*args, **kwargs):
+        note = write(*args, **kwargs)
+        dest.mkdir()
+        (dest / "adapter_config.json").write_text("mine\n")
+        return note
+
+    monkeypatch.setattr(export, "_write_adapter", meanwhile)
+    res = _run("export", finished_run, dest, "--format", "adapter")
+    _clear(res, f"export destination {str(dest)!r} is not empty (adapter_config.json)")
+    assert [p.name for p in dest.iterdir()] == ["adapter_config.json"]
+    assert (dest / "adapter_config.json").read_text() == "mine\n"
+    assert not list(tmp_path.glob(".fedexlora-export-*"))  # no staging left behind
