@@ -191,7 +191,10 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
         fail(f"a required package is missing: {exc}{fix}")
     if cfg.export:
         try:
-            res = export_model(out, cfg.export)
+            res = export_model(
+                out, cfg.export, fmt=cfg.resolved_export_format, dtype=cfg.export_dtype,
+                allow_inexact=cfg.allow_inexact,
+            )  # fmt: skip
         except (RunError, CheckpointError, ValueError, OSError) as exc:
             fail(
                 f"the run in {str(out)!r} is complete, but its export failed: {exc}; "

@@ -1,0 +1,167 @@
+"""Every run option that reaches a client has the same effect on both engines.
+
+One parametrized test: each case changes some options of a tiny run (2 rounds); the
+in-process engine and the Flower engine run it, and their metrics rows (timings aside)
+and their exported models must agree. The Flower engine runs as ``fedexlora run --engine
+flower`` does (:func:`fedexlora.flower.simulation.run_flower_experiment`: the run config
+written into the Flower app's ``pyproject.toml`` and read back by the ServerApp), with
+Flower's runtime replaced by the in-process grid of ``test_flower.py`` (the real
+ServerApp, strategy and ClientApp, every message through Flower's protobuf, no Ray).
+"""
+
+import importlib.util
+import math
+import tomllib
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from fedexlora.run.export import export_model
+from fedexlora.run.inprocess import run_experiment
+from test_flower import InProcessGrid
+
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured
+pytestmark = pytest.mark.slow(seconds=90)
+
+
+@pytest.fixture()
+def flower_over_grid(monkeypatch, task_identity):
+    """``run_flower_experiment`` with Flower's runtime replaced by the in-process grid."""
+    import fedexlora.flower.simulation as sim
+    from fedexlora.flower.client_app import make_client_app
+    from fedexlora.flower.records import resolve_run_config
+    from fedexlora.flower.server_app import run_server
+
+    def start(self):
+        return self
+
+    def run(self, app_dir, federation, write=None):
+        doc = tomllib.loads((app_dir / "pyproject.toml").read_text())
+        rc = doc["tool"]["flwr"]["app"]["config"]
+        cfg, settings = resolve_run_config(rc)
+        grid = InProcessGrid(make_client_app(rc), cfg.num_clients)
+        run_server(grid, cfg, settings, say=lambda *_: None)
+        return 0, []
+
+    monkeypatch.setattr(sim.LocalSimulation, "start", start)
+    monkeypatch.setattr(sim.LocalSimulation, "run", run)
+    return sim.run_flower_experiment
+
+
+def _same(a, b, where="row"):
+    """Two rows (or parts of them) alike: numbers within fp32 noise, the rest equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = {k for k in a if "seconds" not in k} | {k for k in b if "seconds" not in k}
+        for k in keys:
+            assert k in a and k in b, f"{where}.{k} is on one engine only"
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) or isinstance(b, float):
+        assert a is not None and b is not None, where
+        if math.isnan(a) or math.isnan(b):
+            assert math.isnan(a) and math.isnan(b), where
+            return
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-6), where
+    else:
+        assert a == b, where
+
+
+def _exported(path):
+    """The tensors of an export, by file and key."""
+    return {
+        p.relative_to(path).as_posix() + ":" + k: t
+        for p in sorted(path.rglob("*.safetensors"))
+        for k, t in load_file(str(p)).items()
+    }
+
+
+_NEEDS_OPACUS = importlib.util.find_spec("opacus") is None
+
+# each case: the options it changes from the tiny run (methods fedex, 3 clients, 2 rounds)
+CASES = {
+    "defaults": {},
+    "lora-and-training": dict(
+        lora_r=2, lora_alpha=4.0, rslora=True, lora_dropout=0.1, target_modules=["query"],
+        lr=1e-2, weight_decay=0.1, warmup_ratio=0.5, max_grad_norm=0.5, seed=3,
+        max_length=12, batch_size=4, local_steps=None, local_epochs=0.5, eval_batch_size=5,
+        gradient_checkpointing=True,
+    ),
+    "federation": dict(
+        num_clients=4, fraction=0.5, partition="iid", min_partition_size=8,
+        weighting="uniform", max_train=100, max_test=20, test_fraction=0.25,
+    ),
+    "fraction-fedsa": dict(methods=["fedsa"], num_clients=4, fraction=0.5),
+    "client-ranks": dict(lora_r=4, client_ranks=[2, 4, 3]),
+    "residual-rank": dict(residual_rank=1, fp32_side_branch=False, lr=2e-2),
+    "bf16-side-budget": dict(dtype="bf16", side_budget=0.25, lr=2e-2),
+    "bf16-side-rank": dict(dtype="bf16", side_rank=1, lr=2e-2),
+    "max-update-norm": dict(max_update_norm=0.05, lr=2e-2),
+    "secure-examples": dict(secure_aggregation=True, weighting="examples", lr=2e-2),
+    "secure-uniform": dict(secure_aggregation=True, weighting="uniform", lr=2e-2),
+    "fedsb": dict(methods=["fedsb"], fedsb_rank=3, fedsb_init="gradient", fedsb_init_samples=16),
+    "dp": pytest.param(
+        dict(dp_epsilon=8.0, dp_delta=1e-3, dp_max_grad_norm=0.5, lr=2e-2),
+        marks=pytest.mark.skipif(_NEEDS_OPACUS, reason="opacus is not installed"),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("changes", list(CASES.values()), ids=list(CASES))
+def test_every_option_has_the_same_effect_on_both_engines(
+    changes, tiny_cfg, tmp_path, flower_over_grid
+):
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=2, local_steps=2, **changes).validate()
+    local = run_experiment(cfg, tmp_path / "local", progress=False)
+    flower = flower_over_grid(cfg.replace(engine="flower"), tmp_path / "flower")
+    assert len(local) == len(flower) == cfg.rounds
+    for a, b in zip(flower, local):
+        _same(a, b, f"round {b['round']}")
+    a = _exported(export_model(tmp_path / "flower", tmp_path / "exp-flower").path)
+    b = _exported(export_model(tmp_path / "local", tmp_path / "exp-local").path)
+    assert a.keys() == b.keys() and a
+    for k in b:
+        scale = float(b[k].abs().max()) or 1.0
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5 * scale), k
+
+
+def test_secure_uniform_and_examples_weightings_differ(tiny_cfg, tmp_path, flower_over_grid):
+    """The two weightings give two models (the partitions differ in size): a Flower secure
+    round that ignored ``uniform`` would weigh by examples, and the parity above would see
+    it; here, that the case can tell them apart at all."""
+    base = tiny_cfg.replace(methods=["fedex"], rounds=1, local_steps=2, lr=2e-2)
+    models = {}
+    for w in ("examples", "uniform"):
+        cfg = base.replace(secure_aggregation=True, weighting=w, engine="flower").validate()
+        rows = flower_over_grid(cfg, tmp_path / w)
+        assert rows[0]["accepted"] == [0, 1, 2]
+        models[w] = _exported(export_model(tmp_path / w, tmp_path / f"exp-{w}").path)
+    diff = max(float((models["examples"][k] - models["uniform"][k]).abs().max())
+               for k in models["uniform"])  # fmt: skip
+    assert diff > 1e-4
+
+
+def test_flower_run_exports_the_format_it_was_asked(tiny_cfg, tmp_path, flower_over_grid):
+    """``fedexlora run --engine flower --export DIR --export-format merged`` writes a
+    merged model (as the in-process engine does), and the run's ``config.toml`` says so."""
+    import json
+
+    from fedexlora.cli import app
+
+    out, dest = tmp_path / "run", tmp_path / "exp"
+    res = CliRunner().invoke(app, [
+        "run", "--engine", "flower", "--model", tiny_cfg.model, "--task", tiny_cfg.task,
+        "--method", "fedex", "--rounds", "1", "--local-steps", "1", "--min-partition-size", "5",
+        "--max-length", "16", "--max-test", "8", "--out", str(out), "--no-progress",
+        "--export", str(dest), "--export-format", "merged",
+    ])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    info = json.loads((dest / "fedexlora_export.json").read_text())
+    assert info["format"] == "merged"
+    assert any(f.startswith("model") and f.endswith(".safetensors") for f in info["files"])
+    stored = tomllib.loads((out / "config.toml").read_text())
+    assert stored["export_format"] == "merged" and stored["export"] == str(dest)
