@@ -11,10 +11,9 @@ ServerApp, strategy and ClientApp, every message through Flower's protobuf, no R
 
 import importlib.util
 import math
-import tomllib
 
 import pytest
-import torch
+import tomllib
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -72,12 +71,29 @@ def _same(a, b, where="row"):
 
 
 def _exported(path):
-    """The tensors of an export, by file and key."""
-    return {
-        p.relative_to(path).as_posix() + ":" + k: t
-        for p in sorted(path.rglob("*.safetensors"))
-        for k, t in load_file(str(p)).items()
-    }
+    """The tensors of an export, by file and key; an adapter's factors as their product.
+
+    An adapter's factors hold the residuals' factors too (``[s B | U] @ [A ; V]``), which
+    an SVD gives up to rotations; their product, each layer's update, is unique.
+    """
+    out = {}
+    for p in sorted(path.rglob("*.safetensors")):
+        tensors = load_file(str(p))
+        for k, t in tensors.items():
+            name = p.relative_to(path).as_posix() + ":" + k
+            if ".lora_B." in k:
+                continue  # with its A
+            if ".lora_A." in k:
+                out[name.replace(".lora_A.", ".lora_BA.")] = (
+                    tensors[k.replace(".lora_A.", ".lora_B.")].double() @ t.double()
+                )
+            else:
+                out[name] = t.double()
+    return out
+
+
+def _rel(a, b) -> float:
+    return float((a - b).norm() / max(float(b.norm()), 1e-12))
 
 
 _NEEDS_OPACUS = importlib.util.find_spec("opacus") is None
@@ -103,7 +119,7 @@ CASES = {
     "max-update-norm": dict(max_update_norm=0.05, lr=2e-2),
     "secure-examples": dict(secure_aggregation=True, weighting="examples", lr=2e-2),
     "secure-uniform": dict(secure_aggregation=True, weighting="uniform", lr=2e-2),
-    "fedsb": dict(methods=["fedsb"], fedsb_rank=3, fedsb_init="gradient", fedsb_init_samples=16),
+    "fedsb": dict(methods=["fedsb"], fedsb_rank=3, fedsb_init="random"),
     "dp": pytest.param(
         dict(dp_epsilon=8.0, dp_delta=1e-3, dp_max_grad_norm=0.5, lr=2e-2),
         marks=pytest.mark.skipif(_NEEDS_OPACUS, reason="opacus is not installed"),
@@ -115,18 +131,25 @@ CASES = {
 def test_every_option_has_the_same_effect_on_both_engines(
     changes, tiny_cfg, tmp_path, flower_over_grid
 ):
-    cfg = tiny_cfg.replace(methods=["fedex"], rounds=2, local_steps=2, **changes).validate()
+    cfg = tiny_cfg.replace(**{"methods": ["fedex"], "rounds": 2, "local_steps": 2, **changes})
+    cfg = cfg.validate()
     local = run_experiment(cfg, tmp_path / "local", progress=False)
     flower = flower_over_grid(cfg.replace(engine="flower"), tmp_path / "flower")
     assert len(local) == len(flower) == cfg.rounds
     for a, b in zip(flower, local):
+        if cfg.secure_aggregation:
+            # the one figure the engines give apart: under secure aggregation the Flower
+            # server never holds an upload to measure the model against (None); the
+            # in-process engine, whose clients run beside it, measures it
+            assert a.pop("effective_deviation")["max"] is None
+            assert b.pop("effective_deviation")["max"] < 1e-3
+            assert "rounding_floor" not in a and b.pop("rounding_floor") >= 0  # its scale
         _same(a, b, f"round {b['round']}")
     a = _exported(export_model(tmp_path / "flower", tmp_path / "exp-flower").path)
     b = _exported(export_model(tmp_path / "local", tmp_path / "exp-local").path)
     assert a.keys() == b.keys() and a
     for k in b:
-        scale = float(b[k].abs().max()) or 1.0
-        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5 * scale), k
+        assert _rel(a[k], b[k]) < 1e-5, (k, _rel(a[k], b[k]))
 
 
 def test_secure_uniform_and_examples_weightings_differ(tiny_cfg, tmp_path, flower_over_grid):
@@ -140,9 +163,7 @@ def test_secure_uniform_and_examples_weightings_differ(tiny_cfg, tmp_path, flowe
         rows = flower_over_grid(cfg, tmp_path / w)
         assert rows[0]["accepted"] == [0, 1, 2]
         models[w] = _exported(export_model(tmp_path / w, tmp_path / f"exp-{w}").path)
-    diff = max(float((models["examples"][k] - models["uniform"][k]).abs().max())
-               for k in models["uniform"])  # fmt: skip
-    assert diff > 1e-4
+    assert max(_rel(models["examples"][k], models["uniform"][k]) for k in models["uniform"]) > 1e-3
 
 
 def test_flower_run_exports_the_format_it_was_asked(tiny_cfg, tmp_path, flower_over_grid):
