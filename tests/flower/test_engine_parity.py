@@ -188,3 +188,34 @@ def test_flower_run_exports_the_format_it_was_asked(tiny_cfg, tmp_path, flower_o
     assert any(f.startswith("model") and f.endswith(".safetensors") for f in info["files"])
     stored = tomllib.loads((out / "config.toml").read_text())
     assert stored["export_format"] == "merged" and stored["export"] == str(dest)
+
+
+def test_flower_clients_hold_their_side_branch_within_the_budget(
+    tiny_cfg, tmp_path, flower_over_grid, monkeypatch
+):
+    """Under ``--side-budget`` each Flower client folds the server's residuals with the
+    budget's caps, as the server does: its side branch never holds more than the budget
+    (the results alone cannot tell, since the server's residuals already move its capped
+    delta to the next one; without the caps a client's branch grows round by round)."""
+    import fedexlora.bridge.steps as steps
+    from fedexlora.bridge.fold import base_nbytes, side_nbytes
+    from fedexlora.bridge.layers import lora_layers
+
+    held = []
+    apply = steps.apply_payload
+
+    def measured(model, payload, **kw):
+        out = apply(model, payload, **kw)
+        base = sum(base_nbytes(layer) for layer in lora_layers(model).values())
+        held.append((payload.round, side_nbytes(model), base))
+        return out
+
+    monkeypatch.setattr(steps, "apply_payload", measured)
+    cfg = tiny_cfg.replace(methods=["fedex"], dtype="bf16", side_budget=0.25, rounds=3,
+                           local_steps=2, lr=2e-2, engine="flower").validate()  # fmt: skip
+    rows = flower_over_grid(cfg, tmp_path / "flower")
+    assert rows[-1]["approximation_gap"]["max"] > 0  # the budget binds
+    assert {rnd for rnd, _, _ in held} == {1, 2, 3}
+    assert any(side > 0 for rnd, side, _ in held if rnd == 3)
+    for rnd, side, base in held:
+        assert side <= 0.25 * base, (rnd, side, base)
