@@ -21,8 +21,10 @@ from fedexlora.run.export import export_model
 from fedexlora.run.inprocess import run_experiment
 from test_flower import InProcessGrid
 
-# slow: the test order puts it first (tests/conftest.py); its seconds, measured
-pytestmark = pytest.mark.slow(seconds=90)
+# slow: the test order puts it first (tests/conftest.py); its seconds, measured on the
+# 2-core dev machine while five other sessions ran their tests (2026-12-06): about 600 s;
+# each case runs both engines on tiny BERT for 2 rounds, and should take far less idle
+pytestmark = pytest.mark.slow(seconds=600)
 
 
 @pytest.fixture()
@@ -113,10 +115,11 @@ CASES = {
     ),
     "fraction-fedsa": dict(methods=["fedsa"], num_clients=4, fraction=0.5),
     "client-ranks": dict(lora_r=4, client_ranks=[2, 4, 3]),
-    "residual-rank": dict(residual_rank=1, fp32_side_branch=False, lr=2e-2),
+    "residual-rank-and-norm-cap": dict(
+        residual_rank=1, fp32_side_branch=False, max_update_norm=0.82, lr=2e-2
+    ),
     "bf16-side-budget": dict(dtype="bf16", side_budget=0.25, lr=2e-2),
     "bf16-side-rank": dict(dtype="bf16", side_rank=1, lr=2e-2),
-    "max-update-norm": dict(max_update_norm=0.05, lr=2e-2),
     "secure-examples": dict(secure_aggregation=True, weighting="examples", lr=2e-2),
     "secure-uniform": dict(secure_aggregation=True, weighting="uniform", lr=2e-2),
     # fp32_side_branch off: an adapter export of Fed-SB fails today ("peft saved no
