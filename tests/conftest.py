@@ -95,6 +95,22 @@ def tiny_csv(tmp_path_factory):
 
 
 @pytest.fixture()
+def model_never_loads(monkeypatch):
+    """Fails the test at once if anything loads a model's weights.
+
+    A bad input must be refused before the model loads: under a bug that lets it
+    through, a test of it fails here, in seconds, instead of after a whole run.
+    """
+    import fedexlora.bridge.models as models
+
+    def loaded(name, *args, **kwargs):
+        raise AssertionError(f"model {name!r} was loaded: the input was not refused first")
+
+    monkeypatch.setattr(models, "load_model", loaded)
+    monkeypatch.setattr(models, "load_base", loaded)
+
+
+@pytest.fixture()
 def tiny_cfg(tiny_bert_dir, tiny_csv):
     from fedexlora.config import RunConfig
 

@@ -150,6 +150,9 @@ class Option:
         """What is wrong with ``value`` for the setting ``key`` (set, and of its type)."""
         if value is None:
             return None
+        if isinstance(value, float) and not math.isfinite(value):
+            fix = f"; fix: {self.fix}" if self.fix else ""
+            return f"`{key}` must be a finite number, got {value}{fix}"
         if self.choices is not None and value not in self.choices:
             return f"`{key}` must be one of {self.choices}, got {value!r}"
         lo_ok = self.low is None or (value > self.low if self.low_open else value >= self.low)
@@ -605,15 +608,25 @@ class RunConfig:
             "`double_quant` applies to 4-bit quantization only; add --quantization nf4 "
             "(or fp4), or drop --double-quant",
         )
+        plain = self._methods_where(lambda s: not s.effective_is_deviation, unknown=True)
+        if not plain:  # FedIT-like methods only: no residual, nothing beside the base
+            for key in ("side_rank", "side_budget", "fp32_side_branch"):
+                if getattr(self, key) not in (None, False):
+                    errs.append(
+                        f"`{key}` bounds or holds the residuals kept beside the base, and "
+                        f"methods {self.methods} keep none (their update is the averaged "
+                        f"factors' product, with no residual and no error feedback); fix: "
+                        f"drop {FLAGS[key]}, or add an exact method such as fedex"
+                    )
         need(
-            self.side_rank is None or self.side_branch,
+            not plain or self.side_rank is None or self.side_branch,
             "`side_rank` caps the side branch, which only bf16/fp16 and quantized bases "
             "have (or fp32 ones with --fp32-side-branch, the default with an exact method); "
             "fix: add --dtype bf16, "
             "--quantization nf4 or --fp32-side-branch, or drop --side-rank",
         )
         need(
-            self.side_budget is None or self.side_branch,
+            not plain or self.side_budget is None or self.side_branch,
             "`side_budget` bounds the side branch, which only bf16/fp16 and quantized bases "
             "have (or fp32 ones with --fp32-side-branch, the default with an exact method); "
             "fix: add --dtype bf16, --quantization nf4 or --fp32-side-branch, or drop "
@@ -792,9 +805,27 @@ _FLAG_NAMES = {
 field's :class:`Option`; ``method`` is accepted as the key ``methods``."""
 
 
+def _key_of(name: str) -> str:
+    """The setting a mapping's key names: dashes read as underscores, ``method`` as ``methods``."""
+    norm = name.replace("-", "_")
+    return "methods" if norm == "method" else norm
+
+
+def _same_key_twice(data: dict[str, Any]) -> list[str]:
+    """One message per setting that ``data`` gives under two spellings (``method``, ``methods``)."""
+    spellings: dict[str, list[str]] = {}
+    for key in data:
+        spellings.setdefault(_key_of(key), []).append(key)
+    return [
+        f"`{keys[0]}` and `{keys[1]}` are the same setting, given twice; keep one"
+        for keys in spellings.values()
+        if len(keys) > 1
+    ]
+
+
 def validate_mapping(data: dict[str, Any]) -> tuple[RunConfig | None, list[str]]:
     """Builds a config from a mapping, collecting every error (unknown keys included)."""
-    errs = []
+    errs = _same_key_twice(data)
     known = {}
     for key, value in data.items():
         norm = key.replace("-", "_")
@@ -901,6 +932,9 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
         data = tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError([f"config file {str(p)!r} is not valid TOML: {exc}"]) from None
+    for key in overrides or {}:  # a flag replaces the file's setting, whichever its spelling
+        for spelled in [k for k in data if _key_of(k) == _key_of(key)]:
+            del data[spelled]
     data.update(overrides or {})
     cfg, errs = validate_mapping(data)
     if errs:

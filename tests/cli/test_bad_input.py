@@ -60,7 +60,7 @@ def _unwritable(kind, a_file):
 
 @pytest.mark.parametrize("kind", ["/proc", "under a file"])
 def test_export_to_an_unwritable_path_is_refused_before_training(
-    kind, a_file, tmp_path, tiny_bert_dir, tiny_csv
+    kind, a_file, tmp_path, tiny_bert_dir, tiny_csv, model_never_loads
 ):
     dest, why = _unwritable(kind, a_file)
     out = tmp_path / "o"
@@ -71,7 +71,7 @@ def test_export_to_an_unwritable_path_is_refused_before_training(
 
 
 def test_export_onto_an_existing_file_is_refused_before_training(
-    a_file, tmp_path, tiny_bert_dir, tiny_csv
+    a_file, tmp_path, tiny_bert_dir, tiny_csv, model_never_loads
 ):
     out = tmp_path / "o"
     res = _tiny(tiny_bert_dir, tiny_csv, out, "--export", a_file)
@@ -82,7 +82,9 @@ def test_export_onto_an_existing_file_is_refused_before_training(
 
 
 @pytest.mark.parametrize("kind", ["a file", "/proc", "under a file"])
-def test_out_that_cannot_be_a_directory_is_one_line(kind, a_file, tiny_bert_dir, tiny_csv):
+def test_out_that_cannot_be_a_directory_is_one_line(
+    kind, a_file, tiny_bert_dir, tiny_csv, model_never_loads
+):
     if kind == "a file":
         out, why = a_file, "is a file, not a directory"
     else:
@@ -143,7 +145,9 @@ def bad_csv(tmp_path):
     "case",
     ["unknown task", "unknown MATH subject", "missing csv", "csv without the columns", "cuda"],
 )
-def test_a_bad_input_leaves_no_run_directory(case, tmp_path, bad_csv, tiny_bert_dir, tiny_csv):
+def test_a_bad_input_leaves_no_run_directory(
+    case, tmp_path, bad_csv, tiny_bert_dir, tiny_csv, model_never_loads
+):
     import torch
 
     task, extra = tiny_csv, []
@@ -223,7 +227,7 @@ def test_compare_checks_its_paths_and_task_before_the_grid(
 # -- config files ----------------------------------------------------------------------
 
 
-def test_validate_and_run_exit_alike_on_a_config_error(tmp_path):
+def test_validate_and_run_exit_alike_on_a_config_error(tmp_path, model_never_loads):
     cfg = tmp_path / "c.toml"
     cfg.write_text("rounds = 0\n")
     for res in (_run("validate", cfg), _run("run", "--config", cfg, "--out", tmp_path / "o")):
@@ -356,10 +360,37 @@ def test_an_earlier_export_with_a_folder_of_its_own_added_is_refused(tmp_path, f
     assert (dest / "mine").is_dir()
 
 
-def test_run_export_into_its_own_out_is_refused_before_training(tmp_path, tiny_bert_dir, tiny_csv):
+def test_run_export_into_its_own_out_is_refused_before_training(
+    tmp_path, tiny_bert_dir, tiny_csv, model_never_loads
+):
     out = tmp_path / "r"
     res = _tiny(tiny_bert_dir, tiny_csv, out, "--export", out)
     _clear(res, f"--export {str(out)!r} is --out or holds it")
     res = _tiny(tiny_bert_dir, tiny_csv, out / "run", "--export", out)
     _clear(res, "is --out or holds it")
     assert not out.exists()
+
+
+def test_files_given_to_the_destination_during_an_export_are_kept(
+    tmp_path, finished_run, monkeypatch
+):
+    """DEST is new when the export starts; while it is written, the user makes DEST and
+    puts a file of theirs there by the name the export would write: the export is
+    refused at its swap-in (the destination checked again), and the file kept."""
+    import fedexlora.run.export as export
+
+    dest = tmp_path / "exp"
+    write = export._write_adapter
+
+    def meanwhile(*args, **kwargs):
+        note = write(*args, **kwargs)
+        dest.mkdir()
+        (dest / "adapter_config.json").write_text("mine\n")
+        return note
+
+    monkeypatch.setattr(export, "_write_adapter", meanwhile)
+    res = _run("export", finished_run, dest, "--format", "adapter")
+    _clear(res, f"export destination {str(dest)!r} is not empty (adapter_config.json)")
+    assert [p.name for p in dest.iterdir()] == ["adapter_config.json"]
+    assert (dest / "adapter_config.json").read_text() == "mine\n"
+    assert not list(tmp_path.glob(".fedexlora-export-*"))  # no staging left behind

@@ -25,13 +25,15 @@ def _run(*args):
         (["--device", "tpu"], "`--device` must be one of"),
         (["--dtype", "bf16", "--side-rank", "0"], "`--side-rank` must be >= 1, got 0; fix"),
         (["--side-rank", "4", "--no-fp32-side-branch"], "`--side-rank` caps the side branch"),
-        (["--side-rank", "4", "--method", "fedit"], "`--side-rank` caps the side branch"),
+        (["--side-rank", "4", "--method", "fedit"], "methods ['fedit'] keep none"),
         (["--quantization", "nf3"], "`--quantization` must be one of ('nf4', 'fp4', 'int8')"),
         (["--double-quant"], "`--double-quant` applies to 4-bit quantization only"),
         (["--export-format", "merged", "--export-dtype", "bf16"], "so it cannot be exact; fix"),
     ],
 )
-def test_user_mistakes_get_one_line_errors(args, match, tmp_path):
+def test_user_mistakes_get_one_line_errors(args, match, tmp_path, model_never_loads):
+    # model_never_loads: a mistake let through (a flag of 0 dropped, say) fails here at once,
+    # not after training the default job
     res = _run("run", "--out", str(tmp_path / "o"), "--no-progress", *args)
     assert res.exit_code == 2, res.output
     assert match in res.output

@@ -15,6 +15,7 @@ the side branches' state for a checkpoint, and their rank caps (``--side-budget`
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -407,12 +408,35 @@ def side_caps(
     fp32 side branch ``U (d, q) V (q, n)`` of rank ``q = floor(budget * b / (4 (d + n)))``;
     where that rank would hold the dense ``(d, n)`` anyway, ``None`` (no cap: the layer
     stays exact). Every process computes the same caps from the same model.
+
+    Raises:
+        ValueError: If ``budget`` holds less than one rank for some layer: a cap of 0
+            would fold nothing there, and the error held back would only grow.
     """
     if budget is None:
         return side_rank
     caps: dict[str, int | None] = {}
+    short: dict[str, float] = {}  # layer -> the budget one rank of it needs
     for name, layer in lora_layers(model).items():
         d, n = layer.lora_B["default"].weight.shape[0], layer.lora_A["default"].weight.shape[1]
         q = int(budget * base_nbytes(layer) // (4 * (d + n)))
         caps[name] = None if q * (d + n) >= d * n else q
+        if caps[name] == 0:
+            short[name] = 4 * (d + n) / base_nbytes(layer)
+    if short:
+        worst = max(short, key=short.__getitem__)
+        named = worst.removeprefix("base_model.model.")
+        raise ValueError(
+            f"--side-budget {budget:g} holds less than one rank of side branch in "
+            f"{len(short)} of {len(caps)} layers (one rank of {named!r} "
+            f"takes {short[worst]:.3g} of its base's bytes): those layers would fold nothing "
+            f"and hold back an error that only grows; fix: --side-budget "
+            f"{_round_up(short[worst]):g} or more, or leave it unset"
+        )
     return caps
+
+
+def _round_up(x: float) -> float:
+    """``x`` rounded up to two significant digits."""
+    scale = 10.0 ** (math.floor(math.log10(x)) - 1)
+    return math.ceil(x / scale - 1e-9) * scale

@@ -21,6 +21,7 @@ __all__ = [
     "load_base",
     "load_model",
     "portable_reference",
+    "model_config",
     "resolve_model",
 ]
 
@@ -140,6 +141,15 @@ def _load_config(spec: ModelSpec):
             f"cannot load model {spec.name!r} ({where} {spec.path!r}): "
             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
         ) from None
+
+
+def model_config(name: str):
+    """The configuration of model ``name`` (its ``config.json``), without its weights.
+
+    Raises:
+        ValueError: If the model cannot be found, as :func:`load_model` says it.
+    """
+    return _load_config(resolve_model(name))
 
 
 def load_model(

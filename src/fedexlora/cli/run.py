@@ -89,6 +89,14 @@ def run_cmd(**given) -> None:
             cfg = cfg_or_none or RunConfig()
     except ConfigError as exc:
         fail(str(in_flags(exc, overrides)))
+    if resume is None and "fp32_side_branch" in overrides and cfg.low_precision:
+        flag = "--fp32-side-branch" if overrides["fp32_side_branch"] else "--no-fp32-side-branch"
+        fail(
+            f"{flag} applies to an fp32 base; a bf16/fp16 or quantized base always keeps its "
+            f"residuals in an fp32 side branch (--dtype {cfg.dtype}"
+            + (f", --quantization {cfg.quantization}" if cfg.quantization else "")
+            + f"); fix: drop {flag}"
+        )
     if out is None:
         import time
 
@@ -183,7 +191,10 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
         fail(f"a required package is missing: {exc}{fix}")
     if cfg.export:
         try:
-            res = export_model(out, cfg.export)
+            res = export_model(
+                out, cfg.export, fmt=cfg.resolved_export_format, dtype=cfg.export_dtype,
+                allow_inexact=cfg.allow_inexact,
+            )  # fmt: skip
         except (RunError, CheckpointError, ValueError, OSError) as exc:
             fail(
                 f"the run in {str(out)!r} is complete, but its export failed: {exc}; "

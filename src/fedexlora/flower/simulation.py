@@ -530,7 +530,23 @@ def run_flower_experiment(
                 + (f"; last error: {error}" if error else "")
                 + f"; see the log above and {kept}"
             )
+        _record_local_settings(cfg, layout)
         return rows
     finally:
         sim.close()  # every process below the SuperLink and SuperExec has stopped
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _record_local_settings(cfg, layout) -> None:
+    """Writes into the run's ``config.toml`` what never travels to the ServerApp.
+
+    The export settings concern the caller only (:data:`fedexlora.flower.records._LOCAL_ONLY`),
+    so the ServerApp's ``config.toml`` lacks them; the run records them as the in-process
+    engine's does, so that ``fedexlora export RUN DEST`` exports as the run asked.
+    """
+    from fedexlora.config import load_run_config
+    from fedexlora.run.layout import write_atomic
+
+    stored = load_run_config(layout.config)
+    keys = ("export", "export_format", "export_dtype", "allow_inexact")
+    write_atomic(layout.config, stored.replace(**{k: getattr(cfg, k) for k in keys}).to_toml())

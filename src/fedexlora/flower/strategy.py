@@ -482,10 +482,12 @@ class FedExLoRA(FedAvg):
 
             rec.outcome = outcome = aggregate_secure(self, replies, rec)
             secure = outcome.secure or {}
+            # uniform weighting hides the examples too: the sums hold no count (None)
+            examples, loss = secure.get("num_examples"), secure.get("train_loss")
             metrics = MetricRecord(
                 {
-                    self.weighted_by_key: int(secure.get("num_examples", 0)),
-                    "train-loss": float(secure.get("train_loss", float("nan"))),
+                    self.weighted_by_key: int(examples or 0),
+                    "train-loss": float("nan") if loss is None else float(loss),
                     "dropped": len(rec.dropped),
                 }
             )

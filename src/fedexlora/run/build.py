@@ -99,6 +99,10 @@ def new_model(cfg: RunConfig, task, method: str):
         **spec.adapter_setup(cfg.lora_r, cfg.lora_alpha, cfg.fedsb_rank),
     )
     check_max_length(cfg, model)
+    if cfg.side_budget is not None:
+        from fedexlora.bridge.fold import side_caps
+
+        side_caps(model, budget=cfg.side_budget)  # refuses a budget below one rank
     if cfg.fp32_side_branch_resolved:
         from fedexlora.bridge.fold import use_side_branch
 
@@ -229,10 +233,14 @@ def effective_partition(cfg: RunConfig, task) -> tuple[str, str]:
 def check_max_length(cfg: RunConfig, model) -> None:
     """Refuses a ``max_length`` beyond the positions the model can embed.
 
+    Args:
+        cfg: The run's configuration.
+        model: The loaded model, or its configuration alone (read before the weights).
+
     Raises:
         ValueError: Naming the flag, the limit and where it comes from.
     """
-    config = getattr(model, "config", None)
+    config = getattr(model, "config", model)
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         limit = getattr(config, attr, None)
         if isinstance(limit, int) and limit > 0:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from fedexlora.config import RunConfig
 from fedexlora.run.export import export_dest_error, output_dir_error
-from fedexlora.run.layout import RunError
+from fedexlora.run.layout import RunError, RunLayout
 from fedexlora.run.restore import load_task_for
 
 __all__ = ["check_inputs"]
@@ -56,6 +56,15 @@ def check_inputs(
         problem = output_dir_error(out)
         if problem is not None:
             raise RunError(f"--out {str(out)!r} {problem}")
+        if RunLayout(out).holds_run():
+            raise RunError(
+                f"--out {str(out)!r} already holds a run; pass --resume to continue it or "
+                "choose another directory"
+            )
+    else:
+        problem = _rounds_done_error(cfg, out)
+        if problem is not None:
+            raise RunError(problem)
     if cfg.export:
         problem = export_dest_error(cfg.export)
         exp, run = Path(cfg.export).expanduser().resolve(), Path(out).expanduser().resolve()
@@ -81,6 +90,46 @@ def check_inputs(
         problem = _task_error(cfg.replace(task=task))
         if problem is not None:
             raise RunError(problem)
+    problem = _max_length_error(cfg)
+    if problem is not None:
+        raise RunError(problem)
+
+
+def _rounds_done_error(cfg: RunConfig, out: str | Path) -> str | None:
+    """Why resuming the run in ``out`` for ``cfg.rounds`` rounds would do nothing it asks.
+
+    A run that has written rows past ``cfg.rounds`` cannot be cut back by a resume.
+    """
+    from fedexlora.run.report import read_metrics
+
+    metrics = RunLayout(out).metrics
+    try:
+        done = max((int(r["round"]) for r in read_metrics(metrics)), default=0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a torn or missing file: the resume itself names it
+    if done > cfg.rounds:
+        return (
+            f"--rounds {cfg.rounds}: the run in {str(out)!r} has already trained {done} "
+            f"rounds, and a resume only adds rounds; fix: --rounds {done + 1} or more to "
+            f"continue it (or `fedexlora export {out} DEST` to use it as it is)"
+        )
+    return None
+
+
+def _max_length_error(cfg: RunConfig) -> str | None:
+    """Why ``cfg.max_length`` exceeds the model's positions, from its config alone."""
+    from fedexlora.bridge.models import model_config
+    from fedexlora.run.build import check_max_length
+
+    try:
+        config = model_config(cfg.model)
+    except (ValueError, OSError):
+        return None  # loading the model names what is wrong with it
+    try:
+        check_max_length(cfg, config)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _task_error(cfg: RunConfig) -> str | None:

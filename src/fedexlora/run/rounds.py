@@ -36,6 +36,7 @@ __all__ = [
     "DP_SEEDED",
     "close_round",
     "dp_randomness",
+    "lossy",
     "evaluate_personal",
     "personal_metrics",
     "round_row",
@@ -79,6 +80,22 @@ class RoundTraffic:
     refused: list[int] = field(default_factory=list)
     privacy: dict | None = None
     bytes_up_protocol: int = 0
+
+
+def lossy(cfg: RunConfig, server: Server) -> bool:
+    """Whether a lossy mode of ``cfg`` can cut anything from ``server``'s rounds.
+
+    A ``side_budget`` that leaves every layer uncapped (each could hold its dense delta)
+    cuts nothing: the run stays exact and is not marked approximate.
+    """
+    if not cfg.approximate:
+        return False
+    caps = server.side_rank
+    return not (
+        cfg.side_budget is not None
+        and isinstance(caps, dict)
+        and all(c is None for c in caps.values())
+    )
 
 
 def close_round(
@@ -134,7 +151,7 @@ def close_round(
         seconds=time.perf_counter() - traffic.started,
         bytes_up=traffic.bytes_up if federated else 0,
         bytes_down=traffic.bytes_down if federated else 0,
-        approximate=cfg.approximate and federated,
+        approximate=federated and lossy(cfg, server),
         sampled=traffic.sampled,
         dropped=traffic.dropped,
         effective=measured,
