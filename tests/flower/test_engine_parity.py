@@ -125,8 +125,9 @@ CASES = {
     # fp32_side_branch off: an adapter export of Fed-SB fails today ("peft saved no
     # factors"), a bug of its own; the merged export compares the model
     "fedsb": dict(methods=["fedsb"], fedsb_rank=3, fedsb_init="random", fp32_side_branch=False),
+    # the seeded opt-in: DP's default noise is the client's own, never repeated (#55)
     "dp": pytest.param(
-        dict(dp_epsilon=8.0, dp_delta=1e-3, dp_max_grad_norm=0.5, lr=2e-2),
+        dict(dp_epsilon=8.0, dp_delta=1e-3, dp_max_grad_norm=0.5, lr=2e-2, dp_reproducible=True),
         marks=pytest.mark.skipif(_NEEDS_OPACUS, reason="opacus is not installed"),
     ),
 }  # fmt: skip
