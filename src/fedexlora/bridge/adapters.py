@@ -83,8 +83,9 @@ def _extra_params(model: torch.nn.Module, adapter: str) -> dict[str, torch.nn.Pa
 
     A LoRA bias (``lora_bias=True``: ``lora_B``'s bias, added to the output times the
     scale) is linear in itself, so it is averaged like a head, keyed
-    ``...lora_B.default.bias``. A ``modules_to_save`` copy is keyed as ``...modules_to_save.default...`` whatever the
-    adapter's name, so that clients training other adapters (other ranks) share keys.
+    ``...lora_B.default.bias``. A ``modules_to_save`` copy is keyed as
+    ``...modules_to_save.default...`` whatever the adapter's name, so that clients
+    training other adapters (other ranks) share keys.
     """
     out = {}
     own, canonical = f".modules_to_save.{adapter}.", ".modules_to_save.default."
