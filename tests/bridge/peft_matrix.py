@@ -38,6 +38,7 @@ except ImportError:  # the code before bridge.layer_kinds (the matrix's "before"
     def _to_stored(layer, M):
         return M.T if getattr(layer, "fan_in_fan_out", False) else M
 
+
 VOCAB = 64
 WEIGHTS = (3, 5, 8)  # the clients' num_examples: p_i = 3/16, 5/16, 8/16
 WEIGHT_TOL = 1e-4  # ||W - ideal|| / ||ideal - previous||, per parameter (fp32 fold: ~1e-5)

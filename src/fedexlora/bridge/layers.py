@@ -46,7 +46,34 @@ def lora_layers(model: torch.nn.Module, adapter: str | None = None) -> dict[str,
         layers[name] = module
     if not layers:
         raise ValueError(f"the model has no LoRA layers for adapter {adapter!r}")
+    _check_untied(model, layers)
     return layers
+
+
+def _check_untied(model: torch.nn.Module, layers: dict[str, LoraLayer]) -> None:
+    """Refuses LoRA on an embedding whose weight another module holds (a tied ``lm_head``).
+
+    Its fold would change that module too.
+    """
+    from fedexlora.bridge import layer_kinds
+
+    embeddings = {n: x for n, x in layers.items() if layer_kinds.kind(x) == "embedding"}
+    if not embeddings:
+        return
+    holders: dict[int, list[str]] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(p), []).append(pname)
+    for name, layer in embeddings.items():
+        others = [
+            h
+            for h in holders.get(id(layer_kinds.base_param(layer)), [])
+            if not h.startswith(name + ".")
+        ]
+        if others:
+            raise ValueError(
+                f"module {name!r}: LoRA on an embedding whose weight is tied to {others[0]!r} "
+                f"(tie_word_embeddings) is not supported; {_WAY_OUT}, or untie the weights"
+            )
 
 
 _WAY_OUT = "leave it out of target_modules (or list it in exclude_modules)"

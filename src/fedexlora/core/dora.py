@@ -54,8 +54,11 @@ def dora_row_scale(
 
 
 def dora_magnitude(W0: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float):
-    """``||W0 + s B A||`` per output feature (fp64): the magnitude that makes ``V`` itself
-    the layer's weight (``m' = ||T||`` once ``W0' + s B A = T``)."""
+    """``||W0 + s B A||`` per output feature (fp64).
+
+    The magnitude that makes ``V`` itself the layer's weight (``m' = ||T||`` once
+    ``W0' + s B A = T``).
+    """
     return torch.linalg.norm(_v(W0, A, B, scale), dim=1)
 
 
