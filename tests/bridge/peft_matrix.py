@@ -288,8 +288,8 @@ def _options(arch: str) -> dict[str, dict]:
 CASES = [(a, o) for a in ARCHS for o in _options(a)]
 
 
-def build(arch: str, option: str) -> torch.nn.Module:
-    """The peft model of a case, seed 0 (every party builds the same one)."""
+def base(arch: str) -> torch.nn.Module:
+    """The plain pretrained model of ``arch`` (seed 0: every party loads the same)."""
     model_cls, cfg_cls, kw, kind, *_ = ARCHS[arch]
     torch.manual_seed(0)
     cfg = _cfg(cfg_cls, **kw)
@@ -303,7 +303,12 @@ def build(arch: str, option: str) -> torch.nn.Module:
     ):
         if hasattr(cfg, k) and isinstance(getattr(cfg, k), float):
             setattr(cfg, k, 0.0)
-    model = getattr(tf, model_cls)(cfg).eval()
+    return getattr(tf, model_cls)(cfg).eval()
+
+
+def build(arch: str, option: str) -> torch.nn.Module:
+    """The peft model of a case, seed 0 (every party builds the same one)."""
+    model = base(arch)
     opts = dict(_options(arch)[option])
     side = opts.pop("_side", False)
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **opts)
@@ -408,13 +413,18 @@ def _logits(model, arch: str, params: dict | None = None) -> torch.Tensor:
         return m(**inputs(arch, 99)).logits
 
 
-def run_case(arch: str, option: str, rounds: int = 2) -> str:
-    """Federates the case (3 clients, ``rounds`` rounds) and returns its verdict."""
+def run_case(arch: str, option: str, rounds: int = 2, keep: dict | None = None) -> str:
+    """Federates the case (3 clients, ``rounds`` rounds) and returns its verdict.
+
+    ``keep``, if given, receives the global model under ``"model"``.
+    """
     try:
         global_model = build(arch, option)
     except Exception as e:  # noqa: BLE001  peft's own refusal
         return f"PEFT: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
     clients = [build(arch, option) for _ in WEIGHTS]
+    if keep is not None:
+        keep["model"] = global_model
     try:
         for m in [global_model, *clients]:
             if m.fedex_matrix_side:

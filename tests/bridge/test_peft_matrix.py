@@ -65,3 +65,38 @@ def test_matrix_fast(arch, option):
 @pytest.mark.parametrize("arch,option", [c for c in pm.CASES if c[0] not in FAST])
 def test_matrix_slow(arch, option):
     _check(arch, option)
+
+
+@pytest.mark.parametrize("arch", ["llama", "vit"])
+def test_adapter_export_of_embedding_and_conv_lora_is_the_global_model(arch, tmp_path):
+    """save_adapter writes an embedding's and a convolution's widened factors in peft's
+    own layout: the adapter on the untouched base gives the global model's logits."""
+    from peft import PeftModel
+
+    from fedexlora.run.export import save_adapter
+
+    keep = {}
+    assert pm.run_case(arch, "embeddings", keep=keep) == "PASS"
+    model = keep["model"]
+    save_adapter(model, tmp_path / "adapter")
+    fresh = pm.base(arch)  # the pretrained weights
+    loaded = PeftModel.from_pretrained(fresh, str(tmp_path / "adapter")).eval()
+    x = pm.inputs(arch, 7)
+    with torch.no_grad():
+        want, got = model(**x).logits, loaded(**x).logits
+        start = pm.build(arch, "embeddings")(**x).logits
+    assert pm._rel(got.double(), want.double(), start.double()) < 1e-4
+
+
+def test_target_parameters_on_a_bf16_expert_stack_is_refused_in_one_line():
+    """Stacked experts have no forward to hook a side branch into: fp32 only, said so."""
+    model = pm.build("mixtral", "target_parameters").to(torch.bfloat16)
+    from fedexlora.bridge.layers import lora_layers
+
+    with pytest.raises(
+        ValueError,
+        match=r"experts.*target_parameters on a torch.bfloat16 "
+        r"parameter is not supported.*load the model in fp32",
+    ) as err:
+        lora_layers(model)
+    assert "\n" not in str(err.value)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from peft.tuners.lora import LoraLayer
 
 __all__ = [
+    "adapter_tensors",
     "base_matrix",
     "base_param",
     "dims",
@@ -236,3 +237,27 @@ def side_output(layer: LoraLayer, side, x: torch.Tensor, out: torch.Tensor) -> t
         else:
             raise ValueError(f"no side branch for a {type(layer).__name__} layer")
         return (out.to(delta.dtype) + extra).to(out.dtype)
+
+
+def adapter_tensors(
+    layer: LoraLayer, name: str, A: torch.Tensor, B: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """A saved peft adapter's keys and tensors for the server's ``A (q, n)``, ``B (d, q)``.
+
+    Raises:
+        ValueError: For stacked experts (peft's layout cannot hold a rank that differs
+            per expert): export the merged model instead.
+    """
+    k = kind(layer)
+    if k == "embedding":
+        return {f"{name}.lora_embedding_A": A, f"{name}.lora_embedding_B": B}
+    if is_experts(layer):
+        raise ValueError(
+            f"module {name!r} (target_parameters, stacked experts) cannot be written as a "
+            "plain adapter; export the merged model instead"
+        )
+    Ap, Bp = factor_params(layer, _adapter(layer, None))
+    return {
+        f"{name}.lora_A.weight": A.reshape(A.shape[0], *Ap.shape[1:]),
+        f"{name}.lora_B.weight": B.reshape(B.shape[0], B.shape[1], *Bp.shape[2:]),
+    }
