@@ -153,8 +153,9 @@ def _transposed(layer: LoraLayer) -> bool:
     k = kind(layer)
     if k == "embedding":
         return True
-    if k == "param":
-        return not getattr(layer, "_did_swap_in_out_features", False)
+    if k == "param":  # a 2-D parameter is (out, in), as nn.Linear's
+        swapped = getattr(layer, "_did_swap_in_out_features", False)
+        return base_param(layer).dim() == 3 and not swapped
     return bool(getattr(layer, "fan_in_fan_out", False))
 
 
