@@ -32,10 +32,10 @@ from fedexlora import Server, apply_outcome, apply_payload, get_state, layer_inf
 from fedexlora.bridge.fold import side_weight, use_side_branch
 
 try:
-    from fedexlora.bridge.layer_kinds import _to_stored
+    from fedexlora.bridge.layer_kinds import to_stored
 except ImportError:  # the code before bridge.layer_kinds (the matrix's "before" counts)
 
-    def _to_stored(layer, M):
+    def to_stored(layer, M):
         return M.T if getattr(layer, "fan_in_fan_out", False) else M
 
 
@@ -363,7 +363,7 @@ def _untie_and_merge(model: torch.nn.Module) -> torch.nn.Module:
         layer.merge()
         if side is not None:
             w = layer.get_base_layer().weight
-            w.data += _to_stored(layer, side).to(w.dtype)
+            w.data += to_stored(layer, side).to(w.dtype)
             layer._forward_hooks.clear()  # the copy's side branch is in its weight now
     return m
 

@@ -40,6 +40,7 @@ __all__ = [
     "read_A",
     "read_B",
     "side_output",
+    "to_stored",
     "weight_delta",
     "write_A",
     "write_B",
@@ -159,7 +160,7 @@ def _transposed(layer: LoraLayer) -> bool:
     return bool(getattr(layer, "fan_in_fan_out", False))
 
 
-def _to_stored(layer: LoraLayer, M: torch.Tensor) -> torch.Tensor:
+def to_stored(layer: LoraLayer, M: torch.Tensor) -> torch.Tensor:
     """A ``(d, n)`` matrix in the stored weight's shape and orientation."""
     w = base_param(layer)
     E = _experts(layer)
@@ -207,7 +208,7 @@ def fold_into_weight(layer: LoraLayer, R) -> None:
             view.addmm_(R.U, R.V)
         return
     dense = R.dense if R.dense is not None else R.U @ R.V
-    w.add_(_to_stored(layer, dense.to(w.dtype)))
+    w.add_(to_stored(layer, dense.to(w.dtype)))
 
 
 def side_output(layer: LoraLayer, side, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -233,7 +234,7 @@ def side_output(layer: LoraLayer, side, x: torch.Tensor, out: torch.Tensor) -> t
                 extra = extra * scale.to(extra.dtype)
         elif k == "conv":
             base = layer.get_base_layer()
-            weight = _to_stored(layer, delta)
+            weight = to_stored(layer, delta)
             extra = base._conv_forward(x.to(delta.dtype), weight, None)
         else:
             raise ValueError(f"no side branch for a {type(layer).__name__} layer")

@@ -329,7 +329,7 @@ def save_adapter(
         if saved_base in tensors and side is None and extra is not None:
             # what was folded into it is in the widened factors: save the weight without it
             w = layer_kinds.base_param(layer).detach().cpu().double()
-            unfolded = w - layer_kinds._to_stored(layer, extra.to_dense().double().cpu())
+            unfolded = w - layer_kinds.to_stored(layer, extra.to_dense().double().cpu())
             tensors[saved_base] = unfolded.to(tensors[saved_base].dtype).contiguous()
         ranks[re.escape(key)] = int(A_new.shape[0])
     config.update(
@@ -362,7 +362,7 @@ def _write_merged(cfg, task, method, model, dest: Path, dtype: torch.dtype) -> s
     for name, layer in src_layers.items():
         eff = effective_weight(layer).float()  # (d, n): stored as the layer's kind stores it
         dst = dst_layers[name]
-        layer_kinds.base_param(dst).copy_(layer_kinds._to_stored(dst, eff))
+        layer_kinds.base_param(dst).copy_(layer_kinds.to_stored(dst, eff))
     # adapters dropped, not merged: the weights already hold them, side branches included
     # (an fp32 model's --fp32-side-branch goes with the LoRA layer that carries it)
     merged = plain.unload().to(dtype)
