@@ -44,6 +44,10 @@ CASES = {
         _bert,
         dict(target_modules=BERT_TARGETS, use_rslora=True, modules_to_save=["classifier"]),
     ),
+    "bert-embeddings": (
+        _bert,
+        dict(target_modules=r".*(word_embeddings|\.query)$", modules_to_save=["classifier"]),
+    ),
     "bert-rank-pattern": (
         _bert,
         dict(
@@ -200,14 +204,21 @@ def test_layer_info_reads_orientation_and_scale():
 
 def test_refuses_dora():
     model = get_peft_model(_bert(), LoraConfig(r=2, target_modules=["query"], use_dora=True))
-    with pytest.raises(ValueError, match="uses DoRA, which is not supported"):
+    with pytest.raises(ValueError, match=r"query' uses DoRA \(use_dora=True\).*use_dora=False"):
         get_state(model)
 
 
-def test_refuses_embedding_lora():
-    model = get_peft_model(_bert(), LoraConfig(r=2, target_modules=["word_embeddings"]))
-    with pytest.raises(ValueError, match="LoRA on embeddings is not supported"):
+def test_refuses_grouped_convolution_naming_the_way_out():
+    """A grouped convolution's LoRA (peft groups only B) is not B @ A: refused, one line."""
+    net = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, groups=2), torch.nn.Conv2d(4, 2, 1))
+    model = get_peft_model(net, LoraConfig(r=2, target_modules=["0", "1"]))
+    with pytest.raises(
+        ValueError,
+        match=r"module '.*0': LoRA on a grouped convolution \(groups=2\)"
+        r".*exclude_modules",
+    ) as err:
         lora_layers(model)
+    assert "\n" not in str(err.value)
 
 
 def test_refuses_mismatched_client_states():
@@ -231,7 +242,7 @@ def test_refuses_mismatched_client_states():
         aggregate_states([state, missing], None, "fedex")
 
 
-@pytest.mark.parametrize("case", ["bert", "gpt2-conv1d"])
+@pytest.mark.parametrize("case", ["bert", "gpt2-conv1d", "bert-embeddings"])
 def test_client_state_is_lean_and_rebuilds_the_model_bit_for_bit(case):
     """A client keeps what it received, factored, never a base weight; a freshly loaded
     model plus that state equals the live model bit for bit, round after round."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from peft.tuners.lora import LoraLayer
 
+from fedexlora.bridge import layer_kinds
 from fedexlora.bridge.latent import is_latent
 from fedexlora.bridge.layers import _adapter_name, lora_layers
 from fedexlora.core.state import AdapterState, LayerInfo
@@ -55,15 +56,17 @@ def _factor_shapes(layer: LoraLayer, adapter: str) -> tuple[tuple, tuple]:
     if is_latent(layer, adapter):
         r = layer.lora_B[adapter].core.weight.shape[0]
         return (r, r), (r, r)
-    return tuple(layer.lora_A[adapter].weight.shape), tuple(layer.lora_B[adapter].weight.shape)
+    r, n = layer_kinds.read_A(layer, adapter).shape
+    d, rb = layer_kinds.read_B(layer, adapter).shape
+    return (r, n), (d, rb)
 
 
 def _read_factors(layer: LoraLayer, adapter: str, include_A: bool, include_B: bool = True):
     if is_latent(layer, adapter):
         R = layer.lora_B[adapter].core.weight
         return (torch.eye(R.shape[0]) if include_A else None), _host(R)
-    A = _host(layer.lora_A[adapter].weight) if include_A else None
-    return A, (_host(layer.lora_B[adapter].weight) if include_B else None)
+    A = _host(layer_kinds.read_A(layer, adapter)) if include_A else None
+    return A, (_host(layer_kinds.read_B(layer, adapter)) if include_B else None)
 
 
 def lift(layer: LoraLayer, M: torch.Tensor, adapter: str = "default") -> torch.Tensor:
@@ -76,14 +79,21 @@ def lift(layer: LoraLayer, M: torch.Tensor, adapter: str = "default") -> torch.T
 
 
 def _extra_params(model: torch.nn.Module, adapter: str) -> dict[str, torch.nn.Parameter]:
-    """Trainable non-LoRA parameters (``modules_to_save``) of ``adapter``.
+    """Trainable non-LoRA parameters (``modules_to_save``) of ``adapter``, and its LoRA biases.
 
-    A ``modules_to_save`` copy is keyed as ``...modules_to_save.default...`` whatever the
-    adapter's name, so that clients training other adapters (other ranks) share keys.
+    A LoRA bias (``lora_bias=True``: ``lora_B``'s bias, added to the output times the
+    scale) is linear in itself, so it is averaged like a head, keyed
+    ``...lora_B.default.bias``. A ``modules_to_save`` copy is keyed as
+    ``...modules_to_save.default...`` whatever the adapter's name, so that clients
+    training other adapters (other ranks) share keys.
     """
     out = {}
     own, canonical = f".modules_to_save.{adapter}.", ".modules_to_save.default."
+    bias = f".lora_B.{adapter}.bias"  # lora_bias=True: linear in the output, averaged
     for name, p in model.named_parameters():
+        if name.endswith(bias):
+            out[name[: -len(bias)] + ".lora_B.default.bias"] = p
+            continue
         if any(tag in name for tag in _LORA_PARAM_TAGS):
             continue
         if ".modules_to_save." in name:
@@ -105,8 +115,9 @@ def set_trainable(
     for layer in lora_layers(model, adapter).values():
         if is_latent(layer, adapter):
             continue  # Fed-SB: A and the basis stay frozen, the core trains
-        layer.lora_A[adapter].weight.requires_grad_(train_A)
-        layer.lora_B[adapter].weight.requires_grad_(train_B)
+        A, B = layer_kinds.factor_params(layer, adapter)
+        A.requires_grad_(train_A)
+        B.requires_grad_(train_B)
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -198,11 +209,9 @@ def set_state(model: torch.nn.Module, state: AdapterState, adapter: str | None =
             core.copy_(B.to(core.dtype))
             continue
         if A is not None:
-            wa = layer.lora_A[adapter].weight
-            wa.copy_(A.to(wa.dtype))
+            layer_kinds.write_A(layer, adapter, A)
         if B is not None:
-            wb = layer.lora_B[adapter].weight
-            wb.copy_(B.to(wb.dtype))
+            layer_kinds.write_B(layer, adapter, B, name)
     params = _extra_params(model, adapter)
     for name, t in state.extra.items():
         params[name].copy_(t.to(params[name].dtype))
@@ -216,7 +225,7 @@ def tail_norm(model: torch.nn.Module, start: int, stop: int) -> torch.Tensor:
     adapter = _adapter_name(model, None)
     total = None
     for layer in lora_layers(model, adapter).values():
-        A, B = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+        A, B = layer_kinds.read_A(layer, adapter), layer_kinds.read_B(layer, adapter)
         term = torch.linalg.norm(B[:, start:stop]) * torch.linalg.norm(A[start:stop])
         total = term if total is None else total + term
     return total if total is not None else torch.zeros(())

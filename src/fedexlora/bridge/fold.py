@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import torch
 from peft.tuners.lora import LoraLayer
 
+from fedexlora.bridge import layer_kinds
 from fedexlora.bridge.layers import _adapter_name, _is_bnb, lora_layers
 from fedexlora.core.aggregation import Residual, residuals_from_flat, residuals_to_flat
 from fedexlora.core.side import Accumulator, SideBranch, rank_cap
@@ -56,7 +57,7 @@ def _holds_in_weight(layer: LoraLayer) -> bool:
     base = layer.get_base_layer()
     if _is_bnb(base) or getattr(layer, _BESIDE, False):
         return False
-    return base.weight.dtype in (torch.float32, torch.float64)
+    return layer_kinds.base_param(layer).dtype in (torch.float32, torch.float64)
 
 
 def use_side_branch(model: torch.nn.Module) -> torch.nn.Module:
@@ -75,6 +76,8 @@ def use_side_branch(model: torch.nn.Module) -> torch.nn.Module:
         ValueError: If a residual was already folded into one of the model's weights.
     """
     for name, layer in lora_layers(model).items():
+        if layer_kinds.kind(layer) == "param":
+            continue  # target_parameters: held in its fp32 parameter (no forward to hook)
         acc = _acc(layer)
         if acc is not None and acc.rank:
             raise ValueError(
@@ -89,10 +92,10 @@ def _side(layer: LoraLayer, create: bool = False) -> SideBranch | None:
     """The layer's side branch (created and hooked into its forward when asked)."""
     side = getattr(layer, _SIDE, None)
     if side is None and create:
-        A, B = next(iter(layer.lora_A.values())).weight, next(iter(layer.lora_B.values())).weight
+        A = layer_kinds.read_A(layer)
         f64 = getattr(layer.get_base_layer().weight, "dtype", None) == torch.float64
         dtype = torch.float64 if f64 else torch.float32  # an fp64 base's sum stays fp64
-        side = SideBranch(int(B.shape[0]), int(A.shape[1]), device=A.device, dtype=dtype)
+        side = SideBranch(*layer_kinds.dims(layer), device=A.device, dtype=dtype)
         layer.add_module(_SIDE, side)
         layer.register_forward_hook(_apply_side)
     return side
@@ -102,10 +105,9 @@ def _acc(layer: LoraLayer, create: bool = False) -> Accumulator | None:
     """An fp32 layer's record: what was folded into it, and its weight before (``base0``)."""
     acc = getattr(layer, _ACC, None)
     if acc is None and create:
-        weight = layer.get_base_layer().weight
-        A, B = next(iter(layer.lora_A.values())).weight, next(iter(layer.lora_B.values())).weight
+        weight = layer_kinds.base_param(layer)
         dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        acc = Accumulator(int(B.shape[0]), int(A.shape[1]), device=weight.device, dtype=dtype)
+        acc = Accumulator(*layer_kinds.dims(layer), device=weight.device, dtype=dtype)
         acc.register_buffer("base0", weight.detach().clone(), persistent=False)
         layer.add_module(_ACC, acc)
     return acc
@@ -126,14 +128,7 @@ def _fold_weight(layer: LoraLayer, R: Residual) -> None:
     residuals folded in the same order give the same bits, which is what a rebuild from
     :func:`side_state` relies on.
     """
-    w = layer.get_base_layer().weight.data
-    fan_in_fan_out = bool(getattr(layer, "fan_in_fan_out", False))
-    if R.dense is not None:
-        w.add_(R.dense.T if fan_in_fan_out else R.dense)
-    elif fan_in_fan_out:  # weight (n, d): (U V)^T = V^T U^T
-        w.addmm_(R.V.T, R.U.T)
-    else:
-        w.addmm_(R.U, R.V)
+    layer_kinds.fold_into_weight(layer, R)  # orientation and reshape: the layer's kind
 
 
 @torch.no_grad()
@@ -142,7 +137,7 @@ def _rebuild(layer: LoraLayer, parts: list[Residual], weight: torch.Tensor | Non
     acc = _acc(layer, create=bool(parts) or weight is not None)
     if acc is None:
         return
-    w = layer.get_base_layer().weight.data
+    w = layer_kinds.base_param(layer).data
     w.copy_(acc.base0)
     acc.clear()
     if weight is not None:
@@ -156,7 +151,7 @@ def _rebuild(layer: LoraLayer, parts: list[Residual], weight: torch.Tensor | Non
 
 
 def _apply_side(layer: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-    return getattr(layer, _SIDE)(args[0], out)
+    return layer_kinds.side_output(layer, getattr(layer, _SIDE), args[0], out)
 
 
 def base_weight(layer: LoraLayer) -> torch.Tensor:
@@ -170,8 +165,7 @@ def base_weight(layer: LoraLayer) -> torch.Tensor:
         from peft.utils.integrations import dequantize_bnb_weight
 
         return dequantize_bnb_weight(base.weight, state=getattr(base, "state", None)).double()
-    w = base.weight.detach().double()
-    return w.T if getattr(layer, "fan_in_fan_out", False) else w
+    return layer_kinds.base_matrix(layer)
 
 
 def side_weight(layer: LoraLayer) -> torch.Tensor | None:
@@ -190,8 +184,8 @@ def effective_weight(layer: LoraLayer, adapter: str = "default", *, lora: bool =
     if extra is not None:
         w = w + extra.to(w.device)
     if lora:
-        A = layer.lora_A[adapter].weight.detach().double()
-        B = layer.lora_B[adapter].weight.detach().double()
+        A = layer_kinds.read_A(layer, adapter).detach().double()
+        B = layer_kinds.read_B(layer, adapter).detach().double()
         w = w + float(layer.scaling[adapter]) * (B @ A).to(w.device)
     return w
 
@@ -211,7 +205,7 @@ def side_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if branch is None or not branch.rank:
             continue
         if isinstance(branch, Accumulator) and branch.outgrown:
-            out[f"side.{name}.weight"] = layer.get_base_layer().weight.detach().clone()
+            out[f"side.{name}.weight"] = layer_kinds.base_param(layer).detach().clone()
             continue
         out.update(residuals_to_flat("side", {name: branch.residual}))
         splits = getattr(branch, "splits", [])
@@ -283,18 +277,16 @@ def folded_delta(model: torch.nn.Module, name: str, adapter: str = "default") ->
         raise ValueError(f"no LoRA layer {name!r} in the model")
     layer = layers[name]
     scale = float(layer.scaling[adapter])
-    d, n = layer.lora_B[adapter].weight.shape[0], layer.lora_A[adapter].weight.shape[1]
+    d, n = layer_kinds.dims(layer, adapter)
     branch = _branch(layer)
     if branch is None or not branch.rank:
         return Residual.zero(d, n)
     cpu = lambda t: t.detach().to("cpu")  # noqa: E731
     if isinstance(branch, Accumulator) and branch.outgrown:
-        w = layer.get_base_layer().weight.detach()
+        w = layer_kinds.base_param(layer).detach()
         # in the weight's dtype: W and W0 hold the delta to their own precision, and a
         # client that folds it back onto W0 comes within rounding of W
-        delta = torch.sub(cpu(w), cpu(branch.base0)).div_(scale)
-        if getattr(layer, "fan_in_fan_out", False):
-            delta = delta.T
+        delta = layer_kinds.weight_delta(layer, cpu(w), cpu(branch.base0)).div_(scale)
         return Residual((d, n), dense=delta.contiguous(), stored_rank=min(d, n))
     R = branch.residual.scaled(1.0 / scale)
     return Residual(
@@ -309,7 +301,7 @@ def folded_delta(model: torch.nn.Module, name: str, adapter: str = "default") ->
 def folded_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The base weights that residuals are folded into (fp32/fp64 layers only)."""
     return {
-        n: layer.get_base_layer().weight
+        n: layer_kinds.base_param(layer)
         for n, layer in lora_layers(model).items()
         if _holds_in_weight(layer)
     }
@@ -368,7 +360,7 @@ def fold_layer(
     name: str = "",
 ) -> None:
     """:func:`fold_residuals` for one LoRA layer (``name`` only for error messages)."""
-    d, n = layer.lora_B[adapter].weight.shape[0], layer.lora_A[adapter].weight.shape[1]
+    d, n = layer_kinds.dims(layer, adapter)
     if tuple(R.shape) != (d, n):
         raise ValueError(f"module {name!r}: residual is {R.shape}, expected {(d, n)}")
     if R.is_zero:
@@ -384,7 +376,7 @@ def fold_layer(
 
 def base_nbytes(layer: LoraLayer) -> int:
     """Bytes of a LoRA layer's frozen base weight as stored (4-bit: packed, and its scales)."""
-    w = layer.get_base_layer().weight
+    w = layer_kinds.base_param(layer)
     total = w.numel() * w.element_size()
     state = getattr(w, "quant_state", None)  # bitsandbytes 4-bit: per-block scales
     while state is not None:
@@ -418,7 +410,7 @@ def side_caps(
     caps: dict[str, int | None] = {}
     short: dict[str, float] = {}  # layer -> the budget one rank of it needs
     for name, layer in lora_layers(model).items():
-        d, n = layer.lora_B["default"].weight.shape[0], layer.lora_A["default"].weight.shape[1]
+        d, n = layer_kinds.dims(layer, "default")
         q = int(budget * base_nbytes(layer) // (4 * (d + n)))
         caps[name] = None if q * (d + n) >= d * n else q
         if caps[name] == 0:

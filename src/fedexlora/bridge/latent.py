@@ -74,7 +74,7 @@ class LatentB(torch.nn.Module):
 
 def is_latent(layer, adapter: str = "default") -> bool:
     """Whether ``layer`` is a Fed-SB layer (its ``lora_B`` is a :class:`LatentB`)."""
-    return isinstance(layer.lora_B[adapter], LatentB)
+    return adapter in layer.lora_B and isinstance(layer.lora_B[adapter], LatentB)
 
 
 @torch.no_grad()

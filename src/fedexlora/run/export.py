@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from fedexlora.bridge import layer_kinds
 from fedexlora.bridge.fold import _side, effective_weight, folded_delta
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.models import portable_reference
@@ -342,8 +343,8 @@ def save_adapter(
     ranks: dict[str, int] = {}
     for name, layer in layers.items():
         scale = float(layer.scaling["default"])
-        A = layer.lora_A["default"].weight.detach().double().cpu()
-        B = layer.lora_B["default"].weight.detach().double().cpu()
+        A = layer_kinds.read_A(layer, "default").detach().double().cpu()
+        B = layer_kinds.read_B(layer, "default").detach().double().cpu()
         side = _side(layer)
         if side is not None:
             extra = side.residual if side.rank else None
@@ -357,10 +358,19 @@ def save_adapter(
             As.append(V.cpu())
         A_new, B_new = torch.cat(As, 0).float(), torch.cat(Bs, 1).float()
         key = name.removeprefix("base_model.model.")
-        ka, kb = f"{name}.lora_A.weight", f"{name}.lora_B.weight"
-        if ka not in tensors or kb not in tensors:
+        try:
+            mine = layer_kinds.adapter_tensors(layer, name, A_new, B_new)
+        except ValueError as e:
+            raise RunError(str(e)) from None
+        if any(k not in tensors for k in mine):
             raise RunError(f"peft saved no factors for {name!r}; cannot export an adapter")
-        tensors[ka], tensors[kb] = A_new.contiguous(), B_new.contiguous()
+        tensors.update({k: v.contiguous() for k, v in mine.items()})
+        saved_base = f"{name}.base_layer.weight"  # peft saves a targeted embedding's weight
+        if saved_base in tensors and side is None and extra is not None:
+            # what was folded into it is in the widened factors: save the weight without it
+            w = layer_kinds.base_param(layer).detach().cpu().double()
+            unfolded = w - layer_kinds.to_stored(layer, extra.to_dense().double().cpu())
+            tensors[saved_base] = unfolded.to(tensors[saved_base].dtype).contiguous()
         ranks[re.escape(key)] = int(A_new.shape[0])
     config.update(
         r=max(ranks.values()),
@@ -380,8 +390,6 @@ def save_adapter(
 @torch.no_grad()
 def _write_merged(cfg, task, method, model, dest: Path, dtype: torch.dtype) -> str:
     """The effective model written as plain weights (dequantized, upcast, merged)."""
-    from transformers.pytorch_utils import Conv1D
-
     from fedexlora.run.build import new_model
 
     quantized = cfg.quantization is not None
@@ -392,9 +400,9 @@ def _write_merged(cfg, task, method, model, dest: Path, dtype: torch.dtype) -> s
         plain = model
     src_layers, dst_layers = lora_layers(model), lora_layers(plain)
     for name, layer in src_layers.items():
-        eff = effective_weight(layer).float()
-        base = dst_layers[name].get_base_layer()
-        base.weight.copy_(eff.T if isinstance(base, Conv1D) else eff)
+        eff = effective_weight(layer).float()  # (d, n): stored as the layer's kind stores it
+        dst = dst_layers[name]
+        layer_kinds.base_param(dst).copy_(layer_kinds.to_stored(dst, eff))
     # adapters dropped, not merged: the weights already hold them, side branches included
     # (an fp32 model's --fp32-side-branch goes with the LoRA layer that carries it)
     merged = plain.unload().to(dtype)
