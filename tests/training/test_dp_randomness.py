@@ -153,3 +153,29 @@ def test_on_both_engines_the_noise_is_the_clients_own_and_no_loss_is_sent(
     summary = (tmp_path / "local" / "summary.md").read_text()
     assert "No client sent its training loss" in summary and "OS entropy" in summary
     assert "not sent (DP)" in summary
+
+
+def test_a_flower_node_refuses_seeded_dp_it_did_not_allow(tiny_cfg, tmp_path, task_identity):
+    """``dp_reproducible`` arrives in the run config, the server's word: a node takes
+    part with seeded (replayable) noise only where its own node config allows it; one
+    that has not refuses when the server first asks for its partition, before any
+    training, and the server stops with the node's reason."""
+    from fedexlora.flower.client_app import make_client_app
+    from test_flower import InProcessGrid
+    from test_flower_parity import _flower
+
+    cfg = tiny_cfg.replace(methods=["fedex"], dp_epsilon=8.0, dp_delta=1e-3, rounds=1,
+                           local_steps=1, dp_reproducible=True)  # fmt: skip
+    allowed = [
+        {"partition-id": i, "num-partitions": 3, **({"dp-reproducible": "true"} if i else {})}
+        for i in range(3)
+    ]
+    grid = InProcessGrid(make_client_app({}), 3, node_configs=allowed)
+    with pytest.raises(ValueError, match="this node has not allowed it"):
+        _flower(cfg, tmp_path / "flower", grid=grid)
+    assert grid.trained == []  # nobody trained
+    for conf in allowed:
+        conf["dp-reproducible"] = "true"
+    grid = InProcessGrid(make_client_app({}), 3, node_configs=allowed)
+    rows, _ = _flower(cfg, tmp_path / "allowed", grid=grid)
+    assert rows[0]["accepted"] == [0, 1, 2]

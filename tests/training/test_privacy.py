@@ -159,10 +159,15 @@ def test_partial_participation_refuses_a_client_sampled_beyond_its_plan(tiny_cfg
     assert max(times.values()) > 2, "the seed must sample one client three times"
 
 
-def test_under_flower_the_clients_account_and_the_server_records(tiny_cfg, tmp_path, task_identity):
+def test_under_flower_the_clients_account_and_the_server_records(
+    tiny_cfg, tmp_path, task_identity, monkeypatch
+):
     """The real ClientApp and strategy: each client plans, counts and refuses by itself;
     the rows equal the in-process engine's (same sampling, noise, refusals, epsilons)."""
+    from fedexlora.flower.simulation import SEEDED_DP_CONSENT
     from fedexlora.run.inprocess import run_experiment
+
+    monkeypatch.setenv(SEEDED_DP_CONSENT, "1")  # the nodes allow the seeded opt-in
     from fedexlora.run.rounds import DP_SEEDED
     from test_flower_parity import _close, _flower
 

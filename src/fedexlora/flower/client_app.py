@@ -42,7 +42,7 @@ from flwr.clientapp import ClientApp
 
 from fedexlora.flower import client_dp
 from fedexlora.flower.records import from_array_record, resolve_run_config, to_array_record
-from fedexlora.flower.simulation import restore_user_home
+from fedexlora.flower.simulation import SEEDED_DP_CONSENT, restore_user_home
 from fedexlora.quiet import quiet_libraries
 
 __all__ = ["app", "make_client_app"]
@@ -58,10 +58,25 @@ _MAX_MODELS = int(os.environ.get("FEDEXLORA_CLIENT_MODEL_CACHE", "4"))
 _KEEP_ON_DISK = 2  # base versions a client keeps on disk: a crash loses at most one round
 
 
+def _allows_seeded_dp(context: Context) -> bool:
+    """Whether this node itself (its node config or environment) allows seeded DP noise."""
+    said = str(context.node_config.get("dp-reproducible", "")).strip().lower()
+    return said in ("1", "true", "yes") or os.environ.get(SEEDED_DP_CONSENT, "") == "1"
+
+
 def _resolve(defaults: Mapping[str, Any], context: Context):
     from fedexlora.run.checkpoint import config_fingerprint
 
     cfg, settings = resolve_run_config({**defaults, **dict(context.run_config)})
+    # the run config is the server's word: seeded noise, which whoever knows the seed can
+    # replay, needs the node's own consent too
+    if cfg.dp and cfg.dp_reproducible and not _allows_seeded_dp(context):
+        raise ValueError(
+            "the run asks for seeded DP-SGD noise (dp-reproducible = true), which anyone "
+            "who knows the run's seed can replay; this node has not allowed it: set node "
+            f"config 'dp-reproducible=true' or {SEEDED_DP_CONSENT}=1 to consent, or run "
+            "without --dp-reproducible"
+        )
     return cfg, config_fingerprint(cfg), settings
 
 

@@ -53,6 +53,7 @@ from fedexlora.flower.records import to_run_config
 __all__ = [
     "FLOWER_ENV",
     "RAY_ENV",
+    "SEEDED_DP_CONSENT",
     "LocalSimulation",
     "client_resources",
     "federation_config",
@@ -78,6 +79,12 @@ USER_HOME_VAR = "FEDEXLORA_USER_HOME"
 APP_NAME = "fedexlora-simulation"
 _CONNECTION = "fedexlora-simulation"
 _BOOTSTRAP = "provider:\n  type: local\n"
+SEEDED_DP_CONSENT = "FEDEXLORA_CLIENT_ALLOWS_SEEDED_DP"
+"""The environment variable by which a node's operator consents to ``dp-reproducible``
+(as the node config ``dp-reproducible=true`` does); ``fedexlora run --engine flower``
+sets it for its own simulated clients."""
+
+
 _START_TIMEOUT = float(os.environ.get("FEDEXLORA_SUPERLINK_START_TIMEOUT", "120"))
 
 
@@ -512,6 +519,10 @@ def run_flower_experiment(
         (private_home / "ray_bootstrap_config.yaml").write_text(_BOOTSTRAP)
     _write_app(root / "app", run_config)
     sim = LocalSimulation(root, private_home)
+    # the simulated clients are this user's own: their consent to seeded DP is the flag
+    consent = {SEEDED_DP_CONSENT: "1"} if cfg.dp and cfg.dp_reproducible else {}
+    saved = {k: os.environ.get(k) for k in consent}
+    os.environ.update(consent)
     try:
         sim.start()
         code, tail = sim.run(root / "app", federation)
@@ -534,6 +545,11 @@ def run_flower_experiment(
         return rows
     finally:
         sim.close()  # every process below the SuperLink and SuperExec has stopped
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         shutil.rmtree(root, ignore_errors=True)
 
 
