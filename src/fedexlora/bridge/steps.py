@@ -35,6 +35,7 @@ from fedexlora.bridge.fold import (
     side_state,
 )
 from fedexlora.bridge.layers import lora_layers
+from fedexlora.bridge.sharing import route_shared
 from fedexlora.core.messages import ClientUpload, Payload, RoundOutcome
 from fedexlora.core.methods.spec import FP32_UNIT_ROUNDING
 from fedexlora.core.side import rank_cap
@@ -158,6 +159,7 @@ def apply_outcome(
         gets, per layer, ``2^-24 ||W_model|| / ||W_ideal - W_previous||``: fp32's unit
         rounding of the weights, relative to the same update.
     """
+    route_shared(model)  # a shared base weight (tied, replicated) takes a side branch
     set_state(model, server.state)
     measure = bool(uploads) and bool(outcome.weights) and outcome.previous is not None
     out = {}

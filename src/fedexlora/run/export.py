@@ -28,6 +28,7 @@ import torch
 from fedexlora.bridge.fold import _side, effective_weight, folded_delta
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.models import resolve_model
+from fedexlora.bridge.sharing import base_holders
 from fedexlora.config import load_run_config
 from fedexlora.core.aggregation import Residual
 from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
@@ -351,13 +352,21 @@ def _write_merged(cfg, task, method, model, dest: Path, dtype: torch.dtype) -> s
     else:
         plain = model
     src_layers, dst_layers = lora_layers(model), lora_layers(plain)
+    shared = base_holders(plain)  # a tied embedding, replicated layers: theirs stay as is
     for name, layer in src_layers.items():
         eff = effective_weight(layer).float()
         base = dst_layers[name].get_base_layer()
-        base.weight.copy_(eff.T if isinstance(base, Conv1D) else eff)
+        eff = eff.T if isinstance(base, Conv1D) else eff
+        if name in shared:  # a tensor of its own: copy_ would change the other holders
+            base.weight = torch.nn.Parameter(eff.contiguous().to(base.weight.device), False)
+        else:
+            base.weight.copy_(eff)
     # adapters dropped, not merged: the weights already hold them, side branches included
     # (an fp32 model's --fp32-side-branch goes with the LoRA layer that carries it)
     merged = plain.unload().to(dtype)
+    if shared:  # saved and loaded as separate tensors, not tied again
+        for config in {id(c): c for c in (merged.config, merged.config.get_text_config())}.values():
+            config.tie_word_embeddings = False
     merged.save_pretrained(str(dest))
     what = "dequantized fp32 weights" if quantized else f"{cfg.dtype} base upcast to fp32"
     if cfg.dtype == "fp32" and not quantized:

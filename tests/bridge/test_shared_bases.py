@@ -1,0 +1,130 @@
+"""Base weights held by more than one module: a tied ``lm_head``, peft's layer_replication.
+
+Each run goes through the public API and is checked on the whole model against an ideal
+computed by hand in fp64 (``ideal_whole_model``): every LoRA layer's effective weight,
+every trained extra, and every frozen parameter's bits, the tied input embedding among
+them. With the sharing detection switched off (``route_shared`` a no-op, as before it
+existed), the same checks fail: the embedding moves, replicated layers get each other's
+updates.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+import fedexlora.bridge.fold as fold
+import fedexlora.bridge.steps as steps
+from fedexlora.bridge.fold import load_side_state
+from fedexlora.bridge.sharing import base_holders, route_shared
+from fedexlora.run.export import save_adapter
+from ideal_whole_model import WholeModelIdeal, federate
+
+
+def _llama(tie: bool = True, dtype=torch.float32):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tie,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def tied_llama(dtype=torch.float32):
+    model = _llama(dtype=dtype)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"])
+    return get_peft_model(model, lora)
+
+
+def tied_gpt2():
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "lm_head"], fan_in_fan_out=True)
+    return get_peft_model(GPT2LMHeadModel(cfg), lora)
+
+
+def replicated_llama():
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                      layer_replication=[[0, 2], [0, 2]])  # fmt: skip
+    return get_peft_model(_llama(tie=False), lora)
+
+
+@pytest.fixture
+def no_detection(monkeypatch):
+    """Today's code before the detection: every fold assumes each base is its own."""
+    for mod in (fold, steps):
+        monkeypatch.setattr(mod, "route_shared", lambda model, adapter=None: {})
+
+
+def _embed(model):
+    return model.get_base_model().get_input_embeddings().weight
+
+
+@pytest.mark.parametrize("new_model", [tied_llama, tied_gpt2], ids=["llama", "gpt2"])
+def test_lora_on_a_tied_lm_head_leaves_the_embedding_and_is_exact(new_model):
+    model = new_model()
+    assert list(base_holders(model)) == ["base_model.model.lm_head"]
+    emb0 = _embed(model).detach().clone()
+    global_model, clients, ideal, reports = federate(new_model)
+    for m in [global_model, *clients]:
+        ideal.check(m)  # the embedding's bits included
+    assert torch.equal(_embed(global_model), emb0)
+    assert max(max(r.values()) for r in reports) <= 1e-5
+
+
+@pytest.mark.parametrize("new_model", [tied_llama, tied_gpt2], ids=["llama", "gpt2"])
+def test_without_the_detection_the_tied_embedding_is_corrupted(new_model, no_detection):
+    global_model, _, ideal, reports = federate(new_model)
+    with pytest.raises(AssertionError, match=r"(embed_tokens|wte)\.weight: inf off its ideal"):
+        ideal.check(global_model)
+    assert max(max(r.values()) for r in reports) <= 1e-5  # what the layers alone reported
+
+
+def test_layer_replication_gives_each_copy_its_own_residual():
+    model = replicated_llama()
+    holders = base_holders(model)
+    assert sorted(holders) == sorted(
+        f"base_model.model.model.layers.{i}.self_attn.{p}"
+        for i in range(4)
+        for p in ("q_proj", "v_proj")
+    )
+    global_model, clients, ideal, _ = federate(replicated_llama)
+    for m in [global_model, *clients]:
+        ideal.check(m)
+
+
+def test_without_the_detection_replicated_layers_receive_every_copys_update(no_detection):
+    global_model, _, ideal, _ = federate(replicated_llama)
+    with pytest.raises(AssertionError, match=r"layers\.\d\.self_attn\.[qv]_proj: "):
+        ideal.check(global_model)
+
+
+def test_a_trained_parameter_sharing_a_base_is_refused_before_any_fold():
+    model = tied_llama()
+    _embed(model).requires_grad_(True)
+    with pytest.raises(
+        ValueError,
+        match=r"module 'base_model.model.lm_head': its frozen base .*"
+        r"trained parameter 'base_model.model.model.embed_tokens.weight'.*fix: ",
+    ):
+        load_side_state(model, {})  # fmt: skip
+
+
+def test_the_adapter_export_of_a_tied_lm_head_is_exact_on_the_pristine_base(tmp_path):
+    global_model, _, ideal, _ = federate(tied_llama)
+    save_adapter(global_model, tmp_path / "adapter")
+    base = _llama()
+    loaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    fresh = WholeModelIdeal(loaded)  # only to name the loaded model's frozen tensors
+    assert set(fresh.frozen) == set(ideal.frozen)
+    ideal.check(loaded)
+
+
+def test_route_shared_is_idempotent_and_leaves_unshared_layers_alone():
+    model = tied_llama()
+    assert route_shared(model) == route_shared(model)
+    assert list(route_shared(model)) == ["base_model.model.lm_head"]
+    untied = get_peft_model(_llama(tie=False), LoraConfig(target_modules=["lm_head"]))
+    assert base_holders(untied) == {}
