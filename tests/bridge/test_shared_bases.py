@@ -10,8 +10,12 @@ updates.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
+from ideal_whole_model import WholeModelIdeal, federate
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -20,7 +24,11 @@ import fedexlora.bridge.steps as steps
 from fedexlora.bridge.fold import load_side_state
 from fedexlora.bridge.sharing import base_holders, route_shared
 from fedexlora.run.export import save_adapter
-from ideal_whole_model import WholeModelIdeal, federate
+
+_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_export.py"
+_spec = importlib.util.spec_from_file_location("verify_export_shared", _SCRIPT)
+verify = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(verify)
 
 
 def _llama(tie: bool = True, dtype=torch.float32):
@@ -128,3 +136,59 @@ def test_route_shared_is_idempotent_and_leaves_unshared_layers_alone():
     assert list(route_shared(model)) == ["base_model.model.lm_head"]
     untied = get_peft_model(_llama(tie=False), LoraConfig(target_modules=["lm_head"]))
     assert base_holders(untied) == {}
+
+
+@pytest.fixture(scope="module")
+def tied_llama_dir(tmp_path_factory):
+    """A tiny Llama with tied word embeddings (MiniLM's tokenizer, offline)."""
+    from transformers import AutoTokenizer
+
+    from fedexlora.bridge.models import resolve_model
+
+    d = tmp_path_factory.mktemp("tied-llama")
+    tok = AutoTokenizer.from_pretrained(resolve_model("minilm").path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.sep_token_id, bos_token_id=tok.cls_token_id,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+@pytest.mark.slow(seconds=30)
+@pytest.mark.parametrize("beside", [True, False], ids=["side-branch", "no-fp32-side-branch"])
+def test_cli_run_and_both_exports_of_a_tied_lm_head_are_exact(
+    tied_llama_dir, tiny_qa_jsonl, tmp_path, beside
+):
+    from transformers import AutoModelForCausalLM
+
+    from fedexlora.config import RunConfig
+    from fedexlora.run.export import export_model
+    from fedexlora.run.inprocess import run_experiment
+
+    cfg = RunConfig(
+        model=tied_llama_dir, task=tiny_qa_jsonl, methods=["fedex"], num_clients=2,
+        min_partition_size=4, rounds=2, local_steps=2, batch_size=4, max_length=24,
+        lora_r=2, lora_dropout=0.0, lr=2e-2, target_modules=["q_proj", "lm_head"],
+        save_client_adapters=True, fp32_side_branch=beside,
+    )  # fmt: skip
+    rows = run_experiment(cfg, tmp_path / "run", progress=False)
+    assert all(r["effective_deviation"]["max"] <= 1e-5 for r in rows)
+    ideal, w0 = verify.ideal_from_client_adapters(tmp_path / "run", cfg)
+    emb0 = AutoModelForCausalLM.from_pretrained(tied_llama_dir).get_input_embeddings().weight
+    for fmt in ("adapter", "merged"):
+        res = export_model(tmp_path / "run", tmp_path / fmt, fmt=fmt)
+        got = verify.exported(res.path, cfg)  # loaded as a user would, plain peft or HF
+        err, err_w = verify.rel(got, ideal, w0), verify.rel_weight(got, ideal)
+        assert verify.verdict(fmt, err, err_w, cfg.rounds, 1e-5), (fmt, err, err_w)
+        if fmt == "adapter":
+            loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tied_llama_dir),
+                                               str(res.path))  # fmt: skip
+        else:
+            loaded = AutoModelForCausalLM.from_pretrained(str(res.path))
+        # the input embedding is the pretrained one, bit for bit
+        assert torch.equal(loaded.get_input_embeddings().weight, emb0), fmt
