@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ideal_whole_model import WholeModelIdeal, federate
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -24,6 +23,7 @@ import fedexlora.bridge.steps as steps
 from fedexlora.bridge.fold import load_side_state
 from fedexlora.bridge.sharing import base_holders, route_shared
 from fedexlora.run.export import save_adapter
+from ideal_whole_model import WholeModelIdeal, federate
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_export.py"
 _spec = importlib.util.spec_from_file_location("verify_export_shared", _SCRIPT)
