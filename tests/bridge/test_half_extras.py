@@ -77,3 +77,19 @@ def test_a_master_reads_back_bit_for_bit_and_adds_what_training_changed():
     q = torch.nn.Parameter(torch.zeros(2))  # fp32: read and written as is, no master
     write_extra(q, torch.tensor([1 / 3, 2.0]))
     assert master(q) is None and torch.equal(read_extra(q), torch.tensor([1 / 3, 2.0]))
+
+
+def test_the_adapter_export_writes_the_heads_fp32_master(tmp_path):
+    from safetensors.torch import load_file
+
+    from fedexlora.run.export import save_adapter
+
+    global_model, _, ideal, _ = federate(bf16_bert)
+    save_adapter(global_model, tmp_path)
+    saved = load_file(str(tmp_path / "adapter_model.safetensors"))
+    name = "base_model.model.classifier.modules_to_save.default.weight"
+    key = "base_model.model.classifier.weight"  # peft's key for it
+    want = ideal.extra[name]
+    assert saved[key].dtype == torch.float32
+    den = float(torch.linalg.norm(want - ideal.extra0[name]))
+    assert float(torch.linalg.norm(saved[key].double() - want)) / den <= 1e-5

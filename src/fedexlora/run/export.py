@@ -27,6 +27,7 @@ import torch
 
 from fedexlora.bridge.fold import _side, effective_weight, folded_delta
 from fedexlora.bridge.layers import lora_layers
+from fedexlora.bridge.masters import master, read_extra
 from fedexlora.bridge.models import resolve_model
 from fedexlora.bridge.sharing import base_holders
 from fedexlora.config import load_run_config
@@ -275,6 +276,8 @@ def save_adapter(
     ``peft.PeftModel.from_pretrained(base, dest)`` on the unchanged base model, loaded as
     the run loaded it (same dtype and quantization), gives the model's effective weights.
     For a loop of your own (``apply_outcome`` into ``model``): ``save_adapter(model, dir)``.
+    A half-precision trained extra (a bf16 head) is written as its fp32 master
+    (:mod:`fedexlora.bridge.masters`), the exact average.
 
     Args:
         model: The global model (a peft model whose base received the folds).
@@ -323,6 +326,7 @@ def save_adapter(
             raise RunError(f"peft saved no factors for {name!r}; cannot export an adapter")
         tensors[ka], tensors[kb] = A_new.contiguous(), B_new.contiguous()
         ranks[re.escape(key)] = int(A_new.shape[0])
+    tensors.update(_masters_as_saved(model, tensors))  # a bf16 head: its exact fp32 master
     config.update(
         r=max(ranks.values()),
         lora_alpha=max(ranks.values()),
@@ -336,6 +340,19 @@ def save_adapter(
     save_file(tensors, str(dest / "adapter_model.safetensors"))
     (dest / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return dest
+
+
+def _masters_as_saved(model: torch.nn.Module, saved: dict) -> dict[str, torch.Tensor]:
+    """The fp32 masters of half-precision extras, under the keys peft saved them as."""
+    from peft.utils import get_peft_model_state_dict
+
+    masters = {n: read_extra(p) for n, p in model.named_parameters() if master(p) is not None}
+    if not masters:
+        return {}
+    state = {**model.state_dict(), **masters}
+    ids = {id(t) for t in masters.values()}
+    mapped = get_peft_model_state_dict(model, state_dict=state)
+    return {k: v.clone() for k, v in mapped.items() if id(v) in ids and k in saved}
 
 
 @torch.no_grad()
