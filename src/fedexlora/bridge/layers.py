@@ -26,7 +26,8 @@ def lora_layers(model: torch.nn.Module, adapter: str | None = None) -> dict[str,
 
     Raises:
         ValueError: If the model has no LoRA layer, or one uses DoRA, a LoRA bias, an
-            embedding or convolution base, or a quantized base layer.
+            embedding or convolution base, peft's ``target_parameters``, a base without a
+            weight, or a base quantized otherwise than by bitsandbytes.
     """
     adapter = _adapter_name(model, adapter)
     layers: dict[str, LoraLayer] = {}
@@ -45,6 +46,13 @@ def lora_layers(model: torch.nn.Module, adapter: str | None = None) -> dict[str,
             )
         if getattr(module, "lora_bias", {}).get(adapter, False):
             raise ValueError(f"module {name!r} uses lora_bias, which is not supported")
+        param_name = getattr(module, "parameter_name", None)  # peft's target_parameters
+        if param_name is not None:
+            raise ValueError(
+                f"module {name!r}: LoRA on its parameter {param_name!r} (target_parameters, "
+                "e.g. MoE experts) is not supported; fix: leave it out of target_parameters "
+                "and target the model's Linear layers with target_modules"
+            )
         base = module.get_base_layer()
         if _is_bnb(base):
             if type(base).__name__ not in _BNB_LAYERS:
@@ -54,7 +62,12 @@ def lora_layers(model: torch.nn.Module, adapter: str | None = None) -> dict[str,
                 )
         else:
             weight = getattr(base, "weight", None)
-            if weight is None or not weight.dtype.is_floating_point:
+            if weight is None:
+                raise ValueError(
+                    f"module {name!r}: base layer {type(base).__name__} has no weight that "
+                    "fedex-lora can read; fix: leave it out of target_modules (exclude_modules)"
+                )
+            if not weight.dtype.is_floating_point:
                 raise ValueError(
                     f"module {name!r} has a quantized base layer ({type(base).__name__}) "
                     "that fedex-lora cannot read; quantize with bitsandbytes instead "
