@@ -44,7 +44,9 @@ def no_masters(monkeypatch):
 
 @pytest.mark.parametrize("bias", ["none", "all"])
 def test_bf16_head_and_biases_are_exact_through_the_api(bias):
-    global_model, clients, ideal, _ = federate(lambda: bf16_bert(bias))
+    global_model, clients, ideal, reports = federate(lambda: bf16_bert(bias))
+    # the run's own figure covers the extras too (apply_outcome), all within 1e-5
+    assert set(ideal.extra) <= set(reports[-1]) and max(max(r.values()) for r in reports) <= 1e-5
     assert any("classifier" in k for k in ideal.extra)
     assert any("attention.self.key.bias" in k for k in ideal.extra) == (bias == "all")
     for m in [global_model, *clients]:
@@ -58,11 +60,13 @@ def test_bf16_head_and_biases_are_exact_through_the_api(bias):
 
 
 def test_without_masters_the_bf16_head_is_rounded_off_its_ideal(no_masters):
-    global_model, _, ideal, _ = federate(bf16_bert)
+    global_model, _, ideal, reports = federate(bf16_bert)
     with pytest.raises(AssertionError, match=r"off its ideal"):
         ideal.check(global_model)
     dev = ideal.deviations(global_model)
     assert max(v for k, v in dev.items() if "classifier" in k) > 1e-4
+    # and so does the model's own report
+    assert max(v for r in reports for k, v in r.items() if "classifier" in k) > 1e-4
 
 
 def test_a_master_reads_back_bit_for_bit_and_adds_what_training_changed():
