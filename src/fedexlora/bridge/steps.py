@@ -160,10 +160,9 @@ def apply_outcome(
     Returns:
         Per layer ``||W_model - W_ideal|| / ||W_ideal - W_previous||``: the error relative
         to the round's update (empty when no upload was accepted); the same per trained
-        extra (by parameter name); ``inf`` for a frozen parameter whose bits changed.
-        This is what the lossy modes really apply, not what the server meant to.
-        ``outcome.rounding`` gets, per layer (and per extra),
-        ``2^-24 ||W_model|| / ||W_ideal - W_previous||``: fp32's unit rounding of the
+        extra (by parameter name, against the average's nearest fp32 value); ``inf``
+        for a frozen parameter whose bits changed. This is what the lossy modes really
+        apply, not what the server meant to. ``outcome.rounding`` gets, per layer, ``2^-24 ||W_model|| / ||W_ideal - W_previous||``: fp32's unit rounding of the
         weights, relative to the same update.
     """
     route_shared(model)  # a shared base weight (tied, replicated) takes a side branch
@@ -191,8 +190,6 @@ def apply_outcome(
         if den > 0:  # what fp32's rounding of these weights alone can explain
             outcome.rounding[name] = FP32_UNIT_ROUNDING * float(torch.linalg.norm(after)) / den
     if measure:  # the rest of the model: trained extras, and frozen parameters' bits
-        extras, rounding = extras_deviation(model, server, outcome, uploads)
-        out.update(extras)
-        outcome.rounding.update(rounding)
+        out.update(extras_deviation(model, server, outcome, uploads))
         out.update(frozen_changes(model))
     return out

@@ -20,7 +20,6 @@ import torch
 from fedexlora.bridge.adapters import get_state
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.core.messages import ClientUpload, RoundOutcome
-from fedexlora.core.methods.spec import FP32_UNIT_ROUNDING
 
 __all__ = ["extras_deviation", "frozen_changes"]
 
@@ -33,24 +32,26 @@ _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 @torch.no_grad()
 def extras_deviation(
     model: torch.nn.Module, server, outcome: RoundOutcome, uploads: Sequence[ClientUpload]
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Per trained extra, ``||got - Σ p_i x_i|| / ||Σ p_i x_i - previous||``.
+) -> dict[str, float]:
+    """Per trained extra, ``||got - fp32(Σ p_i x_i)|| / ||Σ p_i x_i - previous||``.
 
     ``got`` is the model's extra as :func:`~fedexlora.bridge.adapters.get_state` reads it
-    (a half-precision one: its fp32 master), the average is over the accepted uploads
-    with the outcome's weights, in fp64. Nothing when the method keeps the extras on the
-    clients, or an upload lacks them.
+    (a half-precision one: its fp32 master); the average is over the accepted uploads
+    with the outcome's weights, in fp64, then rounded once to fp32, the precision an
+    extra is held in (an fp32 parameter, or a bf16 one's fp32 master): an extra holds
+    no residual beside it, so the nearest fp32 value is its ideal (0 when it holds it;
+    a bf16 parameter without its master is off by bf16's rounding, 1e-3 and more). Nothing
+    when the method keeps the extras on the clients, or an upload lacks them.
 
     Returns:
-        ``(deviation, rounding)``: per extra, the deviation and fp32's unit rounding of
-        the extra relative to the same update.
+        Per extra, the deviation.
     """
     spec = getattr(server, "spec", None)
     if outcome.previous is None or not outcome.weights or not getattr(spec, "shares_head", 1):
-        return {}, {}
+        return {}
     by_id = {u.client_id: u for u in uploads}
     got = get_state(model).extra
-    out, rounding = {}, {}
+    out = {}
     for name, before in outcome.previous.extra.items():
         parts = [(p, by_id[c].state.extra.get(name)) for c, p in outcome.weights.items()]
         if name not in got or any(x is None for _, x in parts):
@@ -58,9 +59,9 @@ def extras_deviation(
         ideal = sum(p * x.double() for p, x in parts)
         den = float(torch.linalg.norm(ideal - before.double()))
         if den > 0:
-            out[name] = float(torch.linalg.norm(got[name].double() - ideal)) / den
-            rounding[name] = FP32_UNIT_ROUNDING * float(torch.linalg.norm(ideal)) / den
-    return out, rounding
+            held = ideal.float().double()  # the nearest fp32 value
+            out[name] = float(torch.linalg.norm(got[name].double() - held)) / den
+    return out
 
 
 def _digest(t: torch.Tensor) -> int:
