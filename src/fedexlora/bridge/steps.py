@@ -162,7 +162,8 @@ def apply_outcome(
         to the round's update (empty when no upload was accepted); the same per trained
         extra (by parameter name, against the average's nearest fp32 value); ``inf``
         for a frozen parameter whose bits changed. This is what the lossy modes really
-        apply, not what the server meant to. ``outcome.rounding`` gets, per layer, ``2^-24 ||W_model|| / ||W_ideal - W_previous||``: fp32's unit rounding of the
+        apply, not what the server meant to. ``outcome.rounding`` gets, per layer,
+        ``2^-24 ||W_model|| / ||W_ideal - W_previous||``: fp32's unit rounding of the
         weights, relative to the same update.
     """
     route_shared(model)  # a shared base weight (tied, replicated) takes a side branch
