@@ -17,6 +17,7 @@ from peft.tuners.lora import LoraLayer
 from fedexlora.bridge import layer_kinds
 from fedexlora.bridge.latent import is_latent
 from fedexlora.bridge.layers import _adapter_name, lora_layers
+from fedexlora.bridge.masters import read_extra, write_extra
 from fedexlora.core.state import AdapterState, LayerInfo
 
 __all__ = [
@@ -137,6 +138,9 @@ def get_state(
     """Copies the LoRA factors and trainable extras of ``model`` into an AdapterState.
 
     Tensors are copied to the CPU (the server's math runs there), half precision as fp32.
+    A half-precision extra is read as its fp32 master plus what training changed since
+    :func:`set_state` wrote it (:mod:`fedexlora.bridge.masters`), so the exact average
+    is never rounded to bf16/fp16 between rounds.
 
     Args:
         model: A peft model.
@@ -151,7 +155,8 @@ def get_state(
     factors = {}
     for name, layer in lora_layers(model, adapter).items():
         factors[name] = _read_factors(layer, adapter, include_A, include_B)
-    extra = {name: _host(p) for name, p in _extra_params(model, adapter).items()}
+    # a half-precision extra: its fp32 master plus what training changed (bridge.masters)
+    extra = {name: read_extra(p) for name, p in _extra_params(model, adapter).items()}
     return AdapterState(factors=factors, extra=extra if include_extra else {})
 
 
@@ -196,6 +201,9 @@ def check_compatible(model: torch.nn.Module, state: AdapterState, adapter: str |
 def set_state(model: torch.nn.Module, state: AdapterState, adapter: str | None = None) -> None:
     """Writes global factors and extras into ``model`` (a factor ``state`` lacks is kept).
 
+    A half-precision extra (a bf16 head) holds the value rounded to its dtype and keeps
+    it exactly in an fp32 master beside it (:mod:`fedexlora.bridge.masters`).
+
     Raises:
         ValueError: If the state's modules or shapes differ from the model's.
     """
@@ -213,8 +221,8 @@ def set_state(model: torch.nn.Module, state: AdapterState, adapter: str | None =
         if B is not None:
             layer_kinds.write_B(layer, adapter, B, name)
     params = _extra_params(model, adapter)
-    for name, t in state.extra.items():
-        params[name].copy_(t.to(params[name].dtype))
+    for name, t in state.extra.items():  # a half-precision one keeps an fp32 master
+        write_extra(params[name], t)
 
 
 def tail_norm(model: torch.nn.Module, start: int, stop: int) -> torch.Tensor:

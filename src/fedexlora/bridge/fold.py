@@ -23,6 +23,7 @@ from peft.tuners.lora import LoraLayer
 
 from fedexlora.bridge import layer_kinds
 from fedexlora.bridge.layers import _adapter_name, _is_bnb, lora_layers
+from fedexlora.bridge.sharing import SHARED, route_shared
 from fedexlora.core.aggregation import Residual, residuals_from_flat, residuals_to_flat
 from fedexlora.core.side import Accumulator, SideBranch, rank_cap
 
@@ -52,10 +53,12 @@ _BESIDE = "_fedex_beside"  # set on a LoRA layer by use_side_branch: fp32 folds 
 def _holds_in_weight(layer: LoraLayer) -> bool:
     """Whether the residual is folded into the base weight (fp32/fp64, unquantized).
 
-    Not when :func:`use_side_branch` switched the layer to a side branch.
+    Not when :func:`use_side_branch` switched the layer to a side branch, nor when
+    another module holds the same weight (:func:`fedexlora.bridge.sharing.route_shared`:
+    a tied embedding, a replicated layer), which folding in place would change too.
     """
     base = layer.get_base_layer()
-    if _is_bnb(base) or getattr(layer, _BESIDE, False):
+    if _is_bnb(base) or getattr(layer, _BESIDE, False) or getattr(layer, SHARED, None):
         return False
     return layer_kinds.base_param(layer).dtype in (torch.float32, torch.float64)
 
@@ -223,8 +226,11 @@ def load_side_state(model: torch.nn.Module, flat: Mapping[str, torch.Tensor]) ->
     loaded model or into one that folded only through this module.
 
     Raises:
-        ValueError: If a tensor names an unknown module or has the wrong shape.
+        ValueError: If a tensor names an unknown module or has the wrong shape, or a
+            base weight is shared with a trained parameter
+            (:func:`~fedexlora.bridge.sharing.route_shared`).
     """
+    route_shared(model)
     layers = lora_layers(model)
     extra = {}  # the fp32 layers' ".splits" and ".weight" (see side_state)
     for k, v in flat.items():
@@ -339,10 +345,16 @@ def fold_residuals(
     server's capped modes send residuals that keep it there; the cap only drops the float
     noise of their cancellation).
 
+    A layer whose base weight another module holds too (a tied ``lm_head``, a layer of
+    peft's ``layer_replication``) keeps its residuals in a side branch whatever its dtype
+    (:func:`fedexlora.bridge.sharing.route_shared`, checked here before each fold).
+
     Raises:
-        ValueError: If a residual names an unknown module or has the wrong shape.
+        ValueError: If a residual names an unknown module or has the wrong shape, or a
+            base weight is shared with a trained parameter.
     """
     adapter = _adapter_name(model, adapter)
+    route_shared(model, adapter)
     layers = lora_layers(model, adapter)
     for name, R in residuals.items():
         if name not in layers:

@@ -35,6 +35,8 @@ from fedexlora.bridge.fold import (
     side_state,
 )
 from fedexlora.bridge.layers import lora_layers
+from fedexlora.bridge.sharing import route_shared
+from fedexlora.bridge.whole import extras_deviation, frozen_changes
 from fedexlora.core.messages import ClientUpload, Payload, RoundOutcome
 from fedexlora.core.methods.spec import FP32_UNIT_ROUNDING
 from fedexlora.core.side import rank_cap
@@ -145,6 +147,10 @@ def apply_outcome(
     (:meth:`Server.ideal_update`). One layer at a time, so at most three dense fp64
     copies of one layer exist at once.
 
+    The rest of the model is measured too (:mod:`fedexlora.bridge.whole`): each trained
+    extra (a task head) against the weighted average of the uploads, and every frozen
+    parameter against the bits it had when the model was first measured.
+
     Args:
         model: The server's copy of the global model (as of the previous round).
         server: The server that produced ``outcome`` (before its next payload).
@@ -153,13 +159,18 @@ def apply_outcome(
 
     Returns:
         Per layer ``||W_model - W_ideal|| / ||W_ideal - W_previous||``: the error relative
-        to the round's update (empty when no upload was accepted). This is what the
-        lossy modes really apply, not what the server meant to. ``outcome.rounding``
-        gets, per layer, ``2^-24 ||W_model|| / ||W_ideal - W_previous||``: fp32's unit
-        rounding of the weights, relative to the same update.
+        to the round's update (empty when no upload was accepted); the same per trained
+        extra (by parameter name, against the average's nearest fp32 value); ``inf``
+        for a frozen parameter whose bits changed. This is what the lossy modes really
+        apply, not what the server meant to. ``outcome.rounding`` gets, per layer,
+        ``2^-24 ||W_model|| / ||W_ideal - W_previous||``: fp32's unit rounding of the
+        weights, relative to the same update.
     """
-    set_state(model, server.state)
+    route_shared(model)  # a shared base weight (tied, replicated) takes a side branch
     measure = bool(uploads) and bool(outcome.weights) and outcome.previous is not None
+    if measure:
+        frozen_changes(model, first=True)  # the frozen parameters' bits, before any fold
+    set_state(model, server.state)
     out = {}
     for name, layer in lora_layers(model).items():
         before = effective_weight(layer, lora=False) if measure else None
@@ -179,4 +190,7 @@ def apply_outcome(
         out[name] = float(torch.linalg.norm(after - ideal)) / den if den > 0 else 0.0
         if den > 0:  # what fp32's rounding of these weights alone can explain
             outcome.rounding[name] = FP32_UNIT_ROUNDING * float(torch.linalg.norm(after)) / den
+    if measure:  # the rest of the model: trained extras, and frozen parameters' bits
+        out.update(extras_deviation(model, server, outcome, uploads))
+        out.update(frozen_changes(model))
     return out

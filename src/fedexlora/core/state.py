@@ -168,12 +168,12 @@ def aggregate_states(
         if effective:
             measure = functools.partial(_effective_deviation, As, Bs, p, res)
             eff[name] = get_method(method).effective_deviation(dev[name], measure)
-    extra = {
+    extra = {  # averaged in fp64, then rounded once to fp32
         name: torch.einsum(
             "k,k...->...",
-            p.to(torch.float32),
-            torch.stack([s.extra[name].detach().float() for s in states]),
-        )
+            p.to(torch.float64),
+            torch.stack([s.extra[name].detach().double() for s in states]),
+        ).float()
         for name in ref.extra
     }
     return RoundAggregate(

@@ -22,6 +22,7 @@ import torch
 
 from fedexlora.bridge.adapters import get_state, layer_info
 from fedexlora.bridge.fold import folded_delta, side_caps
+from fedexlora.bridge.sharing import route_shared
 from fedexlora.config import RunConfig
 from fedexlora.core.methods import get_method
 from fedexlora.server.server import Server
@@ -99,6 +100,7 @@ def new_model(cfg: RunConfig, task, method: str):
         **spec.adapter_setup(cfg.lora_r, cfg.lora_alpha, cfg.fedsb_rank),
     )
     check_max_length(cfg, model)
+    route_shared(model)  # a tied or replicated base weight: side branch, or refused now
     if cfg.side_budget is not None:
         from fedexlora.bridge.fold import side_caps
 

@@ -28,7 +28,9 @@ import torch
 from fedexlora.bridge import layer_kinds
 from fedexlora.bridge.fold import _side, effective_weight, folded_delta
 from fedexlora.bridge.layers import lora_layers
+from fedexlora.bridge.masters import master, read_extra
 from fedexlora.bridge.models import portable_reference
+from fedexlora.bridge.sharing import base_holders
 from fedexlora.config import load_run_config
 from fedexlora.core.aggregation import Residual
 from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
@@ -315,6 +317,8 @@ def save_adapter(
     ``peft.PeftModel.from_pretrained(base, dest)`` on the unchanged base model, loaded as
     the run loaded it (same dtype and quantization), gives the model's effective weights.
     For a loop of your own (``apply_outcome`` into ``model``): ``save_adapter(model, dir)``.
+    A half-precision trained extra (a bf16 head) is written as its fp32 master
+    (:mod:`fedexlora.bridge.masters`), the exact average.
 
     Args:
         model: The global model (a peft model whose base received the folds).
@@ -372,6 +376,7 @@ def save_adapter(
             unfolded = w - layer_kinds.to_stored(layer, extra.to_dense().double().cpu())
             tensors[saved_base] = unfolded.to(tensors[saved_base].dtype).contiguous()
         ranks[re.escape(key)] = int(A_new.shape[0])
+    tensors.update(_masters_as_saved(model, tensors))  # a bf16 head: its exact fp32 master
     config.update(
         r=max(ranks.values()),
         lora_alpha=max(ranks.values()),
@@ -387,6 +392,19 @@ def save_adapter(
     return dest
 
 
+def _masters_as_saved(model: torch.nn.Module, saved: dict) -> dict[str, torch.Tensor]:
+    """The fp32 masters of half-precision extras, under the keys peft saved them as."""
+    from peft.utils import get_peft_model_state_dict
+
+    masters = {n: read_extra(p) for n, p in model.named_parameters() if master(p) is not None}
+    if not masters:
+        return {}
+    state = {**model.state_dict(), **masters}
+    ids = {id(t) for t in masters.values()}
+    mapped = get_peft_model_state_dict(model, state_dict=state)
+    return {k: v.clone() for k, v in mapped.items() if id(v) in ids and k in saved}
+
+
 @torch.no_grad()
 def _write_merged(cfg, task, method, model, dest: Path, dtype: torch.dtype) -> str:
     """The effective model written as plain weights (dequantized, upcast, merged)."""
@@ -399,13 +417,22 @@ def _write_merged(cfg, task, method, model, dest: Path, dtype: torch.dtype) -> s
     else:
         plain = model
     src_layers, dst_layers = lora_layers(model), lora_layers(plain)
+    shared = base_holders(plain)  # a tied embedding, replicated layers: theirs stay as is
     for name, layer in src_layers.items():
         eff = effective_weight(layer).float()  # (d, n): stored as the layer's kind stores it
         dst = dst_layers[name]
-        layer_kinds.base_param(dst).copy_(layer_kinds.to_stored(dst, eff))
+        stored = layer_kinds.to_stored(dst, eff)
+        if name in shared:  # a tensor of its own: copy_ would change the other holders
+            base = dst.get_base_layer()
+            base.weight = torch.nn.Parameter(stored.contiguous().to(base.weight.device), False)
+        else:
+            layer_kinds.base_param(dst).copy_(stored)
     # adapters dropped, not merged: the weights already hold them, side branches included
     # (an fp32 model's --fp32-side-branch goes with the LoRA layer that carries it)
     merged = plain.unload().to(dtype)
+    if shared:  # saved and loaded as separate tensors, not tied again
+        for config in {id(c): c for c in (merged.config, merged.config.get_text_config())}.values():
+            config.tie_word_embeddings = False
     merged.save_pretrained(str(dest))
     what = "dequantized fp32 weights" if quantized else f"{cfg.dtype} base upcast to fp32"
     if cfg.dtype == "fp32" and not quantized:
