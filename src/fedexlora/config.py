@@ -608,7 +608,7 @@ class RunConfig:
             "`double_quant` applies to 4-bit quantization only; add --quantization nf4 "
             "(or fp4), or drop --double-quant",
         )
-        plain = self._methods_where(lambda s: not s.effective_is_deviation, unknown=True)
+        plain = self._methods_where(lambda s: s.keeps_residual, unknown=True)
         if not plain:  # FedIT-like methods only: no residual, nothing beside the base
             for key in ("side_rank", "side_budget", "fp32_side_branch"):
                 if getattr(self, key) not in (None, False):

@@ -24,7 +24,9 @@ from fedexlora.core.messages import ClientUpload, RoundOutcome
 __all__ = ["extras_deviation", "frozen_changes"]
 
 _DIGEST = "_fedex_frozen_digest"  # on the model: name -> digest of a frozen parameter's bits
-_LORA_TAGS = (".lora_", ".fedex_")  # adapters and fedex-lora's own modules (side branches)
+# adapters, fedex-lora's own modules (side branches), and peft's copies of trained
+# extras for every adapter (a rank adapter's head is trained when its clients train)
+_LORA_TAGS = (".lora_", ".fedex_", ".modules_to_save.")
 _CHUNK = 1 << 22
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -396,6 +396,15 @@ class MethodSpec:
             self.prepare_model(setup)
 
     @property
+    def keeps_residual(self) -> bool:
+        """Whether anything is kept beside the averaged factors' product.
+
+        A residual, or the error a lossy mode holds back: what a side branch or its budget
+        would bound. Not for a method whose applied update is that product itself (FedIT).
+        """
+        return not self.effective_is_deviation
+
+    @property
     def folds_into_model(self) -> bool:
         """Whether each outcome is folded into one global model in the model's coordinates.
 
