@@ -171,3 +171,29 @@ def test_dora_on_a_bf16_base_refused_in_one_line():
         ValueError, match=r"q_proj' uses DoRA .*torch.bfloat16 base.*load the model in fp32"
     ):
         get_state(model)
+
+
+def test_dora_adapter_export_on_the_untouched_base_is_the_global_model(tmp_path):
+    """save_adapter keeps use_dora and the magnitude: on the pretrained base, the widened
+    factors rebuild ``V'`` (base plus what was folded) and the magnitude gives ``T``."""
+    from peft import PeftModel
+
+    from fedexlora.run.export import save_adapter
+
+    server_model = _model()
+    clients = [_model() for _ in WEIGHTS]
+    server = Server(get_state(server_model), layer_info(server_model), num_clients=3)
+    for rnd in range(1, 3):
+        uploads = []
+        for i, c in enumerate(clients):
+            apply_payload(c, server.payload_for(i))
+            _train(c, seed=10 * rnd + i)
+            uploads.append(make_upload(c, WEIGHTS[i], client_id=i))
+        apply_outcome(server_model, server, server.aggregate(uploads), uploads)
+    save_adapter(server_model, tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(_model().get_base_model(), str(tmp_path / "adapter"))
+    x = _ids(7)
+    with torch.no_grad():
+        want = server_model(x).logits.double()
+        got = loaded.eval()(x).logits.double()
+    assert _rel(got, want) < TOL
