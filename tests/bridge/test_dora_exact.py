@@ -197,3 +197,25 @@ def test_dora_adapter_export_on_the_untouched_base_is_the_global_model(tmp_path)
         want = server_model(x).logits.double()
         got = loaded.eval()(x).logits.double()
     assert _rel(got, want) < TOL
+
+
+def test_dora_client_catching_up_after_skipped_rounds_holds_the_global_model():
+    """Partial participation: a client back after skipped rounds gets the residuals it
+    missed (additive, as for LoRA) and the latest row scale, and applies the server's
+    global DoRA weights exactly."""
+    server_model = _model()
+    clients = [_model() for _ in WEIGHTS]
+    server = Server(get_state(server_model), layer_info(server_model), num_clients=3, fraction=0.34)
+    back = 0
+    for rnd in range(1, 5):
+        uploads = []
+        for i in server.sample(rnd):
+            back += server.client_version.get(i, 0) < server.version - 1  # skipped rounds
+            apply_payload(clients[i], server.payload_for(i))
+            want, got = _weights(server_model), _weights(clients[i])
+            for n in want:
+                assert _rel(got[n], want[n]) < TOL, (rnd, i, n, _rel(got[n], want[n]))
+            _train(clients[i], seed=10 * rnd + i)
+            uploads.append(make_upload(clients[i], WEIGHTS[i], client_id=i))
+        apply_outcome(server_model, server, server.aggregate(uploads), uploads)
+    assert back  # some client did catch up over more than one round
