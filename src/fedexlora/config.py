@@ -225,6 +225,9 @@ class RunConfig:
         help="Comma list of LoRA targets", panel=MODEL, default_text="per architecture"
     )
     rslora: bool = setting(False, help="Rank-stabilised scale", panel=MODEL)
+    dora: bool = setting(
+        False, help="DoRA (use_dora=True): exact with fedex on an fp32 model", panel=MODEL
+    )
     # Data
     task: str = setting(
         "bbc-news", help="bbc-news, gsm8k, sst2..., or a .csv/.jsonl file", panel=DATA
@@ -555,6 +558,28 @@ class RunConfig:
                 "pip install 'fedex-lora[flower]'"
             )
 
+    def _dora_errors(self, errs: list[str]) -> None:
+        """What ``dora`` cannot be combined with, appended to ``errs`` (one line each)."""
+        other = self._methods_where(lambda spec: not spec.dora)
+        exact = [m for m, spec in REGISTRY.items() if spec.dora]
+        if other:
+            errs.append(
+                f"`dora`: method {other[0]!r} does not aggregate DoRA exactly; fix: "
+                f"--methods {','.join(exact)}, or drop --dora"
+            )
+        if self.dtype != "fp32" or self.quantization is not None:
+            errs.append(
+                "`dora` is exact only on an fp32, unquantized model (peft's DoRA norm reads "
+                "the base weight, which cannot hold an fp32 update); fix: --dtype fp32 "
+                "without --quantization, or drop --dora"
+            )
+        for key in ("secure_aggregation", "client_ranks"):
+            if getattr(self, key):
+                errs.append(
+                    f"`dora` cannot be combined with `{key}` (the server needs each client's "
+                    "row scale and factors); fix: drop one of them"
+                )
+
     def errors(self) -> list[str]:
         """Every problem with the values, as one message each (empty when valid)."""
         errs: list[str] = []
@@ -595,6 +620,8 @@ class RunConfig:
             f"`quantization` {self.quantization!r} needs bitsandbytes, which is not "
             "installed; fix: pip install 'fedex-lora[quantization]'",
         )
+        if self.dora:
+            self._dora_errors(errs)
         for name in self.report_to or []:
             if name not in _REPORTERS:
                 errs.append(f"`report_to`: unknown {name!r}; choose from {', '.join(_REPORTERS)}")

@@ -268,6 +268,7 @@ def _options(arch: str) -> dict[str, dict]:
         "init=pissa": dict(base, init_lora_weights="pissa"),
         "init=olora": dict(base, init_lora_weights="olora"),
         "use_dora": dict(base, use_dora=True),
+        "use_dora, side branch": dict(base, use_dora=True, _side=True),  # DoRA still folds
         "embeddings": {"target_modules": [emb]},
         "lora_bias": dict(base, lora_bias=True),
         "side branch": dict(base, _side=True),  # use_side_branch: fp32 folds held beside

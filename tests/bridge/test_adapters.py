@@ -202,9 +202,15 @@ def test_layer_info_reads_orientation_and_scale():
     assert inter.shape == (48, 32) and inter.scale == pytest.approx(5 / 4)
 
 
-def test_refuses_dora():
-    model = get_peft_model(_bert(), LoraConfig(r=2, target_modules=["query"], use_dora=True))
-    with pytest.raises(ValueError, match=r"query' uses DoRA \(use_dora=True\).*use_dora=False"):
+def test_refuses_dora_on_an_embedding():
+    """FedEx's DoRA path covers linear layers only: DoRA on an embedding is refused."""
+    model = get_peft_model(
+        _bert(), LoraConfig(r=2, target_modules=["word_embeddings"], use_dora=True)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"word_embeddings' uses DoRA \(use_dora=True\) on a Embedding.*use_dora=False$",
+    ):
         get_state(model)
 
 

@@ -27,7 +27,7 @@ SHARED_BASE = {
 
 # The only refusals the matrix may meet, each one line naming the module and the way out.
 REFUSALS = (
-    r"^module '[^']+' uses DoRA \(use_dora=True\), .*; set use_dora=False$",
+    r"^module '[^']+' uses DoRA \(use_dora=True\).*set use_dora=False$",
     r"^module '[^']+': LoRA on an embedding whose weight is tied to '[^']+' .*exclude_modules",
 )
 

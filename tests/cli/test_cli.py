@@ -29,6 +29,8 @@ def _run(*args):
         (["--quantization", "nf3"], "`--quantization` must be one of ('nf4', 'fp4', 'int8')"),
         (["--double-quant"], "`--double-quant` applies to 4-bit quantization only"),
         (["--export-format", "merged", "--export-dtype", "bf16"], "so it cannot be exact; fix"),
+        (["--dora", "--method", "fedex,fedit"], "`--dora`: method 'fedit' does not aggregate"),
+        (["--dora", "--method", "fedex", "--dtype", "bf16"], "`--dora` is exact only on an fp32"),
     ],
 )
 def test_user_mistakes_get_one_line_errors(args, match, tmp_path, model_never_loads):
@@ -503,3 +505,34 @@ def test_errors_name_the_flag_typed_and_client_ranks_give_the_rank_everywhere(tm
     assert load_config(cfg).lora_r == 6  # not the default 8
     res = _run("validate", str(cfg))
     assert res.exit_code == 0, res.output
+
+
+def test_dora_run_exports_agree(tiny_bert_dir, tiny_csv, tmp_path):
+    """--dora through the CLI: the run is exact at fp32's rounding, and its merged export
+    (each DoRA layer's weight, magnitude applied) and its adapter export (use_dora, the
+    magnitude and the widened factors, on the pretrained base) give the same logits."""
+    import json
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    res = _run_tiny(tiny_bert_dir, tiny_csv, tmp_path, "--dora", "--method", "fedex",
+                    "--num-clients", "3", "--rounds", "1", "--export", str(merged),
+                    "--export-format", "merged")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    row = json.loads((tmp_path / "o" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert not row["approximate"]
+    assert row["effective_deviation"]["max"] < 10 * row["rounding_floor"] + 1e-6
+    res = _run("export", str(tmp_path / "o"), str(adapter), "--format", "adapter")
+    assert res.exit_code == 0, res.output
+    assert json.loads((adapter / "adapter_config.json").read_text())["use_dora"]
+    load = AutoModelForSequenceClassification.from_pretrained
+    x = torch.randint(1, 1000, (2, 8), generator=torch.Generator().manual_seed(0))
+    base = load(tiny_bert_dir, num_labels=3, ignore_mismatched_sizes=True).eval()
+    with torch.no_grad():
+        start = base(input_ids=x).logits.double()
+        got = PeftModel.from_pretrained(base, str(adapter)).eval()(input_ids=x).logits.double()
+        want = load(str(merged)).eval()(input_ids=x).logits.double()
+    assert float((got - want).norm() / (want - start).norm()) < 1e-5

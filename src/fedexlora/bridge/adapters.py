@@ -15,6 +15,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 
 from fedexlora.bridge import layer_kinds
+from fedexlora.bridge.dora import dora_keys, read_row_scales, write_row_scales
 from fedexlora.bridge.latent import is_latent
 from fedexlora.bridge.layers import _adapter_name, lora_layers
 from fedexlora.bridge.masters import read_extra, write_extra
@@ -157,6 +158,7 @@ def get_state(
         factors[name] = _read_factors(layer, adapter, include_A, include_B)
     # a half-precision extra: its fp32 master plus what training changed (bridge.masters)
     extra = {name: read_extra(p) for name, p in _extra_params(model, adapter).items()}
+    extra.update(read_row_scales(lora_layers(model, adapter), adapter))  # DoRA: m as D
     return AdapterState(factors=factors, extra=extra if include_extra else {})
 
 
@@ -182,19 +184,20 @@ def check_compatible(model: torch.nn.Module, state: AdapterState, adapter: str |
             raise ValueError(f"module {name!r}: A has shape {tuple(A.shape)}, model expects {wa}")
         if B is not None and tuple(B.shape) != wb:
             raise ValueError(f"module {name!r}: B has shape {tuple(B.shape)}, model expects {wb}")
-    params = _extra_params(model, adapter)
-    if state.extra and set(params) != set(state.extra):
+    shapes = {k: tuple(p.shape) for k, p in _extra_params(model, adapter).items()}
+    for key, name in dora_keys(layers, adapter).items():  # DoRA row scales: (d,) each
+        shapes[key] = (layer_kinds.dims(layers[name], adapter)[0],)
+    keys = set(shapes)
+    if state.extra and keys != set(state.extra):
         raise ValueError(
             "adapter state does not match the model's trainable extras: missing "
-            f"{sorted(set(params) - set(state.extra))}, unknown "
-            f"{sorted(set(state.extra) - set(params))}"
+            f"{sorted(keys - set(state.extra))}, unknown "
+            f"{sorted(set(state.extra) - keys)}"
         )
     for name, t in state.extra.items():
-        if tuple(t.shape) != tuple(params[name].shape):
-            raise ValueError(
-                f"parameter {name!r} has shape {tuple(t.shape)}, model expects "
-                f"{tuple(params[name].shape)}"
-            )
+        want = shapes[name]
+        if tuple(t.shape) != want:
+            raise ValueError(f"parameter {name!r} has shape {tuple(t.shape)}, model expects {want}")
 
 
 @torch.no_grad()
@@ -222,7 +225,9 @@ def set_state(model: torch.nn.Module, state: AdapterState, adapter: str | None =
             layer_kinds.write_B(layer, adapter, B, name)
     params = _extra_params(model, adapter)
     for name, t in state.extra.items():  # a half-precision one keeps an fp32 master
-        write_extra(params[name], t)
+        if name in params:
+            write_extra(params[name], t)
+    write_row_scales(layers, state.extra, adapter)  # DoRA: m = D ||W + s B A||, new factors
 
 
 def tail_norm(model: torch.nn.Module, start: int, stop: int) -> torch.Tensor:

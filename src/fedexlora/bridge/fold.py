@@ -73,7 +73,8 @@ def use_side_branch(model: torch.nn.Module) -> torch.nn.Module:
     is held beside it (factored while smaller, else dense; fp64 for an fp64 base), exact
     to fp32's rounding of that sum, at the cost of one more (low-rank or dense) matmul
     per LoRA layer in the forward pass. Call it before the first fold, on every copy of
-    the model (server and clients) alike. Returns ``model``.
+    the model (server and clients) alike. Returns ``model``. A DoRA layer keeps folding
+    into its weight (peft's DoRA norm reads the base weight only, never a side branch).
 
     Raises:
         ValueError: If a residual was already folded into one of the model's weights.
@@ -81,6 +82,8 @@ def use_side_branch(model: torch.nn.Module) -> torch.nn.Module:
     for name, layer in lora_layers(model).items():
         if layer_kinds.kind(layer) == "param":
             continue  # target_parameters: held in its fp32 parameter (no forward to hook)
+        if any(layer.use_dora.values()):
+            continue  # DoRA: peft's norm reads the base weight only, so it folds there
         acc = _acc(layer)
         if acc is not None and acc.rank:
             raise ValueError(
@@ -381,6 +384,12 @@ def fold_layer(
     if _holds_in_weight(layer):
         _fold_weight(layer, _acc(layer, create=True).record(R.scaled(scale)))
         return
+    if layer.use_dora.get(adapter, False):  # a side branch would escape peft's DoRA norm
+        raise ValueError(
+            f"module {name!r} uses DoRA (use_dora=True) on a base weight that another "
+            "module holds too (tied or replicated), which fedex-lora cannot fold into "
+            "exactly; leave it out of target_modules or set use_dora=False"
+        )
     branch = _side(layer, create=True)
     branch.max_rank = side_rank
     branch.add(R.scaled(scale))

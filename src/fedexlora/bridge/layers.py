@@ -27,13 +27,14 @@ def lora_layers(model: torch.nn.Module, adapter: str | None = None) -> dict[str,
     Supported: LoRA on ``nn.Linear``, GPT-2's ``Conv1D``, bitsandbytes 4/8-bit linears,
     ``nn.Embedding``, ungrouped ``nn.Conv1d/2d/3d`` and ``target_parameters`` (stacked
     MoE experts, fp32), with or without ``lora_bias`` (see
-    :mod:`fedexlora.bridge.layer_kinds`).
+    :mod:`fedexlora.bridge.layer_kinds`); DoRA on an fp32 ``nn.Linear`` or ``Conv1D``
+    (:mod:`fedexlora.bridge.dora`).
 
     Raises:
         ValueError: If the model has no LoRA layer, or one is of a kind fedex-lora cannot
-            aggregate exactly (DoRA, a grouped convolution, an unreadable quantized base,
-            an unknown layer type): one line naming the module, the option and the way
-            out.
+            aggregate exactly (DoRA on a half-precision or quantized base, or on other
+            than a linear layer; a grouped convolution, an unreadable quantized base, an
+            unknown layer type): one line naming the module, the option and the way out.
     """
     adapter = _adapter_name(model, adapter)
     layers: dict[str, LoraLayer] = {}
@@ -84,10 +85,9 @@ def _check_layer(name: str, module: LoraLayer, adapter: str) -> None:
     from fedexlora.bridge import layer_kinds
 
     if module.use_dora.get(adapter, False):
-        raise ValueError(
-            f"module {name!r} uses DoRA (use_dora=True), which fedex-lora does not aggregate "
-            "exactly: its magnitude makes the weight non-linear in B @ A; set use_dora=False"
-        )
+        from fedexlora.bridge.dora import check_dora_layer
+
+        check_dora_layer(name, module, adapter)  # FedEx's DoRA path: fp32 folds only
     kind = layer_kinds.kind(module)
     base = module.get_base_layer()
     if kind == "param":

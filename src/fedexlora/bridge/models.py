@@ -162,6 +162,7 @@ def load_model(
     dropout: float = 0.05,
     target_modules: list[str] | None = None,
     rslora: bool = False,
+    dora: bool = False,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     freeze_A: bool = False,
@@ -183,6 +184,7 @@ def load_model(
         dropout: LoRA dropout.
         target_modules: Modules to adapt; ``None`` picks the architecture's default.
         rslora: Scale by ``alpha / sqrt(r)``.
+        dora: DoRA (``use_dora=True``; :mod:`fedexlora.bridge.dora`).
         seed: Seed of the head and the adapters' initialisation.
         dtype: The base's dtype.
         freeze_A: Freeze every ``lora_A`` (FFA-LoRA).
@@ -214,6 +216,7 @@ def load_model(
         lora_dropout=dropout,
         target_modules=targets,
         use_rslora=rslora,
+        use_dora=dora,
         task_type=task_type,
         modules_to_save=save,
         # GPT-2's Conv1D stores (in, out); bitsandbytes replaces it with a Linear (out, in)

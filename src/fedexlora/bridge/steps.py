@@ -27,6 +27,7 @@ from collections.abc import Mapping
 import torch
 
 from fedexlora.bridge.adapters import get_state, lift, set_state
+from fedexlora.bridge.dora import dora_deviation, is_dora, write_row_scales
 from fedexlora.bridge.fold import (
     effective_weight,
     fold_layer,
@@ -177,6 +178,14 @@ def apply_outcome(
         if name in outcome.residuals:  # one layer at a time: no rescan of the model
             cap = rank_cap(server.side_rank, name)
             fold_layer(layer, outcome.residuals[name], side_rank=cap, name=name)
+        if is_dora(layer, "default"):  # m = Dbar ||W' + s Bbar Abar||, on the folded base
+            write_row_scales({name: layer}, server.state.extra, "default")
+            if before is not None:
+                scale = server.layers[name].scale
+                out[name], norm, den = dora_deviation(layer, name, before, uploads, outcome, scale)
+                if den > 0:
+                    outcome.rounding[name] = FP32_UNIT_ROUNDING * norm / den
+            continue
         if before is None:
             continue
         after = effective_weight(layer)

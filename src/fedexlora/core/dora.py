@@ -24,14 +24,24 @@ and the magnitude ``m' = ||T||`` (per row): then ``V' = W0' + s Bbar Abar = T`` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fedexlora.core.factors import Residual, normalize_weights
 
-__all__ = ["DoraOutcome", "dora_aggregate", "dora_magnitude", "dora_row_scale", "dora_weight"]
+__all__ = [
+    "DORA_SUFFIX",
+    "DoraOutcome",
+    "dora_aggregate",
+    "dora_key",
+    "dora_magnitude",
+    "dora_modules",
+    "dora_residual",
+    "dora_row_scale",
+    "dora_weight",
+]
 
 
 def _v(W0: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: float) -> torch.Tensor:
@@ -113,3 +123,70 @@ def dora_aggregate(
     )
     V = torch.cat([a.double() for a in As] + [A], 0)
     return DoraOutcome(A=A, B=B, row_scale=Dbar, residual=Residual.exact(U, V))
+
+
+# -- FedEx's DoRA path: the magnitude travels as the row scale, the base stays additive --
+#
+# ``dora_aggregate`` above scales the base's rows by ``Dbar``. The same global weight is
+# reached with a purely additive, low-rank change of the base by choosing the other gauge
+# ``V' = Dbar^-1 T`` (any row scaling of ``T`` will do for a DoRA layer, since its
+# magnitude sets the row norms):
+#
+#     W0' = W0 + s R~,   R~ = sum_i (p_i D_i / Dbar) B_i A_i - Bbar Abar,
+#
+# then ``V' = W0' + s Bbar Abar = Dbar^-1 T`` and the magnitude ``m' = Dbar ||V'||`` gives
+# ``diag(m' / ||V'||) V' = Dbar V' = T``. So the server's record, catch-up history and
+# reset payloads keep their additive residuals (rank <= (k + 1) r), and the magnitude
+# travels as the layer's row scale ``D = m / ||V||`` (an extra, averaged to ``Dbar``):
+# every party turns it back into ``m`` from its own base (``m = D ||V||``).
+
+DORA_SUFFIX = ".fedex_dora_row_scale"
+
+
+def dora_key(module: str) -> str:
+    """The extra under which module ``module``'s DoRA row scale ``D`` travels."""
+    return module + DORA_SUFFIX
+
+
+def dora_modules(extra: Mapping[str, torch.Tensor]) -> list[str]:
+    """The modules whose DoRA row scale is among ``extra``'s keys."""
+    return [k[: -len(DORA_SUFFIX)] for k in extra if k.endswith(DORA_SUFFIX)]
+
+
+def dora_residual(
+    row_scales: Sequence[torch.Tensor],
+    As: Sequence[torch.Tensor],
+    Bs: Sequence[torch.Tensor],
+    weights: Sequence[float] | torch.Tensor,
+    *,
+    module: str = "",
+) -> Residual:
+    """``R~ = sum_i (p_i D_i / Dbar) B_i A_i - Bbar Abar`` (see above), factored, fp64.
+
+    Args:
+        row_scales: Each client's ``D_i`` ``(d,)``.
+        As: Each client's ``A_i`` ``(r, n)``.
+        Bs: Each client's ``B_i`` ``(d, r)``.
+        weights: The aggregation weights (normalised here).
+        module: For the error message.
+
+    Raises:
+        ValueError: If some row's ``Dbar`` is zero (no row scaling of ``T`` exists).
+    """
+    k = len(As)
+    p = normalize_weights(list(map(float, weights)), k).double()
+    Dbar = sum(pi * D.double() for pi, D in zip(p, row_scales))
+    if bool((Dbar == 0).any()):
+        raise ValueError(
+            f"module {module!r}: the clients' DoRA magnitudes average to zero in some "
+            "output feature; that layer cannot be aggregated exactly"
+        )
+    A = sum(pi * a.double() for pi, a in zip(p, As))
+    B = sum(pi * b.double() for pi, b in zip(p, Bs))
+    U = torch.cat(
+        [(pi * D.double() / Dbar)[:, None] * b.double() for pi, D, b in zip(p, row_scales, Bs)]
+        + [-B],
+        1,
+    )
+    V = torch.cat([a.double() for a in As] + [A], 0)
+    return Residual.exact(U, V)

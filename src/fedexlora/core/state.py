@@ -168,12 +168,12 @@ def aggregate_states(
         if effective:
             measure = functools.partial(_effective_deviation, As, Bs, p, res)
             eff[name] = get_method(method).effective_deviation(dev[name], measure)
-    extra = {  # averaged in fp64, then rounded once to fp32
+    extra = {  # averaged in fp64, then rounded once to fp32 (an fp64 extra stays fp64)
         name: torch.einsum(
             "k,k...->...",
             p.to(torch.float64),
             torch.stack([s.extra[name].detach().double() for s in states]),
-        ).float()
+        ).to(torch.float64 if ref.extra[name].dtype == torch.float64 else torch.float32)
         for name in ref.extra
     }
     return RoundAggregate(

@@ -93,6 +93,7 @@ def new_model(cfg: RunConfig, task, method: str):
         dropout=cfg.lora_dropout,
         target_modules=cfg.target_modules,
         rslora=cfg.rslora,
+        dora=cfg.dora,
         seed=cfg.seed,
         dtype=torch_dtype(cfg.dtype),
         quantization=cfg.quantization,

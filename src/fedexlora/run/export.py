@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from fedexlora.bridge import layer_kinds
+from fedexlora.bridge.dora import dora_weight_of, is_dora
 from fedexlora.bridge.fold import _side, effective_weight, folded_delta
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.masters import master, read_extra
@@ -419,7 +420,9 @@ def _write_merged(cfg, task, method, model, dest: Path, dtype: torch.dtype) -> s
     src_layers, dst_layers = lora_layers(model), lora_layers(plain)
     shared = base_holders(plain)  # a tied embedding, replicated layers: theirs stay as is
     for name, layer in src_layers.items():
-        eff = effective_weight(layer).float()  # (d, n): stored as the layer's kind stores it
+        # (d, n): stored as the layer's kind stores it; a DoRA layer's with its magnitude
+        eff = dora_weight_of(layer) if is_dora(layer, "default") else effective_weight(layer)
+        eff = eff.float()
         dst = dst_layers[name]
         stored = layer_kinds.to_stored(dst, eff)
         if name in shared:  # a tensor of its own: copy_ would change the other holders

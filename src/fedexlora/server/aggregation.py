@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from fedexlora.core.aggregation import Residual
+from fedexlora.core.dora import dora_key, dora_modules, dora_residual
 from fedexlora.core.messages import ClientUpload, RoundOutcome, example_count, validate_upload
 from fedexlora.core.secure import SecureSums
 from fedexlora.core.state import AdapterState, aggregate_states
@@ -81,7 +82,9 @@ class Aggregation:
             generator=generator,
             effective=effective,
         )
-        residuals = self._add_remainders(agg.residuals, accepted, agg.weights)
+        residuals = self._add_remainders(
+            _dora_residuals(agg.residuals, states, agg.weights), accepted, agg.weights
+        )
         return self._commit(
             agg.state,
             residuals,
@@ -129,6 +132,13 @@ class Aggregation:
         why = secure_refusal(self.spec)
         if why:
             raise ValueError(why)
+        dora = dora_modules(self.state.extra)
+        if dora:
+            raise ValueError(
+                f"module {dora[0]!r} uses DoRA (use_dora=True), which secure aggregation "
+                "cannot aggregate exactly (the residual needs each client's row scale); "
+                "run without secure aggregation or set use_dora=False"
+            )
         if not (math.isfinite(protocol_seconds) and protocol_seconds >= 0):
             raise ValueError(f"protocol_seconds must be finite and >= 0, got {protocol_seconds!r}")
         self._busy += float(protocol_seconds)
@@ -301,3 +311,23 @@ def _secure_residual(
 def _fro2(U: torch.Tensor, V: torch.Tensor) -> float:
     """``||U V||_F^2`` from the ``(q, q)`` Gram matrices."""
     return float(torch.sum((U.T @ U) * (V @ V.T)).clamp_min(0))
+
+
+def _dora_residuals(residuals: dict[str, Residual], states, weights) -> dict[str, Residual]:
+    """The DoRA layers' residuals in place of FedEx's (:func:`fedexlora.core.dora.dora_residual`).
+
+    A DoRA layer is one whose row scale the clients upload among their extras; only a
+    method whose spec says ``dora`` gets here with one (the server's constructor).
+    """
+    out = dict(residuals)
+    for name in dora_modules(states[0].extra):
+        key = dora_key(name)
+        R = dora_residual(
+            [s.extra[key] for s in states],
+            [s.factors[name][0] for s in states],
+            [s.factors[name][1] for s in states],
+            weights,
+            module=name,
+        )
+        out[name] = R.to(torch.float32)  # as FedEx's own residuals
+    return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from fedexlora.core.aggregation import Residual
+from fedexlora.core.dora import dora_modules
 from fedexlora.core.methods import get_method, method_names
 from fedexlora.core.state import AdapterState, LayerInfo
 from fedexlora.server.aggregation import Aggregation
@@ -105,6 +106,7 @@ class Server(Payloads, HeteroRanks, Aggregation, LossyModes, StateDict):
         if self.client_layers and not self.spec.hetero_ranks:
             hetero = " or ".join(repr(m) for m in method_names(hetero_ranks=True))
             raise ValueError(f"heterogeneous client ranks need method {hetero}, got {method!r}")
+        _check_dora(self)
         self.remainder: dict[int, dict[str, Residual]] = {}  # hetero: T_i each client holds
         self.sent: dict[int, AdapterState] = {}  # hetero: the view each client trains from
         self.client_rank: dict[int, int] = {}  # HetLoRA: the rank a client pruned itself to
@@ -142,3 +144,26 @@ class Server(Payloads, HeteroRanks, Aggregation, LossyModes, StateDict):
     def deltas(self) -> dict[str, Residual]:
         """Every nonzero base delta (:meth:`delta`): a reset payload's residuals."""
         return {k: r for k, r in self.record.all().items() if r is not None and not r.is_zero}
+
+
+def _check_dora(server: Server) -> None:
+    """Refuses DoRA layers (their row scale among the extras) where they are not exact.
+
+    Only a method whose spec says ``dora`` aggregates them exactly, and not with clients
+    of other ranks.
+    """
+    dora = dora_modules(server.state.extra)
+    if not dora:
+        return
+    if not server.spec.dora:
+        exact = " or ".join(repr(m) for m in method_names(dora=True))
+        raise ValueError(
+            f"module {dora[0]!r} uses DoRA (use_dora=True), which method "
+            f"{server.method!r} does not aggregate exactly; use method {exact} or set "
+            "use_dora=False"
+        )
+    if server.client_layers:
+        raise ValueError(
+            f"module {dora[0]!r} uses DoRA (use_dora=True), which is not supported with "
+            "heterogeneous client ranks; give every client the same rank or set use_dora=False"
+        )

@@ -32,5 +32,6 @@ SPEC = MethodSpec(
     hetero_ranks=True,
     residual_rank=True,
     secure_products=True,
+    dora=True,
     baseline="fedit",
 )

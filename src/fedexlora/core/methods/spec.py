@@ -136,6 +136,10 @@ class MethodSpec:
             smaller, :mod:`fedexlora.core.sketch`), so that the server forms
             ``sum_i p_i B_i A_i`` from sums alone (FedEx-LoRA). A method that is neither
             ``linear`` nor this cannot run under secure aggregation. Excludes ``linear``.
+        dora: Aggregates DoRA layers (``use_dora=True``) exactly: clients upload each
+            layer's row scale ``D_i`` as an extra, and the residual becomes
+            ``sum_i (p_i D_i / Dbar) B_i A_i - Bbar Abar`` (:mod:`fedexlora.core.dora`).
+            Other methods refuse DoRA models.
         bytes_per_round: Bytes sent in one round as a formula of ``d`` and ``n`` (a layer's
             output and input sizes), ``r`` (the rank) and ``k`` (clients), fp32 numbers
             (``fedexlora methods``; the run counts the tensors really sent).
@@ -235,6 +239,7 @@ class MethodSpec:
     fresh_adapter: bool = False
     restarts: bool = False
     secure_products: bool = False
+    dora: bool = False
     lora_init: str | None = None
     flower: bool = True
     effective_is_deviation: bool = False
