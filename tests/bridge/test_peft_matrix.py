@@ -17,13 +17,6 @@ FAST = {"llama", "gpt2", "vit", "mixtral"}
 # Cases that fail today for reasons outside this matrix's fixes: a LoRA layer whose base
 # tensor another module holds (a tied lm_head, peft's layer_replication), which
 # bridge.sharing detects (issue 56, items 1-2). Anything else that fails fails the test.
-SHARED_BASE = {
-    ("llama", "layer_replication"),
-    ("gpt2", "lm_head"),
-    ("gemma", "lm_head"),
-    ("opt", "lm_head"),
-    ("bloom", "lm_head"),
-}
 
 # The only refusals the matrix may meet, each one line naming the module and the way out.
 REFUSALS = (
@@ -42,8 +35,6 @@ def _one_thread():
 
 def _check(arch, option):
     verdict = pm.run_case(arch, option)
-    if (arch, option) in SHARED_BASE and verdict.startswith("FAIL"):
-        pytest.xfail(f"shared base tensor (bridge.sharing): {verdict}")
     if verdict.startswith("PEFT"):
         pytest.skip(f"peft itself rejects it: {verdict}")
     if verdict.startswith("REFUSED: "):
