@@ -82,6 +82,7 @@ class InProcessGrid(Grid):
         }
         self.lose = set(lose)
         self.trained = []  # (round, partition) of every training message run
+        self.replies = []  # every reply delivered to the server, in order
 
     def set_run(self, run):
         self._run = run
@@ -119,6 +120,7 @@ class InProcessGrid(Grid):
                 if key in self.lose:
                     continue
             replies.append(reply)
+        self.replies.extend(replies)
         return replies
 
 

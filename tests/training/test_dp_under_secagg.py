@@ -96,20 +96,12 @@ def test_under_flower_no_reply_names_a_clients_figures_and_a_lost_record_refuses
     cfg = _dp_secure(tiny_cfg, rounds=2)
     run = tmp_path / "run"
     grid = InProcessGrid(make_client_app({}), 3)
-    send, replies = grid.send_and_receive, []
-
-    def recording(messages, *, timeout=None):
-        got = list(send(messages, timeout=timeout))
-        replies.extend(got)
-        return got
-
-    grid.send_and_receive = recording
     seeds = _rounding_seeds(monkeypatch)
     first, _ = _flower(cfg, run, grid=grid)
     assert seeds == [None] * 6  # each client's rounding from OS entropy, both rounds
     assert all(r["train_loss"] is None for r in first)
     assert [r["accepted"] for r in first] == [[0, 1, 2], [0, 1, 2]]
-    trains = [r for r in replies if r.has_content() and "metrics" in r.content]
+    trains = [r for r in grid.replies if r.has_content() and "metrics" in r.content]
     assert trains
     for r in trains:
         assert not any(str(k).startswith("dp-") for k in r.content["metrics"]), r.content
