@@ -120,6 +120,7 @@ CASES = {
     ),
     "bf16-side-budget": dict(dtype="bf16", side_budget=0.25, lr=2e-2),
     "bf16-side-rank": dict(dtype="bf16", side_rank=1, lr=2e-2),
+    "dora": dict(dora=True, lr=2e-2),
     "secure-examples": dict(secure_aggregation=True, weighting="examples", lr=2e-2),
     "secure-uniform": dict(secure_aggregation=True, weighting="uniform", lr=2e-2),
     # fp32_side_branch off: an adapter export of Fed-SB fails today ("peft saved no
