@@ -112,3 +112,60 @@ def test_cli_counts_the_model_it_is_given(tiny_bert_dir):
     keys = ("down_per_client", "up_per_client", "down_total", "up_total", "residual_per_client")
     assert cells == [format_bytes(frlora[k]) for k in keys]
     assert frlora["residual_per_client"] > 0
+
+
+def _odd_b(rnd):
+    from fedexlora.core.methods import RoundPlan
+
+    return RoundPlan(train_A=False, upload_A=False) if rnd % 2 else RoundPlan()
+
+
+def test_comm_equals_the_run_of_a_method_whose_plan_changes_by_round(
+    tiny_cfg, tmp_path, monkeypatch, seen_updates
+):
+    """A toy method trains B alone in odd rounds (its round plan): B alone travels up then,
+    round 1 leaves no residual, and ``bench comm`` predicts round 2 as the run sends it."""
+    from fedexlora.bridge.models import load_model
+    from fedexlora.core.methods import MethodSpec
+    from fedexlora.core.methods.fedex import aggregate
+    from fedexlora.run.inprocess import run_experiment
+
+    # Arrange: the toy, registered for this test only, on FedEx-LoRA's server math
+    toy = MethodSpec(
+        name="toy_odd_b", title="odd-B (test)", paper="none", trains="B, then A and B",
+        keeps_local="nothing", uploads="B_i in odd rounds, A_i and B_i in even ones",
+        downloads="A, B, residual", exact=True, linear=False, bytes_per_round="-",
+        aggregate=aggregate, round_plan=_odd_b,
+    )  # fmt: skip
+    monkeypatch.setitem(REGISTRY, toy.name, toy)
+    model, _ = load_model(
+        tiny_cfg.model, causal=False, num_labels=LABELS, r=RANK, target_modules=TARGETS
+    )
+    shape, _ = shape_from_model(model, "tiny")
+    want = _by_method(comm_table(shape, RANK, CLIENTS))[toy.name]
+    cfg = tiny_cfg.replace(
+        methods=[toy.name], rounds=2, num_clients=CLIENTS, lora_r=RANK,
+        target_modules=TARGETS, max_train=30, max_test=6,
+    )  # fmt: skip
+    seen, spy = seen_updates
+
+    # Act
+    run_experiment(cfg, tmp_path, progress=False, local_update=spy)
+
+    # Assert: bytes up are the uploads', B and the head alone in round 1 (by hand: 4 r d
+    # per layer, and the head), A too in round 2; round 2 is the table's, no residual
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = {r["round"]: r for r in rows if r["method"] == toy.name}
+    head = 4 * (LABELS * model.config.hidden_size + LABELS)  # the classifier, fp32
+    sides = [(g.d, g.n, g.count) for g in shape.layers]
+    by_hand = {
+        1: CLIENTS * (sum(4 * RANK * d * c for d, _, c in sides) + head),
+        2: CLIENTS * (sum(4 * RANK * (d + n) * c for d, n, c in sides) + head),
+    }
+    for rnd in (1, 2):
+        ups = [seen[(rnd, c)][2] for c in range(CLIENTS)]
+        assert all((A is None) == (rnd == 1) for u in ups for A, _ in u.state.factors.values())
+        assert rows[rnd]["bytes_up"] == sum(u.nbytes for u in ups) == by_hand[rnd]
+    assert want["residual_per_client"] == 0
+    assert (rows[2]["bytes_down"], rows[2]["bytes_up"]) == (want["down_total"], want["up_total"])
+    assert rows[2]["bytes_down_max"] == want["down_per_client"]

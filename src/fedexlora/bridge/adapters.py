@@ -107,11 +107,26 @@ def _extra_params(model: torch.nn.Module, adapter: str) -> dict[str, torch.nn.Pa
 
 
 def set_trainable(
-    model: torch.nn.Module, *, train_A: bool, train_B: bool = True, adapter: str | None = None
+    model: torch.nn.Module,
+    *,
+    train_A: bool,
+    train_B: bool = True,
+    train_extra: bool | None = None,
+    adapter: str | None = None,
 ) -> None:
-    """Freezes or unfreezes every ``lora_A`` and ``lora_B``.
+    """Freezes or unfreezes every ``lora_A`` and ``lora_B`` of ``adapter`` (the active one).
 
-    FFA-LoRA freezes A; RoLoRA alternates A and B by round.
+    FFA-LoRA freezes A; RoLoRA alternates A and B by round (their round plans). A
+    Fed-SB layer is left as it is: its A and basis stay frozen, its core trains.
+
+    Args:
+        model: The peft model.
+        train_A: Whether every layer's A trains.
+        train_B: Whether every layer's B trains.
+        train_extra: Whether the adapter's ``modules_to_save`` copies (the task head)
+            and LoRA biases train; ``None`` leaves them as they are. Other trainable
+            tensors beside the adapter are not touched.
+        adapter: The adapter; ``None`` is the active one.
     """
     adapter = _adapter_name(model, adapter)
     for layer in lora_layers(model, adapter).values():
@@ -120,6 +135,12 @@ def set_trainable(
         A, B = layer_kinds.factor_params(layer, adapter)
         A.requires_grad_(train_A)
         B.requires_grad_(train_B)
+    if train_extra is None:
+        return
+    own, bias = f".modules_to_save.{adapter}.", f".lora_B.{adapter}.bias"
+    for name, p in model.named_parameters():
+        if own in name or name.endswith(bias):
+            p.requires_grad_(train_extra)
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -247,15 +268,18 @@ def tail_norm(model: torch.nn.Module, start: int, stop: int) -> torch.Tensor:
 class LoraHandle:
     """A client's peft model as a method's local hooks see it (``MethodSpec.local_round``).
 
-    :class:`fedexlora.core.methods.spec.LocalModel`, over the active adapter.
+    :class:`fedexlora.core.methods.spec.LocalModel`, over the active adapter, and the
+    client step's way to apply a round plan (:meth:`set_trainable`: not part of what a
+    hook may do; the client step calls it after setting up the hooks, so what trains is
+    the plan's whatever a hook did).
     """
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
 
-    def set_trainable(self, train_A: bool, train_B: bool) -> None:
-        """Freezes or unfreezes every ``lora_A`` and ``lora_B`` (:func:`set_trainable`)."""
-        set_trainable(self.model, train_A=train_A, train_B=train_B)
+    def set_trainable(self, train_A: bool, train_B: bool, train_extra: bool) -> None:
+        """Freezes or unfreezes A, B and the extras of the active adapter (:func:`set_trainable`)."""
+        set_trainable(self.model, train_A=train_A, train_B=train_B, train_extra=train_extra)
 
     def factors(self) -> AdapterState:
         """The adapter's factors, without the task head."""

@@ -2,8 +2,10 @@
 
 :func:`local_update` trains one client from the global model it holds (through
 :mod:`fedexlora.training`: ours, or TRL's ``SFTTrainer``) with the seed
-:func:`client_seed` gives every engine alike, applies HetLoRA's rank self-pruning, and
-reads the upload back (:func:`fedexlora.bridge.steps.make_upload`);
+:func:`client_seed` gives every engine alike, with the factors the method's round plan
+trains (:meth:`fedexlora.core.methods.MethodSpec.plan`), applies HetLoRA's rank
+self-pruning, and reads back exactly the parts the plan uploads
+(:func:`fedexlora.bridge.steps.make_upload`);
 :func:`save_client_adapter` writes what a client trained as a PEFT adapter
 (``save_client_adapters``). The in-process engine (:mod:`fedexlora.run.inprocess`) and
 Flower's ClientApp (:mod:`fedexlora.flower.client_app`) both call it, so a client trains
@@ -70,7 +72,11 @@ def local_update(
         tokenizer: The model's tokenizer (``cfg.trainer == "trl"`` needs it).
     """
     spec = get_method(method)
-    hooks = spec.local_hooks(LoraHandle(model), rnd)  # RoLoRA's factor, HetLoRA's pruning
+    plan = spec.plan(rnd)  # what this round trains, uploads and keeps
+    handle = LoraHandle(model)
+    hooks = spec.local_hooks(handle, rnd)  # HetLoRA's penalty and pruning
+    # after the hooks: the plan alone says what trains (FFA-LoRA's frozen A, RoLoRA's factor)
+    handle.set_trainable(plan.train_A, plan.train_B, plan.train_extra)
     steps = cfg.local_steps if steps is None else steps
     seed, device = client_seed(cfg.seed, rnd, client), next(model.parameters()).device
     if cfg.trainer == "trl":  # TRL's SFTTrainer: the same steps, batch, schedule and seed
@@ -108,17 +114,16 @@ def local_update(
         )
     if hooks.after is not None:
         hooks.after()
-    up_A, up_B = spec.uploaded(rnd)  # FedSA-LoRA: B is trained but kept
-    return make_upload(
+    return make_upload(  # exactly the plan's parts (FedSA-LoRA: B and the head are kept)
         model,
         res.num_examples,
         client_id=client,
         # under DP the loss is not sent: a noiseless mean of batch losses is outside
         # DP-SGD's guarantee (it would be a figure of the client's data in the clear)
         train_loss=res.loss if dp is None else math.nan,
-        include_A=up_A,
-        include_B=up_B,
-        include_extra=spec.shares_head,
+        include_A=plan.upload_A,
+        include_B=plan.upload_B,
+        include_extra=plan.upload_extra,
     )
 
 

@@ -201,8 +201,9 @@ class Aggregation:
         elif self.side_rank is not None:
             residuals, capped, feedback_norm = self._cap_side(residuals)
         new_state = state
-        train_A, train_B = self._uploaded(self.round)
-        if self.spec.keeps_global_factors(self.round):
+        plan = self.spec.plan(self.round)
+        train_A, train_B = plan.uploaded
+        if plan.keeps_global_factors:
             # keep the frozen global factor bit for bit (latent, Fed-SB: A = I; RoLoRA;
             # FedSA-LoRA's B, which the clients keep)
             new_state = AdapterState(
@@ -213,7 +214,7 @@ class Aggregation:
                     )
                     for k, (A, B) in new_state.factors.items()
                 },  # fmt: skip
-                extra=new_state.extra if self.spec.shares_head else self.state.extra,
+                extra=new_state.extra if plan.upload_extra else self.state.extra,
             )
         previous, self.state = self.state, new_state
         nonzero = {k: r for k, r in residuals.items() if not r.is_zero}

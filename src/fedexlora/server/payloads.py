@@ -48,23 +48,25 @@ class Payloads:
 
     def _uploaded(self, rnd: int) -> tuple[bool, bool]:
         """Whether clients upload A and B in round ``rnd`` (the factors the server updates)."""
-        return self.spec.uploaded(rnd)
+        return self.spec.plan(rnd).uploaded
 
     def upload_template(self, rnd: int | None = None) -> AdapterState:
         """What a valid upload in round ``rnd`` contains (default: the coming round).
 
-        FFA-LoRA clients send no A; RoLoRA's send only the factor the round trains;
-        FedSA-LoRA's send no B and no task head (each keeps its own).
+        The round plan's uploads (:meth:`~fedexlora.core.methods.MethodSpec.plan`, what
+        every client step sends): FFA-LoRA clients send no A; RoLoRA's send only the
+        factor the round trains; FedSA-LoRA's send no B and no task head (each keeps its
+        own).
         """
-        train_A, train_B = self._uploaded(self.round + 1 if rnd is None else rnd)
-        if train_A and train_B:
+        plan = self.spec.plan(self.round + 1 if rnd is None else rnd)
+        if plan.upload_A and plan.upload_B and plan.upload_extra:
             return self.state
         return AdapterState(
             factors={
-                k: (A if train_A else None, B if train_B else None)
+                k: (A if plan.upload_A else None, B if plan.upload_B else None)
                 for k, (A, B) in self.state.factors.items()
             },
-            extra=self.state.extra if self.spec.shares_head else {},
+            extra=self.state.extra if plan.upload_extra else {},
         )
 
     def catch_up(self, since: int) -> dict[str, Residual] | None:
@@ -116,7 +118,7 @@ class Payloads:
             residuals = self.deltas()
             self.remainder.pop(client_id, None)  # heterogeneous ranks: nothing folded
         state = self.state
-        if self.spec.sends_uploaded_parts_only(reset):  # it holds the rest (or keeps its own)
+        if self.spec.sends_uploaded_parts_only(reset, self.round + 1):  # it holds the rest
             state = self.upload_template(self.round + 1)
         if reset:
             self.client_rank.pop(client_id, None)  # a client that starts over: its full rank

@@ -1,37 +1,38 @@
-"""A method that trains a different factor is a spec, its hook and its math alone.
+"""A method that trains a different factor is a spec, its round plan and its math alone.
 
-``MethodSpec.local_round`` is what a method does to a client's model in its round beyond
-plain training (RoLoRA freezes the factor it does not train, HetLoRA prunes its rank).
-Here a toy method trains both factors in round 1 and A alone after, B frozen (FFA-LoRA's
-mirror; B starts at 0, so A alone would never move), through that hook only:
-registered for the test, with no other code, it runs on both engines, and the model is
-the average of the clients' models, computed here by hand from what each client held.
+``MethodSpec.round_plan`` says what a method's clients train, upload and keep in a round
+(RoLoRA's factor by round is its flags' plan). Here a toy method trains both factors in
+round 1 and A alone after, B frozen and not uploaded (FFA-LoRA's mirror; B starts at 0,
+so A alone would never move), through its plan only: registered for the test, with no
+other code, it runs on both engines, uploads what its plan says, and the model is the
+average of the clients' models, computed here by hand from what each client held.
 """
 
 import pytest
 import torch
 
-from fedexlora.core.methods import REGISTRY, LocalHooks, MethodSpec
+from fedexlora.core.methods import REGISTRY, MethodSpec, RoundPlan
+from fedexlora.core.methods.fedex import aggregate as fedex_aggregate
 
 
-def _train_a(model, rnd):
-    model.set_trainable(True, rnd == 1)  # B starts at 0: A has no gradient until B moves
-    return LocalHooks()
+def _train_a(rnd):
+    # B starts at 0: A has no gradient until B moves
+    return RoundPlan() if rnd == 1 else RoundPlan(train_B=False, upload_B=False)
 
 
 TRAIN_A = MethodSpec(
     name="toy_train_a",
     title="train-A (test)",
-    paper="none: a test of MethodSpec.local_round",
+    paper="none: a test of MethodSpec.round_plan",
     trains="A and B in round 1, then A (B frozen)",
     keeps_local="nothing",
-    uploads="A_i, B",
+    uploads="A_i, B_i in round 1, then A_i",
     downloads="A and B",
     exact=True,
     linear=False,
-    bytes_per_round="up 4kr(d+n); down 4kr(d+n)",
-    server_method="fedex",
-    local_round=_train_a,
+    bytes_per_round="up 4kr(d+n) (round 1), then 4krn; down 4kr(d+n)",
+    aggregate=fedex_aggregate,
+    round_plan=_train_a,
 )
 
 
@@ -71,10 +72,11 @@ def test_a_method_that_trains_only_A_runs_exactly_on_both_engines(
     assert [r["accepted"] for r in rows] == [[0, 1, 2], [0, 1, 2]]
     for rnd in (1, 2):
         ups = [seen[(rnd, c)] for c in range(cfg.num_clients)]
-        for start, after, _ in ups:  # after round 1, B never moved on a client; A did
+        for start, after, up in ups:  # after round 1, B never moved on a client; A did
             for k, (A, B) in after.factors.items():
                 assert torch.equal(B, start.factors[k][1]) == (rnd > 1), (rnd, k)
                 assert not torch.equal(A, start.factors[k][0]), (rnd, k)
+                assert (up.state.factors[k][1] is None) == (rnd > 1), (rnd, k)  # B not sent
         n = torch.tensor([float(u.num_examples) for _, _, u in ups], dtype=torch.float64)
         p = n / n.sum()
         for k in layers:

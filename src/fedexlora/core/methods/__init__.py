@@ -1,7 +1,8 @@
 """The method registry: one module per federated LoRA method, each declaring its spec.
 
 Adding a method is one module in this folder (its :class:`MethodSpec` as ``SPEC``, with
-its server math), its tests, and one line in :data:`REGISTRY` below. Every other module
+its server math and, where its flags do not say it, its :class:`RoundPlan`: what clients
+train, upload and keep each round), its tests, and one line in :data:`REGISTRY` below. Every other module
 asks the registry (:func:`get_method`); none tests a method's name.
 """
 
@@ -22,6 +23,7 @@ from fedexlora.core.methods import (
     lorafair,
     rolora,
 )
+from fedexlora.core.methods.plan import RoundPlan
 from fedexlora.core.methods.spec import Aggregate, LocalHooks, LocalModel, MethodSpec
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "LocalHooks",
     "LocalModel",
     "MethodSpec",
+    "RoundPlan",
     "get_method",
     "method_names",
 ]

@@ -5,7 +5,9 @@ Chen et al., "Robust federated finetuning of LLMs via alternating optimization o
 B with A frozen, even rounds train A with B frozen (B first: with B = 0 at the start, A's
 gradient is zero). Clients upload only the factor they trained and the server averages
 it: ``Σ p_i B_i A = B̄ A`` and ``Σ p_i B A_i = B Ā``, so every round is exact with no
-residual. Clients receive both factors.
+residual. Clients receive both factors. ``alternating`` says all of it: the round plan
+(:meth:`~fedexlora.core.methods.spec.MethodSpec.plan`) freezes the other factor on every
+client and uploads the trained one, with no hook of the method's.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from fedexlora.core.factors import Residual
 from fedexlora.core.methods.ffa import is_shared
-from fedexlora.core.methods.spec import LocalHooks, LocalModel, MethodSpec
+from fedexlora.core.methods.spec import MethodSpec
 
 
 def aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6):
@@ -35,12 +37,6 @@ def aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6):
     A_new = torch.einsum("k,krn->rn", p, A)  # (r, n): A itself where it is shared
     B_new = torch.einsum("k,kdr->dr", p, B)  # (d, r)
     return A_new, B_new, Residual.zero(d, n, dtype=A.dtype, device=A.device)
-
-
-def alternate(model: LocalModel, rnd: int) -> LocalHooks:
-    """Round ``rnd``'s trained factor (``local_round``): B in odd rounds, A in even ones."""
-    model.set_trainable(*SPEC.trained(rnd))
-    return LocalHooks()
 
 
 def check(cfg) -> list[str]:
@@ -67,6 +63,5 @@ SPEC = MethodSpec(
     bytes_per_round="up 4krd (odd rounds) or 4krn (even); down 4kr(d+n)",
     aggregate=aggregate,
     alternating=True,
-    local_round=alternate,
     check=check,
 )

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from fedexlora.core.factors import Residual
+from fedexlora.core.methods.plan import RoundPlan
 
 __all__ = [
     "EXACT_BOUND",
@@ -19,6 +20,7 @@ __all__ = [
     "LocalHooks",
     "LocalModel",
     "MethodSpec",
+    "RoundPlan",
 ]
 
 # The server math of one layer: stacked client factors A (k, r, n) and B (k, d, r) in
@@ -33,11 +35,10 @@ class LocalModel(Protocol):
     """What a method's :attr:`MethodSpec.local_round` may do to a client's model.
 
     The peft bridge gives it (:class:`fedexlora.bridge.adapters.LoraHandle`); this layer
-    never imports peft.
+    never imports peft. It cannot freeze or unfreeze a factor: what a client trains is
+    the method's round plan (:meth:`MethodSpec.plan`), which the client step applies
+    after the hook is set up.
     """
-
-    def set_trainable(self, train_A: bool, train_B: bool) -> None:
-        """Freezes or unfreezes every layer's A and B."""
 
     def factors(self) -> Any:
         """The adapter's factors now (a :class:`fedexlora.core.state.AdapterState`)."""
@@ -105,7 +106,7 @@ class MethodSpec:
         trains: What each client trains (``fedexlora methods``; documentation only).
         keeps_local: What a client keeps and never sends (documentation only).
         uploads: What a client sends the server each round (documentation only; what
-            really travels follows ``frozen_A``, ``alternating``, ``keeps``).
+            really travels is the round plan's, :meth:`plan`).
         downloads: What the server sends a client each round (documentation only).
         exact: A promise on the server math and on every run of the method. The math:
             :attr:`aggregate`'s new global factors and residual satisfy
@@ -180,11 +181,17 @@ class MethodSpec:
         prunes_rank: Clients prune their own rank (HetLoRA): they regularize the tail of
             their adapter, cut it when its norm shrinks, and the server keeps sending them
             the cut rank (zeros beyond it).
+        round_plan: What clients train, upload and keep in a round, given the round
+            (:class:`~fedexlora.core.methods.plan.RoundPlan`), for a method whose
+            rounds the flags above do not describe. ``None``: the plan follows
+            ``frozen_A``, ``refactors_A``, ``alternating`` and ``keeps``
+            (:meth:`plan`). It replaces those factor flags (a method gives one or the
+            other), and its kept parts must be ``keeps``.
         local_round: What the method does to a client's model in a round beyond plain
-            training, given the model (:class:`LocalModel`) and the round: freeze a
-            factor by round (RoLoRA), add a loss term and cut the rank after (HetLoRA).
-            ``None``: plain training. Every engine's client step calls it
-            (:meth:`local_hooks`).
+            training, given the model (:class:`LocalModel`) and the round: add a loss
+            term and cut the rank after (HetLoRA). It cannot change what trains (the
+            round plan's, applied after it). ``None``: plain training. Every engine's
+            client step calls it (:meth:`local_hooks`).
         prepare_model: What the method installs into a freshly loaded model beyond its
             LoRA adapter, given the model's setup (:class:`fedexlora.run.build.ModelSetup`:
             the run's configuration, and what the peft bridge can install): Fed-SB's
@@ -233,6 +240,7 @@ class MethodSpec:
     hetero_slices: bool = False
     hetero_orthonormal_A: bool = False
     prunes_rank: bool = False
+    round_plan: Callable[[int], RoundPlan] | None = None
     local_round: Callable[[LocalModel, int], LocalHooks] | None = None
     prepare_model: Callable[[Any], None] | None = None
     residual_rank: bool = False
@@ -278,22 +286,73 @@ class MethodSpec:
                 f"method {self.name!r}: `hetero_orthonormal_A` needs `hetero_ranks`, "
                 "without `hetero_slices`"
             )
+        if self.round_plan is not None and (self.frozen_A or self.alternating or self.latent):
+            raise ValueError(
+                f"method {self.name!r}: `round_plan` says what trains and travels each "
+                "round; give it or `frozen_A`/`alternating`/`latent`, not both"
+            )
+        if self.server_method is not None and (
+            self.round_plan is not None or self.frozen_A or self.alternating or self.keeps
+        ):
+            raise ValueError(
+                f"method {self.name!r}: a method run on {self.server_method!r}'s server "
+                "follows that method's round plan; give it its own `aggregate` to train, "
+                "upload or keep other parts"
+            )
         if self.weighting not in ("examples", "uniform"):
             raise ValueError(
                 f"method {self.name!r}: `weighting` must be 'examples' or 'uniform', "
                 f"got {self.weighting!r}"
             )
 
-    def trained(self, rnd: int) -> tuple[bool, bool]:
-        """Whether clients train (and upload) A and B in round ``rnd``."""
+    def plan(self, rnd: int) -> RoundPlan:
+        """Round ``rnd``'s plan: what clients train, upload and keep, what they are sent.
+
+        The one source every engine's client step, the server and ``bench comm`` read.
+        :attr:`round_plan`'s when the method gives one; otherwise from the flags: a
+        ``frozen_A`` method trains and uploads B alone (and, unless it ``refactors_A``,
+        sends A once); an ``alternating`` one B in odd rounds and A in even ones; the
+        parts in ``keeps`` are trained and kept, never uploaded. The task head and other
+        extras train every round.
+
+        Raises:
+            ValueError: If :attr:`round_plan`'s plan keeps other parts than ``keeps``.
+        """
+        if self.round_plan is not None:
+            plan = self.round_plan(rnd)
+            kept = {"A": plan.keep_A, "B": plan.keep_B, "head": plan.keep_extra}
+            if {part for part, k in kept.items() if k} != set(self.keeps):
+                raise ValueError(
+                    f"method {self.name!r}: its round plan keeps "
+                    f"{sorted(p for p, k in kept.items() if k)} in round {rnd}, but "
+                    f"`keeps` is {sorted(self.keeps)}"
+                )
+            return plan
         if self.alternating:
-            return rnd % 2 == 0, rnd % 2 == 1
-        return not self.frozen_A, True
+            train_A, train_B = rnd % 2 == 0, rnd % 2 == 1
+        else:
+            train_A, train_B = not self.frozen_A, True
+        keep_A, keep_B, keep_extra = ("A" in self.keeps, "B" in self.keeps, "head" in self.keeps)
+        return RoundPlan(
+            train_A=train_A,
+            train_B=train_B,
+            upload_A=train_A and not keep_A,
+            upload_B=train_B and not keep_B,
+            upload_extra=not keep_extra,
+            keep_A=keep_A,
+            keep_B=keep_B,
+            keep_extra=keep_extra,
+            refactors=self.refactors_A,
+            sends_uploaded_only=(self.frozen_A and not self.refactors_A) or bool(self.keeps),
+        )
+
+    def trained(self, rnd: int) -> tuple[bool, bool]:
+        """Whether clients train A and B in round ``rnd`` (:meth:`plan`'s)."""
+        return self.plan(rnd).trained
 
     def uploaded(self, rnd: int) -> tuple[bool, bool]:
-        """Whether clients upload A and B in round ``rnd``: what they train, less what they keep."""
-        train_A, train_B = self.trained(rnd)
-        return train_A and "A" not in self.keeps, train_B and "B" not in self.keeps
+        """Whether clients upload A and B in round ``rnd`` (:meth:`plan`'s)."""
+        return self.plan(rnd).uploaded
 
     @property
     def personalized(self) -> bool:
@@ -302,26 +361,28 @@ class MethodSpec:
 
     @property
     def shares_head(self) -> bool:
-        """Whether the task head (and other trainable extras) travels and is averaged."""
-        return "head" not in self.keeps
+        """Whether the task head (and other trainable extras) travels and is averaged.
+
+        In every round: a method keeps the same parts every round (:meth:`plan`).
+        """
+        return self.plan(1).upload_extra
 
     def kept_parts(self) -> dict[str, bool]:
-        """What a client keeps, as :func:`fedexlora.bridge.adapters.get_state` reads it."""
-        return {
-            "include_A": "A" in self.keeps,
-            "include_B": "B" in self.keeps,
-            "include_extra": "head" in self.keeps,
-        }
+        """What a client keeps, as :func:`fedexlora.bridge.adapters.get_state` reads it.
 
-    def sends_uploaded_parts_only(self, reset: bool) -> bool:
+        The same in every round (:meth:`plan` checks a method's own plan against
+        :attr:`keeps`).
+        """
+        return self.plan(1).kept
+
+    def sends_uploaded_parts_only(self, reset: bool, rnd: int = 1) -> bool:
         """Whether a client that holds the current base is sent only what clients upload.
 
-        It already holds the rest: a frozen A sent once (not re-factored every round),
-        or the parts it keeps for itself. A client that starts over (``reset``) gets all.
+        In round ``rnd`` (:attr:`RoundPlan.sends_uploaded_only`): it already holds the
+        rest, a frozen A sent once (not re-factored every round), or the parts it keeps
+        for itself. A client that starts over (``reset``) gets all.
         """
-        if reset:
-            return False
-        return (self.frozen_A and not self.refactors_A) or self.personalized
+        return not reset and self.plan(rnd).sends_uploaded_only
 
     def round_generator(self, seed: int, rnd: int) -> torch.Generator | None:
         """The seeded randomness the server math needs in round ``rnd``, or ``None``.
@@ -347,10 +408,11 @@ class MethodSpec:
     def keeps_global_factors(self, rnd: int) -> bool:
         """Whether the server keeps, bit for bit, the factors round ``rnd`` did not upload.
 
-        A frozen A, Fed-SB's ``A = I``, RoLoRA's other factor, a B the clients keep; not
-        when it re-factors both every round (FedSVD).
+        :attr:`RoundPlan.keeps_global_factors`: a frozen A, Fed-SB's ``A = I``, RoLoRA's
+        other factor, a B the clients keep; not when it re-factors both every round
+        (FedSVD).
         """
-        return not all(self.uploaded(rnd)) and not self.refactors_A
+        return self.plan(rnd).keeps_global_factors
 
     def server_math(
         self,
