@@ -18,12 +18,13 @@ def test_adding_a_method_walkthrough_runs(monkeypatch):
         exec(compile(block, str(DOC), "exec"), scope)
     assert "fedex_dense" in methods.REGISTRY
     assert methods.get_method("fedex_dense").exact
-    # the hook and kept-parts kinds: the specs the tests that run them on both engines use
+    # the round-plan and kept-parts kinds: the specs the tests that run them on both engines use
     from test_method_keeps import KEEP_A
     from test_method_local_round import TRAIN_A
 
-    hook, kept = methods.get_method("toy_train_a"), methods.get_method("toy_keep_a")
-    assert hook.local_round is not None and hook.server_method == TRAIN_A.server_method
+    planned, kept = methods.get_method("toy_train_a"), methods.get_method("toy_keep_a")
+    assert planned.round_plan is not None and planned.aggregate is TRAIN_A.aggregate
+    assert [planned.plan(r) for r in (1, 2, 3)] == [TRAIN_A.plan(r) for r in (1, 2, 3)]
     assert kept.keeps == KEEP_A.keeps == ("A",)
     # each kind's example does what it says on a small round, in fp32 as asked
     import torch

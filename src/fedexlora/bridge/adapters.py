@@ -278,7 +278,7 @@ class LoraHandle:
         self.model = model
 
     def set_trainable(self, train_A: bool, train_B: bool, train_extra: bool) -> None:
-        """Freezes or unfreezes A, B and the extras of the active adapter (:func:`set_trainable`)."""
+        """Freezes or unfreezes the active adapter's A, B and extras (:func:`set_trainable`)."""
         set_trainable(self.model, train_A=train_A, train_B=train_B, train_extra=train_extra)
 
     def factors(self) -> AdapterState:

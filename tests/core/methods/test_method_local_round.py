@@ -11,7 +11,7 @@ average of the clients' models, computed here by hand from what each client held
 import pytest
 import torch
 
-from fedexlora.core.methods import REGISTRY, MethodSpec, RoundPlan
+from fedexlora.core.methods import REGISTRY, LocalHooks, MethodSpec, RoundPlan
 from fedexlora.core.methods.fedex import aggregate as fedex_aggregate
 
 
@@ -95,3 +95,38 @@ def test_a_method_that_trains_only_A_runs_exactly_on_both_engines(
         before = state[rnd]
     flower, _ = _flower(cfg, tmp_path / "flower")
     _close(flower, rows)
+
+
+def _freeze_everything(model, rnd):
+    for p in model.model.parameters():  # what a hook must not decide: what trains
+        p.requires_grad_(False)
+    return LocalHooks()
+
+
+def test_a_hook_cannot_change_what_the_round_plan_trains(
+    monkeypatch, tiny_cfg, tmp_path, task_identity, seen_updates
+):
+    from dataclasses import replace
+
+    from fedexlora.core.methods import LocalModel
+    from fedexlora.run.inprocess import run_experiment
+
+    # Arrange: FedEx-LoRA's plan (A, B and the head train), a hook that freezes them all
+    toy = replace(TRAIN_A, name="toy_freezer", round_plan=None, local_round=_freeze_everything)
+    monkeypatch.setitem(REGISTRY, toy.name, toy)
+    cfg = tiny_cfg.replace(methods=[toy.name], rounds=1, lr=2e-2)
+    seen, spy = seen_updates
+
+    # Act
+    run_experiment(cfg, tmp_path, progress=False, local_update=spy)
+
+    # Assert: the client step applied the plan after the hook; every part moved
+    assert not hasattr(LocalModel, "set_trainable")
+    for c in range(cfg.num_clients):
+        start, after, up = seen[(1, c)]
+        for k, (A, B) in after.factors.items():
+            assert not torch.equal(A, start.factors[k][0]), (c, k)
+            assert not torch.equal(B, start.factors[k][1]), (c, k)
+        assert up.state.extra and all(
+            not torch.equal(t, start.extra[k]) for k, t in after.extra.items()
+        ), c

@@ -36,8 +36,14 @@ EXPECTED = {
     "fedsvd": lambda r: {**FROZEN_A, "only": False, "global": False},  # A re-factored
     "lorafair": lambda r: {**BOTH, "global": False},
     "rolora": _rolora,
-    "fedsa": lambda r: {"train": (True, True), "upload": (True, False), "head": False,
-                        "keep": ("B", "head"), "only": True, "global": True},  # fmt: skip
+    "fedsa": lambda r: {  # trains B and the head, keeps them
+        **BOTH,
+        "upload": (True, False),
+        "head": False,
+        "keep": ("B", "head"),
+        "only": True,
+        "global": True,
+    },
     "frlora": lambda r: {**BOTH, "global": False},
     "hetlora": lambda r: {**BOTH, "global": False},
     "centralized": lambda r: {**BOTH, "global": False},

@@ -2,8 +2,8 @@
 
 Adding a method is one module in this folder (its :class:`MethodSpec` as ``SPEC``, with
 its server math and, where its flags do not say it, its :class:`RoundPlan`: what clients
-train, upload and keep each round), its tests, and one line in :data:`REGISTRY` below. Every other module
-asks the registry (:func:`get_method`); none tests a method's name.
+train, upload and keep each round), its tests, and one line in :data:`REGISTRY` below.
+Every other module asks the registry (:func:`get_method`); none tests a method's name.
 """
 
 from __future__ import annotations

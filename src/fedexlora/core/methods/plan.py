@@ -70,7 +70,9 @@ class RoundPlan:
 
     def __post_init__(self) -> None:
         for part in _PARTS:
-            train, upload, keep = (getattr(self, f"{w}_{part}") for w in ("train", "upload", "keep"))
+            train, upload, keep = (
+                getattr(self, f"{w}_{part}") for w in ("train", "upload", "keep")
+            )
             if upload and keep:
                 raise ValueError(f"round plan: {part} is both uploaded and kept")
             if (upload or keep) and not train:
@@ -97,7 +99,11 @@ class RoundPlan:
     @property
     def kept(self) -> dict[str, bool]:
         """What a client keeps, as :func:`fedexlora.bridge.adapters.get_state` reads it."""
-        return {"include_A": self.keep_A, "include_B": self.keep_B, "include_extra": self.keep_extra}
+        return {
+            "include_A": self.keep_A,
+            "include_B": self.keep_B,
+            "include_extra": self.keep_extra,
+        }
 
     @property
     def keeps_global_factors(self) -> bool:
