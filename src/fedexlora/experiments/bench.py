@@ -4,7 +4,8 @@
 client) and up (client to server), per client and for all ``k`` clients. From round 2 on
 the clients hold the base model and whatever was sent once (FFA-LoRA's frozen A), and a
 round folds the previous round's residual; every later round costs the same, except
-RoLoRA's, whose odd rounds upload B where its even rounds upload A.
+where a method's round plan (:meth:`~fedexlora.core.methods.MethodSpec.plan`) changes by
+round: RoLoRA's odd rounds upload B where its even rounds upload A.
 
 The figures are not a formula of this module's: each method's server
 (:class:`fedexlora.server.Server`, the one both engines run) starts from random factors
@@ -245,9 +246,11 @@ def _upload(server, client: int, generator=None):
     """A valid upload of ``client`` for the server's coming round.
 
     Exactly the tensors the server expects (:meth:`~fedexlora.server.Server.upload_template`:
-    what the method uploads that round). With ``generator``, each is moved by random
-    noise, as local training moves it; without, they are the global ones (the same
-    bytes, nothing to draw).
+    what the method's round plan uploads that round, which every client step sends, and
+    trains). With ``generator``, each is moved by random noise, as local training moves
+    it; what the plan does not upload stays the global one on every client, as in a run
+    (a round that trains B alone leaves no residual); without, they are the global ones
+    (the same bytes, nothing to draw).
     """
     import torch
 
