@@ -166,6 +166,15 @@ def run(rank: int, world: int, port: int, out: str, modes: str) -> None:
             train_local(model, data("bert"), dp=object(), **TRAIN)
         except ValueError as e:
             refusals["dp"] = str(e)
+        try:
+            from types import SimpleNamespace
+
+            from fedexlora.run.client_step import local_update
+
+            cfg = SimpleNamespace(dp=False, trainer="trl", quantization=None, dora=False)
+            local_update(cfg, "fedex", model, data("bert"), 1, 0)
+        except ValueError as e:
+            refusals["trl"] = str(e)
         D.set_context(None)
         result["refusals"] = refusals
         if rank == 0:

@@ -36,6 +36,7 @@ RoLoRA), and TRL's trainer under either mode.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -289,8 +290,13 @@ class _Flat:
         world = dist.get_world_size(group)
         out = torch.empty(self.local.numel() * world, dtype=self.local.dtype,
                           device=self.local.device)  # fmt: skip
-        dist.all_gather_into_tensor(out, self.local, group=group)
+        if self.numel:
+            _all_gather(out, self.local, group=group)
         return out[: self.numel].view(self.shape)
+
+
+# torch 2.13 renamed all_gather_into_tensor (deprecated) to all_gather_single
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Apply(torch.autograd.Function):
@@ -561,7 +567,7 @@ def train_sharded(
     rank (``seed`` on rank 0), so it cannot equal one process's masks: exactness against
     one process holds without dropout.
     """
-    from fedexlora.training.local import TrainResult, _amp, _collate, _schedule
+    from fedexlora.training.local import TrainResult, _schedule
 
     check_supported(ctx.mode, dp=dp is not None, penalty=penalty is not None)
     if ctx.mode == "fsdp":
@@ -574,15 +580,34 @@ def train_sharded(
     n = len(data)
     if n == 0:
         raise ValueError("cannot train on an empty dataset")
-    rank, world = ctx.rank, ctx.world_size
     total = steps if steps is not None else max(1, math.ceil(epochs * math.ceil(n / batch_size)))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(total, warmup_ratio))
     gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed + 1_000_003 * rank)  # dropout: the rank's own
-    scale_all = world if ctx.mode == "fsdp" else 1  # fully_shard averages its gradients
+    torch.manual_seed(seed + 1_000_003 * ctx.rank)  # dropout: the rank's own
     model.train()
+    with warnings.catch_warnings():
+        # fully_shard warns that an in-place op on a layer's output would skip its
+        # pre-backward all-gather; peft adds the LoRA branch out of place, as the side
+        # branch does, and the tests compare the gradients with one process's
+        warnings.filterwarnings("ignore", "FSDP2-wrapped module", UserWarning)
+        losses = _steps(model, data, ctx, total=total, batch_size=batch_size, gen=gen,
+                        params=params, opt=opt, sched=sched, device=device, autocast=autocast,
+                        penalty=penalty, max_grad_norm=max_grad_norm, desc=desc,
+                        progress=progress)  # fmt: skip
+    model.eval()
+    losses = all_sum(losses, ctx)
+    return TrainResult(loss=sum(losses) / len(losses), steps=total, num_examples=n)
+
+
+def _steps(model, data, ctx: DistContext, *, total, batch_size, gen, params, opt, sched,
+           device, autocast, penalty, max_grad_norm, desc, progress) -> list[float]:  # fmt: skip
+    """The optimizer steps of :func:`train_sharded`; each rank's weighted losses."""
+    from fedexlora.training.local import _amp, _collate
+
+    n, rank, world = len(data), ctx.rank, ctx.world_size
+    scale_all = world if ctx.mode == "fsdp" else 1  # fully_shard averages its gradients
     order: list[int] = []
     losses = []
     bar = tqdm(range(total), desc=desc, leave=False, disable=not progress or rank != 0,
@@ -616,17 +641,7 @@ def train_sharded(
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-    model.eval()
-    losses = all_sum(losses, ctx)
-    return TrainResult(loss=sum(losses) / len(losses), steps=total, num_examples=n)
-
-
-def weight_unit(batch: dict[str, torch.Tensor]) -> int:
-    """What the model's mean loss averages over: label tokens (causal LM), else examples."""
-    labels = batch["labels"]
-    if labels.dim() == 2 and labels.dtype == torch.long:  # causal LM: shifted, -100 ignored
-        return int((labels[:, 1:] != -100).sum())
-    return int(labels.shape[0])
+    return losses
 
 
 def all_reduce_grads(params: list[torch.Tensor], ctx: DistContext) -> None:
