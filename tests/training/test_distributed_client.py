@@ -70,6 +70,17 @@ def test_trained_tensors_equal_one_process(ranks, kind, mode):
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 @pytest.mark.parametrize("kind", KINDS)
+def test_gradient_of_a_global_batch_equals_one_process(ranks, kind, mode):
+    """The summed gradient itself (AdamW's step would hide a wrong overall scale)."""
+    one, got = ranks[(kind, "one")]["grads"], ranks[(kind, mode)]["grads"]
+    assert set(got) == set(one) and len(one) >= 12
+    for name, want in one.items():
+        assert float(torch.linalg.norm(want)) > 0, name
+        assert _rel(got[name], want) < 1e-5, name
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_frozen_tensors_and_side_branch_unchanged(ranks, kind, mode):
     one, got = ranks[(kind, "one")], ranks[(kind, mode)]
     assert set(got["frozen"]) == set(one["frozen"])

@@ -57,6 +57,7 @@ __all__ = [
     "prepare_model",
     "rank_nbytes",
     "set_context",
+    "backward_share",
     "share",
     "trained_state",
     "train_sharded",
@@ -604,44 +605,57 @@ def train_sharded(
 def _steps(model, data, ctx: DistContext, *, total, batch_size, gen, params, opt, sched,
            device, autocast, penalty, max_grad_norm, desc, progress) -> list[float]:  # fmt: skip
     """The optimizer steps of :func:`train_sharded`; each rank's weighted losses."""
-    from fedexlora.training.local import _amp, _collate
-
-    n, rank, world = len(data), ctx.rank, ctx.world_size
-    scale_all = world if ctx.mode == "fsdp" else 1  # fully_shard averages its gradients
+    n = len(data)
     order: list[int] = []
     losses = []
-    bar = tqdm(range(total), desc=desc, leave=False, disable=not progress or rank != 0,
+    bar = tqdm(range(total), desc=desc, leave=False, disable=not progress or ctx.rank != 0,
                dynamic_ncols=True)  # fmt: skip
     for _ in bar:
         if len(order) < batch_size:
             order += torch.randperm(n, generator=gen).tolist()
         idx, order = order[:batch_size], order[batch_size:]
-        lo, hi = share(len(idx), rank, world)
-        units = _units(data, idx)
-        mine, own = idx[lo:hi], sum(units[lo:hi])
-        weight = own / sum(units) if sum(units) else 0.0
-        # padded as the global batch is: the same shapes per example as in one process
-        longest = max(len(data.input_ids[i]) for i in idx)
-        batch = _collate(data.subset(mine or idx[:1]), device, pad_to=longest)
-        with _amp(device, autocast):
-            out = model(**batch)
-        if own:
-            loss = out.loss
-            objective = loss * (weight * scale_all)
-            losses.append(float(loss.detach()) * weight)
-        else:  # nothing of this batch's mean here: zero gradients, the collectives still run
-            objective = out.logits.float().sum() * 0.0
-            losses.append(0.0)
-        if penalty is not None:  # ddp only: each rank's share of it, summed once
-            objective = objective + penalty() / world
-        objective.backward()
-        if ctx.mode == "ddp":
-            all_reduce_grads(params, ctx)
+        losses.append(backward_share(model, data, idx, ctx, params=params, device=device,
+                                     autocast=autocast, penalty=penalty))  # fmt: skip
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
     return losses
+
+
+def backward_share(model, data, idx: Sequence[int], ctx: DistContext, *, params, device,
+                   autocast=None, penalty=None) -> float:  # fmt: skip
+    """This rank's share of the global batch ``idx``: forward, backward, gradients summed.
+
+    Afterwards every trainable gradient is the single process's gradient of the global
+    batch's mean loss (whole on every rank under ``ddp``; this rank's shard under
+    ``fsdp``). Returns this rank's part of the batch's mean loss (their sum is the mean).
+    """
+    from fedexlora.training.local import _amp, _collate
+
+    rank, world = ctx.rank, ctx.world_size
+    lo, hi = share(len(idx), rank, world)
+    units = _units(data, idx)
+    mine, own = list(idx[lo:hi]), sum(units[lo:hi])
+    weight = own / sum(units) if sum(units) else 0.0
+    # padded as the global batch is: the same shapes per example as in one process
+    longest = max(len(data.input_ids[i]) for i in idx)
+    batch = _collate(data.subset(mine or list(idx[:1])), device, pad_to=longest)
+    with _amp(device, autocast):
+        out = model(**batch)
+    if own:
+        loss = out.loss
+        # fully_shard's reduce-scatter averages over the ranks: scaled back to a sum
+        objective = loss * (weight * (world if ctx.mode == "fsdp" else 1))
+        part = float(loss.detach()) * weight
+    else:  # nothing of this batch's mean here: zero gradients, the collectives still run
+        objective, part = out.logits.float().sum() * 0.0, 0.0
+    if penalty is not None:  # ddp only: each rank's share of it, summed once
+        objective = objective + penalty() / world
+    objective.backward()
+    if ctx.mode == "ddp":
+        all_reduce_grads(params, ctx)
+    return part
 
 
 def all_reduce_grads(params: list[torch.Tensor], ctx: DistContext) -> None:
