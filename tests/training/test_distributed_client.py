@@ -71,12 +71,19 @@ def test_trained_tensors_equal_one_process(ranks, kind, mode):
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradient_of_a_global_batch_equals_one_process(ranks, kind, mode):
-    """The summed gradient itself (AdamW's step would hide a wrong overall scale)."""
+    """The summed gradient itself (AdamW's step would hide a wrong overall scale).
+
+    fp32 base: within 1e-5. bf16 base: within bf16's arithmetic, which changes with the
+    batch's shape: one process summing the same batch as 3 + 2 micro-batches differs from
+    its whole-batch gradient by 3.7e-3 (measured); a lost all-reduce or a wrong scale
+    shows as 0.5.
+    """
     one, got = ranks[(kind, "one")]["grads"], ranks[(kind, mode)]["grads"]
     assert set(got) == set(one) and len(one) >= 12
+    tol = 1e-5 if kind == "bert" else 1e-2
     for name, want in one.items():
         assert float(torch.linalg.norm(want)) > 0, name
-        assert _rel(got[name], want) < 1e-5, name
+        assert _rel(got[name], want) < tol, name
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
