@@ -117,10 +117,11 @@ def frozen_full(model) -> dict[str, torch.Tensor]:
 
 
 GRAD_BATCH = [12, 3, 7, 0, 9]  # one global batch, split 3 + 2
+SOLO_BATCH = [4]  # a batch of one: rank 1's share is empty
 
 
-def one_gradient(model, batches, ctx) -> dict[str, torch.Tensor]:
-    """Every trainable gradient of the mean loss of :data:`GRAD_BATCH`, whole; then zeroed.
+def one_gradient(model, batches, ctx, idx=GRAD_BATCH) -> dict[str, torch.Tensor]:
+    """Every trainable gradient of the mean loss of batch ``idx``, whole; then zeroed.
 
     ``ctx``: through :func:`~fedexlora.training.distributed.backward_share` (this rank's
     share); ``None``: one process on the whole batch.
@@ -133,10 +134,9 @@ def one_gradient(model, batches, ctx) -> dict[str, torch.Tensor]:
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     model.train()
     if ctx is None:
-        model(**_collate(batches.subset(GRAD_BATCH), "cpu")).loss.backward()
+        model(**_collate(batches.subset(idx), "cpu")).loss.backward()
     else:
-        D.backward_share(model, batches, GRAD_BATCH, ctx, params=list(params.values()),
-                         device="cpu")  # fmt: skip
+        D.backward_share(model, batches, idx, ctx, params=list(params.values()), device="cpu")
     out = {}
     for n, p in params.items():
         g = p.grad
@@ -164,6 +164,7 @@ def run(rank: int, world: int, port: int, out: str, modes: str) -> None:
                 D.load_round_state(model, flat if rank == 0 else None)
                 nbytes = D.rank_nbytes(model)
                 grads = one_gradient(model, batches, ctx=D.get_context())
+                solo = one_gradient(model, batches, ctx=D.get_context(), idx=SOLO_BATCH)
                 res = train_local(model, batches, **TRAIN)
                 trained = D.trained_state(model)
                 frozen = frozen_full(model)
@@ -172,7 +173,7 @@ def run(rank: int, world: int, port: int, out: str, modes: str) -> None:
                 D.set_context(None)
                 if rank == 0:
                     result[(kind, mode)] = dict(trained=trained, loss=res.loss, bytes=gathered,
-                                                frozen=frozen, grads=grads)  # fmt: skip
+                                                frozen=frozen, grads=grads, solo=solo)  # fmt: skip
             if rank == 0:  # the single process, on the same global batches
                 from fedexlora.bridge.adapters import get_state
                 from fedexlora.bridge.steps import load_client_state
@@ -182,10 +183,11 @@ def run(rank: int, world: int, port: int, out: str, modes: str) -> None:
                 one = D.rank_nbytes(model)
                 start = frozen_full(model)
                 grads = one_gradient(model, batches, ctx=None)
+                solo = one_gradient(model, batches, ctx=None, idx=SOLO_BATCH)
                 res = train_local(model, batches, **TRAIN)
                 result[(kind, "one")] = dict(trained=get_state(model).to_flat(), loss=res.loss,
                                              bytes=[one], frozen=start, flat=flat,
-                                             grads=grads)  # fmt: skip
+                                             grads=grads, solo=solo)  # fmt: skip
         refusals = {}
         D.set_context(D.DistContext(mode="fsdp"))
         try:

@@ -70,15 +70,17 @@ def test_trained_tensors_equal_one_process(ranks, kind, mode):
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_gradient_of_a_global_batch_equals_one_process(ranks, kind, mode):
+@pytest.mark.parametrize("batch", ["grads", "solo"])
+def test_gradient_of_a_global_batch_equals_one_process(ranks, kind, mode, batch):
     """The summed gradient itself (AdamW's step would hide a wrong overall scale).
 
     fp32 base: within 1e-5. bf16 base: within bf16's arithmetic, which changes with the
     batch's shape: one process summing the same batch as 3 + 2 micro-batches differs from
     its whole-batch gradient by 3.7e-3 (measured); a lost all-reduce or a wrong scale
-    shows as 0.5.
+    shows as 0.5. ``solo``: a batch of one example, rank 1's share empty (it runs one
+    example at weight 0, so that the collectives match).
     """
-    one, got = ranks[(kind, "one")]["grads"], ranks[(kind, mode)]["grads"]
+    one, got = ranks[(kind, "one")][batch], ranks[(kind, mode)][batch]
     assert set(got) == set(one) and len(one) >= 12
     tol = 1e-5 if kind == "bert" else 1e-2
     for name, want in one.items():
