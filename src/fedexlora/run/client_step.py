@@ -72,6 +72,7 @@ def local_update(
         tokenizer: The model's tokenizer (``cfg.trainer == "trl"`` needs it).
     """
     spec = get_method(method)
+    sharded = _distributed_checks(cfg)  # a client on several processes, if any
     plan = spec.plan(rnd)  # what this round trains, uploads and keeps
     handle = LoraHandle(model)
     hooks = spec.local_hooks(handle, rnd)  # HetLoRA's penalty and pruning
@@ -114,7 +115,8 @@ def local_update(
         )
     if hooks.after is not None:
         hooks.after()
-    return make_upload(  # exactly the plan's parts (FedSA-LoRA: B and the head are kept)
+    # exactly the plan's parts (FedSA-LoRA: B and the head are kept)
+    return (sharded or make_upload)(
         model,
         res.num_examples,
         client_id=client,
@@ -125,6 +127,23 @@ def local_update(
         include_B=plan.upload_B,
         include_extra=plan.upload_extra,
     )
+
+
+def _distributed_checks(cfg: RunConfig):
+    """Refuses what a client on several processes cannot train; ``fsdp``: its upload reader.
+
+    Returns :func:`fedexlora.training.distributed.make_upload` under ``fsdp`` (the model
+    is sharded), else ``None``.
+    """
+    from fedexlora.training import distributed as D
+
+    ctx = D.get_context()
+    if ctx is None:
+        return None
+    D.check_supported(
+        ctx.mode, dp=cfg.dp, trainer=cfg.trainer, quantization=cfg.quantization, dora=cfg.dora
+    )
+    return D.make_upload if ctx.mode == "fsdp" else None
 
 
 def save_client_adapter(
