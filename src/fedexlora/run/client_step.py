@@ -26,7 +26,7 @@ from fedexlora.core.methods import get_method
 from fedexlora.run.build import autocast_dtype
 from fedexlora.training.local import Encoded, train_local
 
-__all__ = ["client_seed", "local_update", "save_client_adapter"]
+__all__ = ["client_seed", "local_update", "save_client_adapter", "trained_upload"]
 
 
 def client_seed(seed: int, rnd: int, client: int) -> int:
@@ -108,14 +108,26 @@ def local_update(
         )
     if hooks.after is not None:
         hooks.after()
+    return trained_upload(method, model, rnd, client, res.num_examples, res.loss, dp=dp)
+
+
+def trained_upload(
+    method: str, model, rnd: int, client: int, num_examples: int, loss: float, *, dp=None
+) -> ClientUpload:
+    """The upload of a client whose model holds what it trained (:func:`local_update`'s).
+
+    Also used where the training ran elsewhere (a worker group, :mod:`fedexlora.run.workers`)
+    and its result was loaded into the client's model.
+    """
+    spec = get_method(method)
     up_A, up_B = spec.uploaded(rnd)  # FedSA-LoRA: B is trained but kept
     return make_upload(
         model,
-        res.num_examples,
+        num_examples,
         client_id=client,
         # under DP the loss is not sent: a noiseless mean of batch losses is outside
         # DP-SGD's guarantee (it would be a figure of the client's data in the clear)
-        train_loss=res.loss if dp is None else math.nan,
+        train_loss=loss if dp is None else math.nan,
         include_A=up_A,
         include_B=up_B,
         include_extra=spec.shares_head,
