@@ -70,6 +70,7 @@ def local_update(
         tokenizer: The model's tokenizer (``cfg.trainer == "trl"`` needs it).
     """
     spec = get_method(method)
+    sharded = _distributed_checks(cfg)  # a client on several processes, if any
     hooks = spec.local_hooks(LoraHandle(model), rnd)  # RoLoRA's factor, HetLoRA's pruning
     steps = cfg.local_steps if steps is None else steps
     seed, device = client_seed(cfg.seed, rnd, client), next(model.parameters()).device
@@ -121,7 +122,7 @@ def trained_upload(
     """
     spec = get_method(method)
     up_A, up_B = spec.uploaded(rnd)  # FedSA-LoRA: B is trained but kept
-    return make_upload(
+    return (sharded or make_upload)(
         model,
         num_examples,
         client_id=client,
@@ -132,6 +133,23 @@ def trained_upload(
         include_B=up_B,
         include_extra=spec.shares_head,
     )
+
+
+def _distributed_checks(cfg: RunConfig):
+    """Refuses what a client on several processes cannot train; ``fsdp``: its upload reader.
+
+    Returns :func:`fedexlora.training.distributed.make_upload` under ``fsdp`` (the model
+    is sharded), else ``None``.
+    """
+    from fedexlora.training import distributed as D
+
+    ctx = D.get_context()
+    if ctx is None:
+        return None
+    D.check_supported(
+        ctx.mode, dp=cfg.dp, trainer=cfg.trainer, quantization=cfg.quantization, dora=cfg.dora
+    )
+    return D.make_upload if ctx.mode == "fsdp" else None
 
 
 def save_client_adapter(

@@ -128,8 +128,8 @@ def encode(dataset, tokenizer, *, kind: str, max_length: int, template: str = "q
     return Encoded(list(enc["input_ids"]), list(dataset["label"]), kind, pad_id)
 
 
-def _collate(batch: Encoded, device) -> dict[str, torch.Tensor]:
-    n = max(len(x) for x in batch.input_ids)
+def _collate(batch: Encoded, device, pad_to: int = 0) -> dict[str, torch.Tensor]:
+    n = max(pad_to, *(len(x) for x in batch.input_ids))
     ids = torch.full((len(batch), n), batch.pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), n), dtype=torch.long)
     for i, x in enumerate(batch.input_ids):
@@ -217,6 +217,16 @@ def train_local(
     """
     if dp is not None and penalty is not None:
         raise ValueError("a loss `penalty` cannot be combined with DP-SGD (`dp`)")
+    from fedexlora.training.distributed import get_context, train_sharded
+
+    ctx = get_context()
+    if ctx is not None:  # this client trains on several processes (training.distributed)
+        return train_sharded(
+            model, data, ctx, epochs=epochs, steps=steps, batch_size=batch_size, lr=lr,
+            weight_decay=weight_decay, warmup_ratio=warmup_ratio,
+            max_grad_norm=max_grad_norm, seed=seed, device=device, desc=desc,
+            progress=progress, autocast=autocast, dp=dp, penalty=penalty,
+        )  # fmt: skip
     if dp is not None:
         return _train_dp(
             model, data, dp, epochs=epochs, steps=steps, batch_size=batch_size, lr=lr,
