@@ -631,11 +631,21 @@ class RunConfig:
             )
         if self.client_ranks is not None:
             cannot.append("--client-ranks (the group trains one adapter)")
-        if self.distributed == "fsdp" and self.quantization is not None:
-            cannot.append(
-                f"--quantization {self.quantization} under --distributed fsdp (bitsandbytes' "
-                "quantized weights cannot be sharded; fix: --distributed ddp)"
-            )
+        if self.trainer == "trl":
+            cannot.append("--trainer trl (its Trainer draws its own distributed batches)")
+        if self.distributed == "fsdp":
+            if self.quantization is not None:
+                cannot.append(
+                    f"--quantization {self.quantization} under --distributed fsdp "
+                    "(bitsandbytes' weights cannot be sharded; --distributed ddp can)"
+                )
+            if self.dora:
+                cannot.append("--dora under --distributed fsdp (--distributed ddp can)")
+            if not self.side_branch and self._methods_where(lambda s: s.keeps_residual):
+                cannot.append(
+                    "--fp32-side-branch false under --distributed fsdp (a sharded fp32 base "
+                    "cannot take the residuals folded in; the side branch is sharded)"
+                )
         if cannot:
             errs.append(
                 f"`nproc_per_client` {n}: a client on several processes cannot be combined "

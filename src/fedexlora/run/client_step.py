@@ -109,17 +109,29 @@ def local_update(
         )
     if hooks.after is not None:
         hooks.after()
-    return trained_upload(method, model, rnd, client, res.num_examples, res.loss, dp=dp)
+    return trained_upload(
+        method, model, rnd, client, res.num_examples, res.loss, dp=dp, reader=sharded
+    )
 
 
 def trained_upload(
-    method: str, model, rnd: int, client: int, num_examples: int, loss: float, *, dp=None
+    method: str,
+    model,
+    rnd: int,
+    client: int,
+    num_examples: int,
+    loss: float,
+    *,
+    dp=None,
+    reader=None,
 ) -> ClientUpload:
     """The upload of a client whose model holds what it trained (:func:`local_update`'s).
 
     Also used where the training ran elsewhere (a worker group, :mod:`fedexlora.run.workers`)
-    and its result was loaded into the client's model.
+    and its result was loaded into the client's model. ``reader`` replaces
+    :func:`~fedexlora.bridge.steps.make_upload` (a sharded model's).
     """
+    sharded = reader
     spec = get_method(method)
     up_A, up_B = spec.uploaded(rnd)  # FedSA-LoRA: B is trained but kept
     return (sharded or make_upload)(
