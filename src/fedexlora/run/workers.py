@@ -134,10 +134,10 @@ def launch_command(cfg: RunConfig, jobdir: Path, port: int) -> list[str]:
     if cfg.launcher == "accelerate":
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", n]
         cmd += ["--num_machines", "1", "--main_process_port", str(port)]
-        if cfg.accelerate_config is not None:
+        if cfg.accelerate_config is not None:  # the file says how (multi-GPU, its env)
             cmd += ["--config_file", str(Path(cfg.accelerate_config).expanduser())]
-        if cfg.device == "cpu":
-            cmd += ["--cpu"]
+        else:  # accelerate's torchrun path (its --cpu would start one process); gloo on CPU
+            cmd += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
         return [*cmd, "--module", ENTRY, str(jobdir)]
     return [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", n,
