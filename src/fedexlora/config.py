@@ -359,8 +359,7 @@ class RunConfig:
         choices=("torchrun", "accelerate"),
     )
     accelerate_config: str | None = setting(
-        help="accelerate's config file for --launcher accelerate (accelerate launch "
-        "--config_file)",
+        help="accelerate's config file (accelerate launch --config_file) for --launcher accelerate",
         panel=TRAINING,
     )
     local_epochs: float = setting(

@@ -17,9 +17,9 @@ import threading
 import time
 
 import pytest
-from test_flower import InProcessGrid
 
 from fedexlora.run import workers
+from test_flower import InProcessGrid
 
 # a worker group started twice (torchrun and two ranks importing torch, transformers and
 # peft); measured on the 2-core dev machine under the load of five sessions (2026-12-06)

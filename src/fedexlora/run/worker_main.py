@@ -95,8 +95,8 @@ def _serve(root: Path, cfg, method: str, owner: int | None, idle_s: float, rank:
     from fedexlora.run.build import new_model
     from fedexlora.run.client_step import local_update
     from fedexlora.run.restore import load_task_for
-    from fedexlora.training.local import Encoded
     from fedexlora.training import distributed as D
+    from fedexlora.training.local import Encoded
 
     task = load_task_for(cfg)
     model, tokenizer = new_model(cfg, task, method)  # once: the group keeps it across rounds

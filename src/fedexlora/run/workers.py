@@ -88,7 +88,7 @@ _NOT_FOR_RANKS = (
 
 
 def group_key(cfg: RunConfig, method: str) -> str:
-    """The fingerprint a group serves: the configuration (but :data:`_NOT_FOR_RANKS`), the method."""
+    """The fingerprint a group serves: the configuration (not :data:`_NOT_FOR_RANKS`), method."""
     kept = {k: v for k, v in cfg.to_dict().items() if k not in _NOT_FOR_RANKS}
     text = json.dumps({"cfg": kept, "method": method}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -182,6 +182,7 @@ class WorkerGroup:
         return out
 
     def launcher_pid(self) -> int | None:
+        """The launcher's pid (``group.json``), or None."""
         info = self.info()
         return None if info is None else int(info["launcher_pid"])
 
@@ -257,7 +258,7 @@ class WorkerGroup:
             time.sleep(POLL_S)
 
     def ensure(self) -> None:
-        """Reuses the group on this node if it is alive and of this configuration; else starts one."""
+        """Reuses this node's group if it is alive and of this configuration; else starts one."""
         if self.problem() is None and (self.dir / "ready").exists():
             return
         self.start()
@@ -280,7 +281,7 @@ class WorkerGroup:
         _STARTED.pop(self.dir, None)
 
     def kill(self) -> None:
-        """SIGKILLs the launcher's process group and every rank (they have sessions of their own)."""
+        """SIGKILLs the launcher's process group and every rank (each has a session of its own)."""
         pids = self.rank_pids()
         launcher = self.launcher_pid() if self.dir.exists() else None
         if launcher is not None:
