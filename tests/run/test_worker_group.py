@@ -63,19 +63,23 @@ def _verify():
     return mod
 
 
-def model_vs_ideal(cfg, run_dir: Path) -> float:
-    """The final global model's worst layer against the fp64 ideal of the saved adapters."""
+def final_weights(cfg, run_dir: Path) -> dict:
+    """The final global model's adapted layers, their effective weights (from its checkpoint)."""
     from fedexlora.bridge.adapters import lora_layers
     from fedexlora.bridge.fold import effective_weight
     from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
     from fedexlora.run.restore import load_task_for, restore_model
 
-    v = _verify()
-    ideal, w0 = v.ideal_from_client_adapters(run_dir, cfg)
     ckpt = latest_checkpoint(run_dir / "checkpoints" / "fedex")
     model = restore_model(cfg, load_task_for(cfg), "fedex", ckpt, config_fingerprint(cfg))[0]
-    got = {n: effective_weight(layer) for n, layer in lora_layers(model).items()}
-    return v.rel(got, ideal, w0)
+    return {n: effective_weight(layer) for n, layer in lora_layers(model).items()}
+
+
+def model_vs_ideal(cfg, run_dir: Path) -> float:
+    """The final global model's worst layer against the fp64 ideal of the saved adapters."""
+    v = _verify()
+    ideal, w0 = v.ideal_from_client_adapters(run_dir, cfg)
+    return v.rel(final_weights(cfg, run_dir), ideal, w0)
 
 
 def _no_timings(rows: list[dict]) -> list[dict]:
@@ -112,6 +116,18 @@ def test_ddp_client_is_exact_and_its_group_stays_up(ddp_run):
     assert [r["accepted"] for r in rows] == [[0, 1, 2], [0, 1, 2]]
     err = model_vs_ideal(cfg, run_dir)
     print(f"ddp (secure aggregation): model vs ideal {err:.3e}")
+    assert err <= 1e-5
+
+
+def test_ddp_client_trains_as_one_process(ddp_run, tmp_path):
+    """The same run with each client on one process reaches the same global model."""
+    cfg, run_dir, _, _ = ddp_run
+    one = cfg.replace(nproc_per_client=1)
+    run_experiment(one, tmp_path, progress=False)
+    v = _verify()
+    w0 = v.ideal_from_client_adapters(tmp_path, one)[1]
+    err = v.rel(final_weights(cfg, run_dir), final_weights(one, tmp_path), w0)
+    print(f"ddp vs one process: global model {err:.3e} of the update")
     assert err <= 1e-5
 
 

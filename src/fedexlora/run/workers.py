@@ -21,9 +21,9 @@ each message in a fresh ClientApp process): it lives in its own session, ``JOBDI
 named after the configuration and method, and ``group.json`` holds the launcher's pid
 and the configuration's fingerprint; rank 0 keeps a heartbeat. A group that is dead, or
 of another configuration, is replaced. It exits when idle for ``FEDEXLORA_WORKER_IDLE``
-seconds (600 by default), when its coordinator says stop, or when the process that
-started it is gone (the in-process engine; a Flower ClientApp leaves it to the idle
-time, since each message may be a new process).
+seconds (600 by default), when its coordinator says stop, or when the process it
+belongs to is gone: the in-process engine's, or a Flower ClientApp's parent (the
+SuperNode's runtime, or Ray's worker), since each message may be a new ClientApp process.
 
 A rank that dies makes the launcher tear the group down; the coordinator notices (the
 launcher's exit, or a stale heartbeat), makes sure no rank outlives it, and raises
@@ -154,7 +154,8 @@ class WorkerGroup:
             ``launcher``).
         method: The method the group's model is built for.
         jobdir: Its folder (default :func:`group_dir`).
-        owned: Whether a group it starts ends with this process (else with its idle time).
+        owned: Whether a group it starts ends with this process (else with this process's
+            parent, or its idle time).
     """
 
     def __init__(
@@ -224,7 +225,9 @@ class WorkerGroup:
         (self.dir / "jobs").mkdir(parents=True)
         (self.dir / "results").mkdir()
         (self.dir / "data").mkdir()
-        owner = os.getpid() if self.owned else None
+        # in process: this process; a ClientApp (one process per message in a deployment):
+        # its parent, the SuperNode's runtime (or Ray's worker in a simulation)
+        owner = os.getpid() if self.owned else os.getppid()
         conf = {"cfg": self.cfg.to_dict(), "method": self.method, "owner_pid": owner}
         conf["idle_s"] = IDLE_S
         _write_atomic(self.dir / "config.json", json.dumps(conf).encode())
@@ -377,8 +380,8 @@ def update_for(cfg: RunConfig, *, owned: bool = True) -> Callable[..., ClientUpl
     Args:
         cfg: The run configuration.
         owned: Whether the groups end with this process (the in-process engine); a Flower
-            ClientApp passes False (each message may be a new process) and leaves the
-            group to its idle time.
+            ClientApp passes False (each message may be a new process): its group ends
+            with the ClientApp's parent, or its idle time.
     """
     from fedexlora.run.client_step import local_update
 
@@ -429,11 +432,13 @@ def group_update(
     )
 
 
-def stop_groups() -> None:
-    """Stops every group this process started (at exit, and at the end of a run)."""
+def stop_groups(*, owned_only: bool = False) -> None:
+    """Stops the groups this process started (``owned_only``: those that end with it)."""
     for group in list(_STARTED.values()):
-        with contextlib.suppress(Exception):
-            group.stop()
+        if group.owned or not owned_only:
+            with contextlib.suppress(Exception):
+                group.stop()
 
 
-atexit.register(stop_groups)
+# a ClientApp's group outlives the message's process: the next message finds it
+atexit.register(stop_groups, owned_only=True)
