@@ -94,7 +94,7 @@ def test_killed_rank_under_flower_is_a_dropout_then_a_fresh_group(
     assert rows[0]["dropped"] == [0] and rows[0]["accepted"] == [1]
     print(f"killed rank noticed after {killed['noticed']:.2f} s")
     assert rows[1]["dropped"] == [] and rows[1]["accepted"] == [0, 1]
-    assert killed["noticed"] < 60.0
+    assert killed["noticed"] < 30.0  # the launcher watched (a stale heartbeat alone: 60 s)
     assert not [p for p in killed["pids"] if workers._alive(p)]  # none outlived its group
     assert set(ranks[(1, 1)]).isdisjoint(killed["pids"])  # a fresh group for client 1
     assert ranks[(1, 1)] == ranks[(2, 0)] == ranks[(2, 1)]  # then kept
