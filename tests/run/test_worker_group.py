@@ -27,7 +27,7 @@ from fedexlora.run.inprocess import run_experiment
 # sessions (2026-12-06)
 pytestmark = [pytest.mark.integration, pytest.mark.slow(seconds=300)]
 
-KILL_TIMEOUT_S = 30.0  # the coordinator must notice a dead rank well within this (the heartbeat alone: 60 s)
+KILL_TIMEOUT_S = 30.0  # a dead rank is noticed well within this (a stale heartbeat alone: 60 s)
 
 
 @pytest.fixture(scope="module", autouse=True)
