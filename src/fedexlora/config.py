@@ -49,6 +49,8 @@ RESUME_SAFE = (
     "keep_checkpoints",
     "save_client_adapters",
     "report_to",
+    "launcher",
+    "accelerate_config",
 )
 """Settings that never change a run's results: how far it goes and what it writes.
 
@@ -335,6 +337,31 @@ class RunConfig:
         panel=TRAINING,
         choices=("builtin", "trl"),
     )
+    nproc_per_client: int = setting(
+        1,
+        help="Processes (one per device) each client trains on, as a worker group started "
+        "by --launcher on its node; see docs/DEPLOY.md",
+        panel=TRAINING,
+        low=1,
+    )
+    distributed: str = setting(
+        "ddp",
+        help="How a client's processes share its training (--nproc-per-client > 1): ddp "
+        "(each holds the model, gradients all-reduced) or fsdp (sharded)",
+        panel=TRAINING,
+        choices=("ddp", "fsdp"),
+    )
+    launcher: str = setting(
+        "torchrun",
+        help="What starts a client's processes (--nproc-per-client > 1): torchrun or "
+        "accelerate (accelerate launch)",
+        panel=TRAINING,
+        choices=("torchrun", "accelerate"),
+    )
+    accelerate_config: str | None = setting(
+        help="accelerate's config file (accelerate launch --config_file) for --launcher accelerate",
+        panel=TRAINING,
+    )
     local_epochs: float = setting(
         1.0, help="Local epochs per round", panel=TRAINING, low=0, low_open=True
     )
@@ -580,6 +607,50 @@ class RunConfig:
                     "row scale and factors); fix: drop one of them"
                 )
 
+    def _worker_errors(self, errs: list[str]) -> None:
+        """A client on several processes (``nproc_per_client``): what cannot work with it."""
+        if self.accelerate_config is not None:
+            if self.launcher != "accelerate":
+                errs.append(
+                    "`accelerate_config` is read by `accelerate launch` only; fix: add "
+                    "--launcher accelerate, or drop --accelerate-config"
+                )
+            elif not Path(self.accelerate_config).expanduser().is_file():
+                errs.append(
+                    f"`accelerate_config` {self.accelerate_config!r} is not a file; fix: "
+                    "write one with `accelerate config`, or drop --accelerate-config"
+                )
+        if self.nproc_per_client == 1:
+            return
+        n = self.nproc_per_client
+        cannot = []
+        if self.dp:
+            cannot.append(
+                "--dp-epsilon (DP-SGD's per-sample gradients and accounting run in one process)"
+            )
+        if self.client_ranks is not None:
+            cannot.append("--client-ranks (the group trains one adapter)")
+        if self.trainer == "trl":
+            cannot.append("--trainer trl (its Trainer draws its own distributed batches)")
+        if self.distributed == "fsdp":
+            if self.quantization is not None:
+                cannot.append(
+                    f"--quantization {self.quantization} under --distributed fsdp "
+                    "(bitsandbytes' weights cannot be sharded; --distributed ddp can)"
+                )
+            if self.dora:
+                cannot.append("--dora under --distributed fsdp (--distributed ddp can)")
+            if not self.side_branch and self._methods_where(lambda s: s.keeps_residual):
+                cannot.append(
+                    "--fp32-side-branch false under --distributed fsdp (a sharded fp32 base "
+                    "cannot take the residuals folded in; the side branch is sharded)"
+                )
+        if cannot:
+            errs.append(
+                f"`nproc_per_client` {n}: a client on several processes cannot be combined "
+                "with " + "; ".join(cannot) + "; fix: drop them, or --nproc-per-client 1"
+            )
+
     def errors(self) -> list[str]:
         """Every problem with the values, as one message each (empty when valid)."""
         errs: list[str] = []
@@ -694,6 +765,7 @@ class RunConfig:
             )
         if self.secure_aggregation:
             self._secure_errors(errs)
+        self._worker_errors(errs)
         if self.client_ranks is not None:
             need(
                 len(self.client_ranks) == self.num_clients,
@@ -892,6 +964,8 @@ ADDED_LATER: dict[str, Any] = {
     "trainer": "builtin",
     "fp32_side_branch": False,
     "dp_reproducible": False,
+    "nproc_per_client": 1,
+    "distributed": "ddp",
 }
 """Settings added after runs existed, with the value those runs had: a run's
 ``config.toml`` without one reads it back so (:func:`load_run_config`), and the resume

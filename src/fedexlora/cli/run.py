@@ -155,6 +155,7 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
     from fedexlora.run.inprocess import run_experiment
     from fedexlora.run.layout import RunError, RunLayout
     from fedexlora.run.preflight import check_inputs
+    from fedexlora.run.workers import WorkerGroupError
     from fedexlora.training.privacy import DPCheckError
 
     try:  # everything the run reads and writes, before it writes anything
@@ -185,6 +186,8 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
         console.print(f"wrote {layout.metrics}, {layout.summary}")
     except (RunError, CheckpointError, ValueError, DPCheckError) as exc:
         fail(str(exc))
+    except WorkerGroupError as exc:  # a rank died: the rounds done are checkpointed
+        fail(f"{exc}; continue the run with: fedexlora run --resume {out}", code=1)
     except ImportError as exc:
         extra = _EXTRAS.get((exc.name or "").partition(".")[0])
         fix = f"; fix: pip install 'fedex-lora[{extra}]'" if extra else ""

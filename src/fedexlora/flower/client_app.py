@@ -338,7 +338,7 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     from fedexlora.bridge.fold import side_caps
     from fedexlora.bridge.steps import apply_payload
     from fedexlora.core.messages import Payload
-    from fedexlora.run.client_step import local_update
+    from fedexlora.run.workers import update_for
     from fedexlora.training.privacy import DPCheckError
 
     c = _client_for(msg, context, defaults)
@@ -379,7 +379,7 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     up = None
     if not refused:
         try:
-            up = local_update(
+            up = update_for(cfg, owned=False)(  # a worker group with nproc_per_client > 1
                 cfg, method, model, data, rnd, pid, dp=budget, tokenizer=prep.tokenizer
             )
         except DPCheckError as exc:

@@ -28,7 +28,7 @@ from fedexlora.core.methods import get_method
 from fedexlora.run.build import autocast_dtype
 from fedexlora.training.local import Encoded, train_local
 
-__all__ = ["client_seed", "local_update", "save_client_adapter"]
+__all__ = ["client_seed", "local_update", "save_client_adapter", "trained_upload"]
 
 
 def client_seed(seed: int, rnd: int, client: int) -> int:
@@ -115,14 +115,38 @@ def local_update(
         )
     if hooks.after is not None:
         hooks.after()
+    return trained_upload(
+        method, model, rnd, client, res.num_examples, res.loss, dp=dp, reader=sharded
+    )
+
+
+def trained_upload(
+    method: str,
+    model,
+    rnd: int,
+    client: int,
+    num_examples: int,
+    loss: float,
+    *,
+    dp=None,
+    reader=None,
+) -> ClientUpload:
+    """The upload of a client whose model holds what it trained (:func:`local_update`'s).
+
+    Also used where the training ran elsewhere (a worker group, :mod:`fedexlora.run.workers`)
+    and its result was loaded into the client's model. ``reader`` replaces
+    :func:`~fedexlora.bridge.steps.make_upload` (a sharded model's).
+    """
+    sharded = reader
+    plan = get_method(method).plan(rnd)
     # exactly the plan's parts (FedSA-LoRA: B and the head are kept)
     return (sharded or make_upload)(
         model,
-        res.num_examples,
+        num_examples,
         client_id=client,
         # under DP the loss is not sent: a noiseless mean of batch losses is outside
         # DP-SGD's guarantee (it would be a figure of the client's data in the clear)
-        train_loss=res.loss if dp is None else math.nan,
+        train_loss=loss if dp is None else math.nan,
         include_A=plan.upload_A,
         include_B=plan.upload_B,
         include_extra=plan.upload_extra,

@@ -27,13 +27,13 @@ from fedexlora.config import RunConfig
 from fedexlora.core.messages import ClientUpload
 from fedexlora.core.state import AdapterState
 from fedexlora.run.build import Prepared, client_adapter, new_model, new_server
-from fedexlora.run.client_step import local_update as _local_update
 from fedexlora.run.client_step import save_client_adapter
 from fedexlora.run.layout import RunLayout
 from fedexlora.run.lifecycle import Run
 from fedexlora.run.loop import drive, run_rounds
 from fedexlora.run.rounds import RoundTraffic, evaluate_personal
 from fedexlora.run.secure_round import SecureRun
+from fedexlora.run.workers import update_for
 from fedexlora.server.server import Server
 
 __all__ = ["InProcess", "run_experiment", "run_method"]
@@ -201,7 +201,7 @@ class InProcess:
         self.spec = spec = get_method(method)
         self.out_dir, self.progress = out_dir, progress
         self.own = {} if personal is None else personal
-        self.local_update = _local_update if local_update is None else local_update
+        self.local_update = update_for(cfg) if local_update is None else local_update
         self.secure_reply = secure_reply
         centralized = not spec.federated
         parts = [sorted(i for p in prep.parts for i in p)] if centralized else prep.parts

@@ -1,0 +1,115 @@
+"""A client on several processes: what is refused before training, and how a group is
+launched, found and given up, without starting one (the group itself:
+``test_worker_group.py``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from fedexlora.cli import app
+from fedexlora.config import ConfigError, RunConfig
+from fedexlora.run import workers
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"dp_epsilon": 8.0}, r"`nproc_per_client` 2: .*--dp-epsilon"),
+        ({"client_ranks": [4, 2, 3], "lora_r": 4}, r"`nproc_per_client` 2: .*--client-ranks"),
+        ({"distributed": "fsdp", "dora": True}, r"--dora under --distributed fsdp"),
+        (
+            {"distributed": "fsdp", "fp32_side_branch": False},
+            r"--fp32-side-branch false under --distributed fsdp",
+        ),
+        ({"distributed": "mpi"}, r"`distributed`.*'mpi'"),
+        ({"launcher": "mpirun"}, r"`launcher`.*'mpirun'"),
+        ({"nproc_per_client": 0}, r"`nproc_per_client`"),
+        ({"accelerate_config": "x.yaml"}, r"`accelerate_config` is read by `accelerate launch`"),
+        (
+            {"launcher": "accelerate", "accelerate_config": "/nonexistent/acc.yaml"},
+            r"`accelerate_config` '/nonexistent/acc.yaml' is not a file",
+        ),
+    ],
+)
+def test_what_cannot_work_is_refused_naming_the_flag(tiny_cfg, changes, message):
+    cfg = tiny_cfg.replace(**{"nproc_per_client": 2, **changes})
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate()
+
+
+def test_ddp_and_fsdp_with_secure_aggregation_are_accepted(tiny_cfg):
+    for mode in ("ddp", "fsdp"):
+        tiny_cfg.replace(nproc_per_client=2, distributed=mode, secure_aggregation=True).validate()
+
+
+def test_the_cli_refuses_dp_on_two_processes_in_one_line_before_loading(
+    tiny_bert_dir, tiny_csv, tmp_path, model_never_loads
+):
+    res = CliRunner().invoke(
+        app,
+        ["run", "--model", tiny_bert_dir, "--task", tiny_csv, "--nproc-per-client", "2",
+         "--dp-epsilon", "8", "--out", str(tmp_path / "run"), "--no-progress"],
+    )  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert "Traceback" not in res.output
+    assert "nproc_per_client" in res.output.replace("\n", "") or "--nproc-per-client" in res.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_launchers_command_lines(tmp_path):
+    cfg = RunConfig(nproc_per_client=4)
+    cmd = workers.launch_command(cfg, tmp_path, 29500)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "4"
+    assert cmd[cmd.index("--max-restarts") + 1] == "0"  # a dead rank ends the group
+    assert cmd[-3:] == ["-m", workers.ENTRY, str(tmp_path)]
+    acc = workers.launch_command(cfg.replace(launcher="accelerate"), tmp_path, 29500)
+    assert acc[1:3] == ["-m", "accelerate.commands.launch"]
+    assert acc[acc.index("--num_processes") + 1] == "4" and "--multi_gpu" in acc
+    conf = tmp_path / "acc.yaml"
+    conf.write_text("distributed_type: MULTI_GPU\n")
+    acc = workers.launch_command(
+        cfg.replace(launcher="accelerate", accelerate_config=str(conf)), tmp_path, 29500
+    )
+    assert acc[acc.index("--config_file") + 1] == str(conf) and "--multi_gpu" not in acc
+    assert acc[-3:] == ["--module", workers.ENTRY, str(tmp_path)]
+
+
+def test_one_process_trains_in_place():
+    from fedexlora.run.client_step import local_update
+
+    assert workers.update_for(RunConfig()) is local_update
+    assert workers.update_for(RunConfig(nproc_per_client=2)).func is workers.group_update
+
+
+def test_a_launcher_that_dies_at_start_is_a_clear_error_not_a_hang(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDEXLORA_WORKERS_DIR", str(tmp_path))
+    monkeypatch.setattr(
+        workers, "launch_command", lambda *_: [sys.executable, "-c", "import sys; sys.exit(3)"]
+    )
+    group = workers.WorkerGroup(RunConfig(nproc_per_client=2), "fedex")
+    with pytest.raises(workers.WorkerGroupError, match="could not start: its launcher exited"):
+        group.start()
+    assert group.dir not in workers._STARTED
+
+
+def test_a_group_of_another_configuration_or_gone_is_not_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDEXLORA_WORKERS_DIR", str(tmp_path))
+    cfg = RunConfig(nproc_per_client=2)
+    group = workers.WorkerGroup(cfg, "fedex")
+    assert group.problem() == "no group"
+    group.dir.mkdir(parents=True)
+    (group.dir / "group.json").write_text(json.dumps({"key": "other", "launcher_pid": 1}))
+    assert group.problem() == "a group of another configuration"
+    dead = workers.subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (group.dir / "group.json").write_text(json.dumps({"key": group.key, "launcher_pid": dead.pid}))
+    assert group.problem() == "its launcher is gone"
+    # settings that neither build nor train a rank's model share a group; the others not
+    assert workers.group_key(cfg.replace(rounds=9, secure_aggregation=True), "fedex") == group.key
+    assert workers.group_key(cfg.replace(lr=0.5), "fedex") != group.key
+    assert workers.group_key(cfg, "fedit") != group.key
