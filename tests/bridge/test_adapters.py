@@ -274,3 +274,26 @@ def test_client_state_is_lean_and_rebuilds_the_model_bit_for_bit(case):
         theirs = fresh.state_dict()
         for name, t in live.state_dict().items():
             assert torch.equal(t, theirs[name]), (rnd, name)
+
+
+def test_set_trainable_applies_a_round_plan_to_factors_and_head():
+    """A, B and the head (``modules_to_save``) freeze and thaw as a round plan asks;
+    what the adapter does not own stays as it was."""
+    from fedexlora.bridge.adapters import LoraHandle
+
+    model = get_peft_model(
+        _bert(), LoraConfig(r=2, target_modules=BERT_TARGETS, modules_to_save=["classifier"])
+    )
+
+    def grads(tag):
+        return {p.requires_grad for n, p in model.named_parameters() if tag in n}
+
+    frozen_before = {n for n, p in model.named_parameters() if not p.requires_grad}
+    handle = LoraHandle(model)
+    for train_A, train_B, train_extra in [(False, True, True), (True, False, False),
+                                          (True, True, True)]:  # fmt: skip
+        handle.set_trainable(train_A, train_B, train_extra)
+        assert grads(".lora_A.") == {train_A} and grads(".lora_B.") == {train_B}
+        assert grads(".modules_to_save.default.") == {train_extra}
+        assert grads("original_module") == {False}  # the head's base copy never trains
+    assert {n for n, p in model.named_parameters() if not p.requires_grad} == frozen_before
