@@ -28,6 +28,11 @@ Python's and whose ``zeros``/``empty`` arrays have ``itemset`` back. Without the
 two, 23 of the 56 modules raise; with them every module generates (measured with sympy
 1.14 and numpy 2.4; see docs/TASKS.md). A module that still raises stops the load with
 its name and the error, never silently.
+
+Two more make the package deterministic by seed (it is not on its own): it draws a
+variable letter from a set of letters (its order follows ``PYTHONHASHSEED``), and
+shuffles a set of its ``Entity`` objects (their order follows their memory addresses).
+Here the letters are listed in order and an entity hashes by its creation number.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import random
 import sys
 import types
@@ -158,9 +164,50 @@ def _generator() -> Any:
 
     if not isinstance(polynomials.np, _NumpyOne):  # numpy 1's API there, whatever numpy's
         polynomials.np = _NumpyOne("numpy")
+    from mathematics_dataset.util import composition
+
+    if not isinstance(composition._ALLOWED_SYMBOLS, _SortedSymbols):
+        composition._ALLOWED_SYMBOLS = _SortedSymbols(composition._ALLOWED_SYMBOLS)
+    if composition.Entity.__hash__ is not _entity_hash:
+        init = composition.Entity.__init__
+
+        @functools.wraps(init)
+        def numbered(self, *args: Any, **kwargs: Any) -> None:
+            self._fedexlora_serial = next(_SERIALS[0])
+            init(self, *args, **kwargs)
+
+        composition.Entity.__init__ = numbered
+        composition.Entity.__hash__ = _entity_hash
     from mathematics_dataset.modules import modules
 
     return modules
+
+
+class _SortedSymbols(frozenset):
+    """The package's variable letters, listed in alphabetical order.
+
+    It draws a variable with ``random.choice(list(allowed))``, ``allowed`` a set of
+    letters: the order, and so the letter drawn, would change with ``PYTHONHASHSEED``.
+    """
+
+    def difference(self, *others: Any) -> _SortedSymbols:
+        """The letters not in ``others``, still listed in order."""
+        return _SortedSymbols(frozenset.difference(self, *others))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(frozenset.__iter__(self)))
+
+
+_SERIALS = [itertools.count()]  # reset for every module's draws (_seeded)
+
+
+def _entity_hash(entity: Any) -> int:
+    """A composed question's entity hashed by its creation number, not its address.
+
+    The package shuffles ``list(set(entities))``: with the default hash (the object's
+    address) the order before the shuffle, and so the question, changed from run to run.
+    """
+    return entity._fedexlora_serial
 
 
 def _entropy_fn(level: int, levels: int):
@@ -201,22 +248,41 @@ def module_names() -> list[str]:
 # --------------------------------------------------------------------------------------
 
 
+def _generators() -> list[random.Random]:
+    """The Python generators the package draws from: ``random``'s, and sympy's own.
+
+    sympy (1.9 and later) keeps its own generators (``sympy.core.random``), which
+    ``randprime`` draws from (``numbers__is_prime``).
+    """
+    found = [random._inst]  # the one behind random.seed / random.random
+    sym = sys.modules.get("sympy.core.random")
+    for name in ("rng", "_assumptions_rng"):
+        gen = getattr(sym, name, None)
+        if isinstance(gen, random.Random):
+            found.append(gen)
+    return found
+
+
 @contextlib.contextmanager
 def _seeded(seed: int, split: str, module: str) -> Iterator[None]:
-    """Seeds Python's and numpy's global generators (the package draws from both).
+    """Seeds Python's, sympy's and numpy's global generators (the package draws from them).
 
     The seed is a hash of ``seed``, the split and the module's name; the run's own
     generator states are restored afterwards.
     """
     digest = hashlib.sha256(f"{seed}/{split}/{module}".encode()).digest()
     value = int.from_bytes(digest[:4], "little")
-    py_state, np_state = random.getstate(), np.random.get_state()
-    random.seed(value)
+    gens = _generators()
+    states, np_state = [g.getstate() for g in gens], np.random.get_state()
+    for gen in gens:
+        gen.seed(value)
     np.random.seed(value)
+    _SERIALS[0] = itertools.count()
     try:
         yield
     finally:
-        random.setstate(py_state)
+        for gen, state in zip(gens, states, strict=True):
+            gen.setstate(state)
         np.random.set_state(np_state)
 
 
