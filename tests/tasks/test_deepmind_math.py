@@ -68,7 +68,9 @@ def test_a_module_draws_the_same_questions_whatever_else_is_chosen():
     both = load_task(CHEAP, seed=0, max_train=24, max_test=12)
     gcd = [r for r in _rows(both.train) if r[2] == "numbers__gcd"]
     assert sorted(_rows(alone.train)) == sorted(gcd)
-    assert sorted(_rows(alone.test)) == sorted(r for r in _rows(both.test) if r[2] == "numbers__gcd")
+    assert sorted(_rows(alone.test)) == sorted(
+        r for r in _rows(both.test) if r[2] == "numbers__gcd"
+    )
 
 
 COMPOSED = "deepmind-math:algebra__linear_1d,comparison__pair_composed,numbers__gcd_composed"
@@ -85,9 +87,9 @@ def test_composed_questions_are_deterministic_too():
 def test_variable_letters_are_drawn_in_an_order_that_hash_seeds_do_not_change():
     # the package draws a variable with random.choice(list(allowed)), `allowed` a set of
     # letters: listed in set order, the letter drawn would follow PYTHONHASHSEED
+    dm.module_names()  # imports the package, with the shims (it needs one to import)
     from mathematics_dataset.util import composition
 
-    dm.module_names()  # imports the package with the shims
     letters = composition._ALLOWED_SYMBOLS.difference({"x"}).difference(set("ab"))
     assert list(letters) == sorted(set("cdfghijklmnopqrstuvwyz"))
     assert "e" not in letters and len(letters) == 22
@@ -147,12 +149,12 @@ def _tiny_modules(monkeypatch, space: int):
 def test_no_test_question_is_a_training_question(monkeypatch):
     real = load_task(CHEAP, seed=0, max_train=80, max_test=20)
     assert not set(real.test["prompt"]) & set(real.train["prompt"])
-    # a module of 12 questions: 4 held out, so a training set of 40 drawn freely would
-    # hold them; the training draws that repeat one are dropped
+    # a module of 12 questions: 8 held out (8 free draws would repeat one), so a training
+    # set of 40 drawn freely would hold them; the training draws that repeat one are dropped
     _tiny_modules(monkeypatch, 12)
-    task = load_task("deepmind-math", seed=0, max_train=80, max_test=8)
+    task = load_task("deepmind-math", seed=0, max_train=80, max_test=16)
     test = set(task.test["prompt"])
-    assert len(test) == 8 == len(task.test)  # distinct
+    assert len(test) == 16 == len(task.test)  # distinct
     assert not test & set(task.train["prompt"]) and len(task.train) == 80
     # a module that cannot fill its test set with distinct questions says so
     dm.generate.cache_clear()
