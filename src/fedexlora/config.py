@@ -232,7 +232,9 @@ class RunConfig:
     )
     # Data
     task: str = setting(
-        "bbc-news", help="bbc-news, gsm8k, sst2..., or a .csv/.jsonl file", panel=DATA
+        "bbc-news",
+        help="bbc-news, gsm8k, deepmind-math, sst2..., or a .csv/.jsonl file",
+        panel=DATA,
     )
     data_dir: str | None = setting(
         help="Local copies of hub datasets, in the hub's file layout, DIR/nyu-mll/glue/sst2/...",
@@ -282,7 +284,10 @@ class RunConfig:
         3, help="Clients", panel=FEDERATION, flags=("--num-clients", "--clients"), low=1
     )
     partition: str = setting(
-        "dirichlet", help="iid or dirichlet", panel=FEDERATION, choices=("iid", "dirichlet")
+        "dirichlet",
+        help="iid, dirichlet or group (whole groups per client: deepmind-math's modules)",
+        panel=FEDERATION,
+        choices=("iid", "dirichlet", "group"),
     )
     alpha: float = setting(
         0.5, help="Dirichlet concentration", panel=FEDERATION, low=0, low_open=True

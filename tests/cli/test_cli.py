@@ -360,7 +360,7 @@ def test_help_has_no_dangling_period_and_no_swallowed_text():
             bad = [ln for ln in out.splitlines() if re.search(r" \.\s*│?\s*$", ln)]
             assert not bad, (path, columns, bad)
     out = _help("run")
-    assert "iid or dirichlet (default: dirichlet)." in out
+    assert "deepmind-math's modules) (default: dirichlet)." in out
     assert "Run directory (default: runs/<time>)." in out
 
 

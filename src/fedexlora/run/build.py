@@ -275,7 +275,11 @@ def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
         seed=cfg.seed,
         min_partition_size=cfg.min_partition_size,
     )
-    table = describe_partitions(task.train, parts, task.label_names or None)
+    by_group = scheme == "group"  # whole groups per client (deepmind-math's modules)
+    if by_group:
+        table = describe_partitions(task.train, parts, label_column="group")
+    else:
+        table = describe_partitions(task.train, parts, task.label_names or None)
     if note:
         table = f"note: {note}\n{table}"
     train = encode(
@@ -285,10 +289,11 @@ def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
         task.test, tokenizer, kind=task.kind, max_length=cfg.max_length, template=task.template
     )
     classes = task.kind == "classification" and "label" in task.train.column_names
+    column = "group" if by_group and "group" in task.test.column_names else "label"
     test_parts = partition_like(  # each client's own test split (personalized methods)
-        task.train["label"] if classes else None,
+        task.train[column] if classes or column == "group" else None,
         parts,
-        task.test["label"] if classes else None,
+        task.test[column] if classes or column == "group" else None,
         len(task.test),
         seed=cfg.seed,
     )

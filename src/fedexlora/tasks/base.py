@@ -42,8 +42,9 @@ class Task:
         text_pair: True when the datasets have a second text column ``"text_pair"``.
         answer_style: How a causal task's generations are scored: ``number`` (the last
             number, GSM8K), ``boxed`` (the last ``\\boxed{}``, normalised, MATH), ``choice``
-            (the first answer word, accuracy per ``group`` and their mean, commonsense)
-            or ``nlg`` (BLEU, NIST, METEOR, ROUGE-L and CIDEr against the test rows'
+            (the first answer word, accuracy per ``group`` and their mean, commonsense),
+            ``text`` (the first line, the whole answer string, whitespace normalised,
+            deepmind-math) or ``nlg`` (BLEU, NIST, METEOR, ROUGE-L and CIDEr against the test rows'
             ``references``, E2E).
         template: How a causal prompt is laid out: ``qa``, ``alpaca`` or ``e2e`` (see
             :data:`fedexlora.training.TEMPLATES`).

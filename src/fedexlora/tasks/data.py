@@ -31,6 +31,7 @@ import datasets
 import numpy as np
 
 from fedexlora.tasks.base import _CALCULATOR, _CAUSAL_METRICS, GLUE_TASKS, Task
+from fedexlora.tasks.deepmind_math import is_deepmind_math, load_deepmind_math
 from fedexlora.tasks.metrics import compute_metrics, exact_match, extract_final_number
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
 
 TASK_NAMES: tuple[str, ...] = (
     "bbc-news",
+    "deepmind-math",
     "gsm8k",
     "gsm8k-full",
     "math",
@@ -78,15 +80,19 @@ def load_task(
 
     Args:
         name: One of :data:`TASK_NAMES` (GLUE tasks also as ``"glue/<task>"``; the
-            generated ``"synthetic"`` task as ``"synthetic:<N>"`` for N examples) or a path to
+            generated ``"synthetic"`` task as ``"synthetic:<N>"`` for N examples; DeepMind's
+            generated mathematics questions as ``"deepmind-math"`` or
+            ``"deepmind-math:<module>,..."``, see :mod:`fedexlora.tasks.deepmind_math`) or a path to
             a ``.csv``, ``.jsonl`` or ``.json`` (JSON lines or a JSON array) file. A file
             with ``"text"`` and ``"label"`` columns is a classification task; one with
             ``"prompt"`` and ``"response"`` columns is a causal LM task.
         seed: Seed for the train/test split and for shuffling both splits.
         test_fraction: Fraction of examples held out for testing, in (0, 1). Ignored for
             GLUE, whose validation split is used as the test split.
-        max_train: Keep only the first ``max_train`` training examples after shuffling.
-        max_test: Keep only the first ``max_test`` test examples after shuffling.
+        max_train: Keep only the first ``max_train`` training examples after shuffling
+            (``deepmind-math`` generates that many).
+        max_test: Keep only the first ``max_test`` test examples after shuffling
+            (``deepmind-math`` generates that many).
         data_dir: Where local copies of hub datasets live, in the hub's own file layout
             (``<data_dir>/nyu-mll/glue/sst2/train-*.parquet``...): a dataset found there
             is read from it, any other is downloaded by name. Defaults to the
@@ -125,13 +131,17 @@ def load_task(
         task = _load_gsm8k(seed=int(seed), test_fraction=float(test_fraction))
     elif key == "synthetic" or key.startswith("synthetic:"):
         task = _load_synthetic(key, seed=int(seed), test_fraction=float(test_fraction))
+    elif is_deepmind_math(key):
+        # generated to size: max_train / max_test examples in all, spread over the modules
+        task = load_deepmind_math(key, seed=int(seed), max_train=max_train, max_test=max_test)
     elif hub is not None:
         task = hub(seed=int(seed), data_dir=data_dir)
     else:
         choices = ", ".join(repr(n) for n in TASK_NAMES)
         raise ValueError(
             f"unknown task {name!r}; choose from {choices}, 'synthetic:<N>', 'glue/<task>', "
-            "'math/<subject>', 'commonsense/<task>', or a path to a .csv/.jsonl/.json file"
+            "'math/<subject>', 'commonsense/<task>', 'deepmind-math:<module>,...', or a path "
+            "to a .csv/.jsonl/.json file"
         )
 
     if max_train is not None and max_train < len(task.train):

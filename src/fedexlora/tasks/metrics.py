@@ -21,6 +21,7 @@ __all__ = [
     "extract_boxed",
     "extract_choice",
     "extract_final_number",
+    "first_line",
     "math_equal",
     "normalize_math_answer",
 ]
@@ -234,6 +235,14 @@ def _answer_is(text: str) -> str | None:
     return line or None
 
 
+def first_line(text: str) -> str:
+    """The first non-blank line of ``text``, its runs of whitespace read as one space."""
+    for line in str(text).splitlines():
+        if line.strip():
+            return " ".join(line.split())
+    return ""
+
+
 def exact_match(
     predicted_texts: Iterable[str], answers: Iterable[str], style: str = "number"
 ) -> float:
@@ -245,11 +254,14 @@ def exact_match(
     number never matches. ``style="boxed"`` (MATH): the prediction's last
     ``\\boxed{...}`` (else what follows MetaMath's "The answer is:", else its last
     number) against the reference answer, both normalised (:func:`math_equal`).
+    ``style="text"`` (``deepmind-math``): the prediction's first non-blank line equals the
+    whole reference string, both with runs of whitespace read as one space
+    (:func:`first_line`); ``"-2/21"`` matches ``" -2/21 "`` but not ``"-2 / 21"`` or ``"-4/42"``.
 
     Args:
         predicted_texts: Generated texts.
         answers: Reference answers (e.g. ``"42"`` or a full ``"... #### 42"`` solution).
-        style: ``number`` or ``boxed``.
+        style: ``number``, ``boxed`` or ``text``.
 
     Returns:
         The exact-match rate in [0, 1].
@@ -268,8 +280,11 @@ def exact_match(
     if style == "boxed":
         got = [extract_boxed(p) or _answer_is(p) or extract_final_number(p) for p in preds]
         return sum(math_equal(g, r) for g, r in zip(got, refs, strict=True)) / len(preds)
+    if style == "text":
+        hits = [first_line(p) == " ".join(str(r).split()) for p, r in zip(preds, refs, strict=True)]
+        return sum(hits) / len(preds)
     if style != "number":
-        raise ValueError(f"exact_match style must be number or boxed, got {style!r}")
+        raise ValueError(f"exact_match style must be number, boxed or text, got {style!r}")
     hits = 0
     for pred, ref in zip(preds, refs, strict=True):
         want = extract_final_number(ref)

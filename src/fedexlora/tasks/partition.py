@@ -16,7 +16,7 @@ from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
 
 __all__ = ["SCHEMES", "describe_partitions", "partition", "partition_like"]
 
-SCHEMES: tuple[str, ...] = ("iid", "dirichlet")
+SCHEMES: tuple[str, ...] = ("iid", "dirichlet", "group")
 
 _INDEX = "__index__"
 
@@ -43,6 +43,7 @@ def partition(
     seed: int = 0,
     min_partition_size: int = 2,
     label_column: str = "label",
+    group_column: str = "group",
 ) -> list[list[int]]:
     """Partition the rows of ``dataset`` across ``num_clients`` clients.
 
@@ -52,15 +53,19 @@ def partition(
     (flwr-datasets ``DirichletPartitioner``, no self-balancing); small ``alpha`` gives
     strongly label-skewed clients, large ``alpha`` approaches IID. Sampling is retried
     (up to 11 draws) until every client has at least ``min_partition_size`` rows.
+    ``"group"`` gives each client whole groups (``deepmind-math``'s modules: non-IID by
+    topic): the distinct values of ``group_column``, sorted, are dealt round-robin, the
+    i-th to client ``i % num_clients``; it needs at least as many groups as clients.
 
     Args:
         dataset: The dataset to split.
         num_clients: Number of clients, between 1 and ``len(dataset)``.
-        scheme: ``"iid"`` or ``"dirichlet"``.
+        scheme: ``"iid"``, ``"dirichlet"`` or ``"group"``.
         alpha: Dirichlet concentration, > 0 (validated for both schemes).
         seed: Seed for the shuffle (iid) or the Dirichlet draws (dirichlet).
         min_partition_size: Minimum rows per client, >= 1.
         label_column: Column with discrete labels (dirichlet only).
+        group_column: Column whose values are dealt to the clients (group only).
 
     Returns:
         For each client, the sorted row indices into ``dataset``. Together they cover every
@@ -68,8 +73,8 @@ def partition(
 
     Raises:
         ValueError: On invalid arguments, a dataset without a discrete ``label_column`` for
-            ``"dirichlet"``, too few rows, or when Dirichlet sampling cannot satisfy
-            ``min_partition_size``.
+            ``"dirichlet"`` (or ``group_column`` for ``"group"``), too few rows, fewer
+            groups than clients, or when the partition cannot satisfy ``min_partition_size``.
     """
     if not isinstance(dataset, datasets.Dataset):
         raise ValueError(
@@ -104,6 +109,8 @@ def partition(
             "min_partition_size, or a bigger task (the generated 'synthetic:N' has N)"
         )
 
+    if scheme == "group":
+        return _by_group(dataset, int(num_clients), group_column, int(min_partition_size))
     if scheme == "iid":
         order = np.random.default_rng(int(seed)).permutation(n)
         proxy = datasets.Dataset.from_dict({_INDEX: order})
@@ -151,6 +158,38 @@ def partition(
             f"11 draws ({n} rows); increase alpha, use fewer clients, or lower "
             f"min_partition_size (flwr-datasets: {err})"
         ) from err
+    return parts
+
+
+def _by_group(
+    dataset: datasets.Dataset, num_clients: int, column: str, min_size: int
+) -> list[list[int]]:
+    """Whole groups per client: the sorted groups dealt round-robin (see :func:`partition`)."""
+    if column not in dataset.column_names:
+        raise ValueError(
+            f"partition 'group' needs a {column!r} column (deepmind-math's module), but the "
+            f"dataset has only {dataset.column_names}; use partition 'iid' or 'dirichlet'"
+        )
+    values = [str(v) for v in dataset[column]]
+    groups = sorted(set(values))
+    if len(groups) < num_clients:
+        raise ValueError(
+            f"partition 'group' deals whole groups to clients, but the task has "
+            f"{len(groups)} groups ({', '.join(groups)}) for {num_clients} clients; "
+            "use fewer clients or more modules"
+        )
+    owner = {g: i % num_clients for i, g in enumerate(groups)}
+    parts: list[list[int]] = [[] for _ in range(num_clients)]
+    for row, value in enumerate(values):
+        parts[owner[value]].append(row)
+    small = [(c, len(p)) for c, p in enumerate(parts) if len(p) < min_size]
+    if small:
+        cid, size = small[0]
+        raise ValueError(
+            f"partition 'group': client {cid} gets {size} rows, fewer than "
+            f"min_partition_size={min_size}; use fewer clients, more examples per module "
+            "or a smaller min_partition_size"
+        )
     return parts
 
 
