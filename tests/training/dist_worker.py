@@ -116,6 +116,36 @@ def frozen_full(model) -> dict[str, torch.Tensor]:
     return out
 
 
+GRAD_BATCH = [12, 3, 7, 0, 9]  # one global batch, split 3 + 2
+SOLO_BATCH = [4]  # a batch of one: rank 1's share is empty
+
+
+def one_gradient(model, batches, ctx, idx=GRAD_BATCH) -> dict[str, torch.Tensor]:
+    """Every trainable gradient of the mean loss of batch ``idx``, whole; then zeroed.
+
+    ``ctx``: through :func:`~fedexlora.training.distributed.backward_share` (this rank's
+    share); ``None``: one process on the whole batch.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from fedexlora.training import distributed as D
+    from fedexlora.training.local import _collate
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    model.train()
+    if ctx is None:
+        model(**_collate(batches.subset(idx), "cpu")).loss.backward()
+    else:
+        D.backward_share(model, batches, idx, ctx, params=list(params.values()), device="cpu")
+    out = {}
+    for n, p in params.items():
+        g = p.grad
+        out[n] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+        p.grad = None
+    model.eval()
+    return out
+
+
 def run(rank: int, world: int, port: int, out: str, modes: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -133,6 +163,8 @@ def run(rank: int, world: int, port: int, out: str, modes: str) -> None:
                 D.prepare_model(model)
                 D.load_round_state(model, flat if rank == 0 else None)
                 nbytes = D.rank_nbytes(model)
+                grads = one_gradient(model, batches, ctx=D.get_context())
+                solo = one_gradient(model, batches, ctx=D.get_context(), idx=SOLO_BATCH)
                 res = train_local(model, batches, **TRAIN)
                 trained = D.trained_state(model)
                 frozen = frozen_full(model)
@@ -141,7 +173,7 @@ def run(rank: int, world: int, port: int, out: str, modes: str) -> None:
                 D.set_context(None)
                 if rank == 0:
                     result[(kind, mode)] = dict(trained=trained, loss=res.loss, bytes=gathered,
-                                                frozen=frozen)  # fmt: skip
+                                                frozen=frozen, grads=grads, solo=solo)  # fmt: skip
             if rank == 0:  # the single process, on the same global batches
                 from fedexlora.bridge.adapters import get_state
                 from fedexlora.bridge.steps import load_client_state
@@ -150,9 +182,12 @@ def run(rank: int, world: int, port: int, out: str, modes: str) -> None:
                 load_client_state(model, flat)
                 one = D.rank_nbytes(model)
                 start = frozen_full(model)
+                grads = one_gradient(model, batches, ctx=None)
+                solo = one_gradient(model, batches, ctx=None, idx=SOLO_BATCH)
                 res = train_local(model, batches, **TRAIN)
                 result[(kind, "one")] = dict(trained=get_state(model).to_flat(), loss=res.loss,
-                                             bytes=[one], frozen=start, flat=flat)  # fmt: skip
+                                             bytes=[one], frozen=start, flat=flat,
+                                             grads=grads, solo=solo)  # fmt: skip
         refusals = {}
         D.set_context(D.DistContext(mode="fsdp"))
         try:
@@ -166,6 +201,15 @@ def run(rank: int, world: int, port: int, out: str, modes: str) -> None:
             train_local(model, data("bert"), dp=object(), **TRAIN)
         except ValueError as e:
             refusals["dp"] = str(e)
+        try:
+            from types import SimpleNamespace
+
+            from fedexlora.run.client_step import local_update
+
+            cfg = SimpleNamespace(dp=False, trainer="trl", quantization=None, dora=False)
+            local_update(cfg, "fedex", model, data("bert"), 1, 0)
+        except ValueError as e:
+            refusals["trl"] = str(e)
         D.set_context(None)
         result["refusals"] = refusals
         if rank == 0:

@@ -36,6 +36,7 @@ RoLoRA), and TRL's trainer under either mode.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -43,6 +44,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
+
+from fedexlora.training.sharded_side import ShardedSide
 
 if TYPE_CHECKING:
     from fedexlora.training.local import TrainResult
@@ -56,6 +59,7 @@ __all__ = [
     "prepare_model",
     "rank_nbytes",
     "set_context",
+    "backward_share",
     "share",
     "trained_state",
     "train_sharded",
@@ -262,104 +266,11 @@ def _shard(model: torch.nn.Module, ctx: DistContext) -> None:
     fully_shard(model, mesh=mesh)
 
 
-# --- the side branch, sharded --------------------------------------------------------
-
-
 def share(n: int, rank: int, world: int) -> tuple[int, int]:
     """``[start, stop)``: rank ``rank``'s contiguous share of ``n`` items (sizes differ by ≤ 1)."""
     base, extra = divmod(n, world)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)
-
-
-class _Flat:
-    """One tensor held as this rank's 1/N of its flattened, padded elements."""
-
-    def __init__(self, full: torch.Tensor, rank: int, world: int, device, dtype):
-        self.shape = tuple(full.shape)
-        self.numel = full.numel()
-        per = -(-self.numel // world) if self.numel else 0
-        flat = full.reshape(-1)
-        local = torch.zeros(per, dtype=dtype, device=device)
-        lo, hi = min(rank * per, self.numel), min((rank + 1) * per, self.numel)
-        local[: hi - lo] = flat[lo:hi].to(device=device, dtype=dtype)
-        self.local = local
-
-    def gather(self, group) -> torch.Tensor:
-        world = dist.get_world_size(group)
-        out = torch.empty(self.local.numel() * world, dtype=self.local.dtype,
-                          device=self.local.device)  # fmt: skip
-        dist.all_gather_into_tensor(out, self.local, group=group)
-        return out[: self.numel].view(self.shape)
-
-
-class _Apply(torch.autograd.Function):
-    """``x @ delta.T`` with ``delta`` gathered in forward and again in backward."""
-
-    @staticmethod
-    def forward(fctx, x, side):
-        fctx.side = side
-        held = side.gathered()
-        if "dense" in held:
-            return x @ held["dense"].T
-        return (x @ held["V"].T) @ held["U"].T
-
-    @staticmethod
-    def backward(fctx, g):
-        held = fctx.side.gathered()
-        if "dense" in held:
-            return g @ held["dense"], None
-        return (g @ held["U"]) @ held["V"], None
-
-
-class ShardedSide(torch.nn.Module):
-    """A LoRA layer's fp32 side branch held as 1/N flat shards per rank (``fsdp``).
-
-    The same correction as :class:`~fedexlora.core.side.SideBranch` (``out + x @
-    delta.T`` in fp32 with autocast off, ``delta = U V`` or dense), with the same
-    arithmetic; the full tensors exist only during its layer's forward and backward.
-    """
-
-    def __init__(self, d: int, n: int, *, dtype=torch.float32, ctx: DistContext):
-        super().__init__()
-        self.shape = (d, n)
-        self.dtype = dtype
-        self._ctx = ctx
-        self._parts: dict[str, _Flat] = {}
-        self._rank = 0
-
-    @property
-    def rank(self) -> int:
-        """Columns of ``U`` (factored), ``min(d, n)`` (dense), as one process holds it."""
-        return self._rank
-
-    @property
-    def local_nbytes(self) -> int:
-        """Bytes this rank holds."""
-        return sum(p.local.numel() * p.local.element_size() for p in self._parts.values())
-
-    @torch.no_grad()
-    def set_full(self, tensors: Mapping[str, torch.Tensor], device) -> None:
-        """Keeps this rank's shard of ``{"U", "V"}`` or ``{"dense"}`` (``{}``: none)."""
-        r, w = self._ctx.rank, self._ctx.world_size
-        self._parts = {k: _Flat(t, r, w, device, self.dtype) for k, t in tensors.items()}
-        if "dense" in tensors:
-            self._rank = min(self.shape)
-        else:
-            self._rank = int(tensors["U"].shape[1]) if "U" in tensors else 0
-
-    def gathered(self) -> dict[str, torch.Tensor]:
-        """The full tensors (one all-gather each, on the context's side group)."""
-        return {k: p.gather(self._ctx.side_group) for k, p in self._parts.items()}
-
-    def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out + x @ delta.T`` in fp32 (fp64 if stored so), rounded once to ``out.dtype``."""
-        if self._rank == 0:
-            return out
-        work = torch.float64 if self.dtype == torch.float64 else torch.float32
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            delta = _Apply.apply(x.to(work), self)
-            return (out.to(work) + delta).to(out.dtype)
 
 
 # --- a round's state in, the trained state out ---------------------------------------
@@ -561,7 +472,7 @@ def train_sharded(
     rank (``seed`` on rank 0), so it cannot equal one process's masks: exactness against
     one process holds without dropout.
     """
-    from fedexlora.training.local import TrainResult, _amp, _collate, _schedule
+    from fedexlora.training.local import TrainResult, _schedule
 
     check_supported(ctx.mode, dp=dp is not None, penalty=penalty is not None)
     if ctx.mode == "fsdp":
@@ -574,59 +485,81 @@ def train_sharded(
     n = len(data)
     if n == 0:
         raise ValueError("cannot train on an empty dataset")
-    rank, world = ctx.rank, ctx.world_size
     total = steps if steps is not None else max(1, math.ceil(epochs * math.ceil(n / batch_size)))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _schedule(total, warmup_ratio))
     gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed + 1_000_003 * rank)  # dropout: the rank's own
-    scale_all = world if ctx.mode == "fsdp" else 1  # fully_shard averages its gradients
+    torch.manual_seed(seed + 1_000_003 * ctx.rank)  # dropout: the rank's own
     model.train()
-    order: list[int] = []
-    losses = []
-    bar = tqdm(range(total), desc=desc, leave=False, disable=not progress or rank != 0,
-               dynamic_ncols=True)  # fmt: skip
-    for _ in bar:
-        if len(order) < batch_size:
-            order += torch.randperm(n, generator=gen).tolist()
-        idx, order = order[:batch_size], order[batch_size:]
-        lo, hi = share(len(idx), rank, world)
-        units = _units(data, idx)
-        mine, own = idx[lo:hi], sum(units[lo:hi])
-        weight = own / sum(units) if sum(units) else 0.0
-        # padded as the global batch is: the same shapes per example as in one process
-        longest = max(len(data.input_ids[i]) for i in idx)
-        batch = _collate(data.subset(mine or idx[:1]), device, pad_to=longest)
-        with _amp(device, autocast):
-            out = model(**batch)
-        if own:
-            loss = out.loss
-            objective = loss * (weight * scale_all)
-            losses.append(float(loss.detach()) * weight)
-        else:  # nothing of this batch's mean here: zero gradients, the collectives still run
-            objective = out.logits.float().sum() * 0.0
-            losses.append(0.0)
-        if penalty is not None:  # ddp only: each rank's share of it, summed once
-            objective = objective + penalty() / world
-        objective.backward()
-        if ctx.mode == "ddp":
-            all_reduce_grads(params, ctx)
-        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        # fully_shard warns that an in-place op on a layer's output would skip its
+        # pre-backward all-gather; peft adds the LoRA branch out of place, as the side
+        # branch does, and the tests compare the gradients with one process's
+        warnings.filterwarnings("ignore", "FSDP2-wrapped module", UserWarning)
+        losses = _steps(model, data, ctx, total=total, batch_size=batch_size, gen=gen,
+                        params=params, opt=opt, sched=sched, device=device, autocast=autocast,
+                        penalty=penalty, max_grad_norm=max_grad_norm, desc=desc,
+                        progress=progress)  # fmt: skip
     model.eval()
     losses = all_sum(losses, ctx)
     return TrainResult(loss=sum(losses) / len(losses), steps=total, num_examples=n)
 
 
-def weight_unit(batch: dict[str, torch.Tensor]) -> int:
-    """What the model's mean loss averages over: label tokens (causal LM), else examples."""
-    labels = batch["labels"]
-    if labels.dim() == 2 and labels.dtype == torch.long:  # causal LM: shifted, -100 ignored
-        return int((labels[:, 1:] != -100).sum())
-    return int(labels.shape[0])
+def _steps(model, data, ctx: DistContext, *, total, batch_size, gen, params, opt, sched,
+           device, autocast, penalty, max_grad_norm, desc, progress) -> list[float]:  # fmt: skip
+    """The optimizer steps of :func:`train_sharded`; each rank's weighted losses."""
+    n = len(data)
+    order: list[int] = []
+    losses = []
+    bar = tqdm(range(total), desc=desc, leave=False, disable=not progress or ctx.rank != 0,
+               dynamic_ncols=True)  # fmt: skip
+    for _ in bar:
+        if len(order) < batch_size:
+            order += torch.randperm(n, generator=gen).tolist()
+        idx, order = order[:batch_size], order[batch_size:]
+        losses.append(backward_share(model, data, idx, ctx, params=params, device=device,
+                                     autocast=autocast, penalty=penalty))  # fmt: skip
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
+def backward_share(model, data, idx: Sequence[int], ctx: DistContext, *, params, device,
+                   autocast=None, penalty=None) -> float:  # fmt: skip
+    """This rank's share of the global batch ``idx``: forward, backward, gradients summed.
+
+    Afterwards every trainable gradient is the single process's gradient of the global
+    batch's mean loss (whole on every rank under ``ddp``; this rank's shard under
+    ``fsdp``). Returns this rank's part of the batch's mean loss (their sum is the mean).
+    """
+    from fedexlora.training.local import _amp, _collate
+
+    rank, world = ctx.rank, ctx.world_size
+    lo, hi = share(len(idx), rank, world)
+    units = _units(data, idx)
+    mine, own = list(idx[lo:hi]), sum(units[lo:hi])
+    weight = own / sum(units) if sum(units) else 0.0
+    # padded as the global batch is: the same shapes per example as in one process
+    longest = max(len(data.input_ids[i]) for i in idx)
+    batch = _collate(data.subset(mine or list(idx[:1])), device, pad_to=longest)
+    with _amp(device, autocast):
+        out = model(**batch)
+    if own:
+        loss = out.loss
+        # fully_shard's reduce-scatter averages over the ranks: scaled back to a sum
+        objective = loss * (weight * (world if ctx.mode == "fsdp" else 1))
+        part = float(loss.detach()) * weight
+    else:  # nothing of this batch's mean here: zero gradients, the collectives still run
+        objective, part = out.logits.float().sum() * 0.0, 0.0
+    if penalty is not None:  # ddp only: each rank's share of it, summed once
+        objective = objective + penalty() / world
+    objective.backward()
+    if ctx.mode == "ddp":
+        all_reduce_grads(params, ctx)
+    return part
 
 
 def all_reduce_grads(params: list[torch.Tensor], ctx: DistContext) -> None:
