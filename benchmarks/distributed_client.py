@@ -13,8 +13,9 @@ Per rank, from the tensors held after the state is loaded
 (:func:`fedexlora.training.distributed.rank_nbytes`): the frozen base, the side branch,
 the trained tensors; and the ratio of base + side branch to one process's. Then the peak
 memory while training (CPU: the process's peak RSS, ``VmHWM``, reset after loading;
-GPU: ``torch.cuda.max_memory_allocated``), and the mean seconds of a step (after one
-warm-up step).
+after ``malloc_trim``; GPU: ``torch.cuda.max_memory_allocated``), beside the RSS of the
+process before it loaded the model (the libraries), and the mean seconds of a step
+(after one warm-up step).
 
 Usage::
 
@@ -77,10 +78,27 @@ def round_state(model, side: str) -> dict[str, torch.Tensor]:
     return flat
 
 
-def _reset_peak(device: torch.device) -> None:
+def _trim() -> None:
+    """Frees what Python and the allocator hold unused (``malloc_trim``: back to the OS)."""
+    import ctypes
     import gc
 
     gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc
+        pass
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak(device: torch.device) -> None:
+    _trim()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     else:
@@ -105,6 +123,8 @@ def rank_main(rank: int, world: int, args, mode: str, port: int, out: str) -> No
     from fedexlora.training.local import Encoded, train_local
 
     torch.set_num_threads(max(1, args.threads // world))
+    _trim()
+    libs = _rss()  # torch, transformers, peft imported: before any tensor of the model
     cuda = args.device == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
@@ -135,7 +155,7 @@ def rank_main(rank: int, world: int, args, mode: str, port: int, out: str) -> No
     train_local(model, data, steps=args.steps, **kw)
     if cuda:
         torch.cuda.synchronize()
-    row = dict(mode=mode, N=world, rank=rank, **held, peak=_peak(device),
+    row = dict(mode=mode, N=world, rank=rank, **held, peak=_peak(device), libs=libs,
                step_s=(time.perf_counter() - t) / args.steps)  # fmt: skip
     if mode == "one":
         rows = [row]
@@ -165,15 +185,16 @@ def table(rows: list[dict]) -> str:
     whole = one["frozen"] + one["side"]
     lines = [
         "| mode | N | rank | base GB | side branch GB | trained MB | (base + side) / one "
-        "process | x N | peak memory GB | step s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "process | x N | peak memory GB | of which before loading | step s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = (r["frozen"] + r["side"]) / whole
         lines.append(
             f"| {r['mode']} | {r['N']} | {r['rank']} | {r['frozen'] / 1e9:.3f} | "
             f"{r['side'] / 1e9:.3f} | {r['trained'] / 1e6:.1f} | {ratio:.4f} | "
-            f"{ratio * r['N']:.4f} | {r['peak'] / 1e9:.2f} | {r['step_s']:.2f} |"
+            f"{ratio * r['N']:.4f} | {r['peak'] / 1e9:.2f} | {r.get('libs', 0) / 1e9:.2f} | "
+            f"{r['step_s']:.2f} |"
         )
     return "\n".join(lines)
 
