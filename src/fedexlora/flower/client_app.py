@@ -405,8 +405,9 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     if refused:  # past its budget: not trained, nothing of its data sent
         metrics["dp-refused"] = 1
     elif str(conf.get("secagg-stage", "")) == "collect":  # masked: count and loss in the sum
-        # under DP (unless reproducible) its rounding is drawn from OS entropy, not the seed
-        seed = None if cfg.dp and not cfg.dp_reproducible else cfg.seed
+        from fedexlora.run.secure_client import rounding_seed
+
+        seed = rounding_seed(cfg)  # under DP (unless reproducible): OS entropy
         content["config"]["secagg.masked"] = _secure_upload(context, conf, up, seed, rnd)
         if cfg.save_client_adapters and c.settings.run_dir:  # the client keeps its own
             from fedexlora.run.client_step import save_client_adapter
@@ -427,25 +428,21 @@ _SECAGG = "fedexlora.secagg"
 def secure_stage_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:
     """One SecAgg+ stage other than the upload: ``setup``, ``share-keys`` or ``unmask``.
 
-    The client's protocol state (Flower's SecAgg+ state, and the round's setup) lives
-    in its Context between the stages' messages.
+    The client's side (:class:`fedexlora.run.secure_client.SecureClient`, the in-process
+    engine's too) lives in its Context between the stages' messages.
 
     Raises:
         ValueError: If the message is for another partition or configuration.
     """
-    from fedexlora.secagg.protocol import ClientSession
-    from fedexlora.secagg.rounds import client_session_reply
+    from fedexlora.run.secure_client import SecureClient
 
     cfg, fingerprint, _ = _resolve(defaults, context)
     conf, pid = msg.content["config"], _check_message(msg, context, cfg, fingerprint)
     stage = str(conf["secagg-stage"])
     fields = {k[len("secagg.") :]: v for k, v in conf.items() if k.startswith("secagg.")}
-    if stage == "setup":
-        session, setup = ClientSession(pid), {k: v for k, v in fields.items() if "." in k}
-    else:
-        session, setup = _load_session(context, stage)
-    reply = client_session_reply(session, stage, fields)
-    _save_session(context, session, setup)
+    secure = SecureClient(pid) if stage == "setup" else _load_secure(context, pid, stage)
+    reply = secure.answer(stage, fields)
+    context.state[_SECAGG] = ConfigRecord(secure.to_dict())
     record = {"partition-id": pid, **{f"secagg.{k}": v for k, v in reply.items()}}
     return Message(RecordDict({"config": ConfigRecord(record)}), reply_to=msg)
 
@@ -453,35 +450,23 @@ def secure_stage_step(msg: Message, context: Context, defaults: Mapping[str, Any
 def _secure_upload(context: Context, conf, up, seed: int | None, rnd: int) -> bytes:
     """Stage 2: this client's upload as its masked vector (its SecAgg+ state updated).
 
-    Its stochastic rounding is seeded by the run's seed, the round and the client; with
-    ``seed`` None (DP, not reproducible) it is drawn from OS entropy.
+    ``seed``: :func:`fedexlora.run.secure_client.rounding_seed` of the run.
     """
-    from fedexlora.secagg.rounds import client_reply
-
-    session, setup = _load_session(context, "collect")
+    secure = _load_secure(context, up.client_id, "collect")
     fields = {k[len("secagg.") :]: v for k, v in conf.items() if k.startswith("secagg.")}
-    data = client_reply(session, setup, fields, up, seed=seed, rnd=rnd)
-    _save_session(context, session, setup)
+    data = secure.masked(fields, up, seed=seed, rnd=rnd)
+    context.state[_SECAGG] = ConfigRecord(secure.to_dict())
     return data
 
 
-def _load_session(context: Context, stage: str):
-    """``(session, setup)``: this client's SecAgg+ state of the round, from its Context."""
-    from fedexlora.secagg.protocol import ClientSession
+def _load_secure(context: Context, pid: int, stage: str):
+    """This client's side of the round's SecAgg+ (a ``SecureClient``), from its Context."""
+    from fedexlora.run.secure_client import SecureClient
 
     saved = context.state.get(_SECAGG)
     if not isinstance(saved, ConfigRecord):
         raise ValueError(f"secure aggregation stage {stage!r} before the round's key setup")
-    state = dict(saved)
-    setup = {k[len("setup.") :]: state.pop(k) for k in list(state) if k.startswith("setup.")}
-    return ClientSession.from_dict(state), setup
-
-
-def _save_session(context: Context, session, setup: Mapping) -> None:
-    """Keeps the SecAgg+ state in the Context until the round's next stage."""
-    context.state[_SECAGG] = ConfigRecord(
-        {**session.to_dict(), **{f"setup.{k}": v for k, v in setup.items()}}
-    )
+    return SecureClient.from_dict(pid, saved)
 
 
 def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:

@@ -33,6 +33,7 @@ from fedexlora.run.layout import RunLayout
 from fedexlora.run.lifecycle import Run
 from fedexlora.run.loop import drive, run_rounds
 from fedexlora.run.rounds import RoundTraffic, evaluate_personal
+from fedexlora.run.secure_client import rounding_seed
 from fedexlora.run.secure_round import SecureRun
 from fedexlora.server.server import Server
 
@@ -258,7 +259,7 @@ class InProcess:
                 cfg.seed,
                 rnd,
                 reply=self.secure_reply,
-                secret_rounding=cfg.dp and not cfg.dp_reproducible,
+                rounding=rounding_seed(cfg),
             )  # fmt: skip
             if self.secure
             else None
