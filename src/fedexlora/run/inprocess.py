@@ -13,7 +13,6 @@ process). The Flower engine, its sibling, is :mod:`fedexlora.flower`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -21,19 +20,17 @@ from pathlib import Path
 
 import torch
 
-from fedexlora.bridge.adapters import get_state, layer_info, set_state
-from fedexlora.bridge.fold import fold_residuals, restore_base, snapshot_base
+from fedexlora.bridge.adapters import set_state
 from fedexlora.config import RunConfig
 from fedexlora.core.messages import ClientUpload
-from fedexlora.core.state import AdapterState
-from fedexlora.run.build import Prepared, client_adapter, new_model, new_server
+from fedexlora.run.build import Prepared, new_model, new_server
+from fedexlora.run.client import Client, SharedModel
 from fedexlora.run.client_step import local_update as _local_update
-from fedexlora.run.client_step import save_client_adapter
+from fedexlora.run.client_store import MemoryStore
 from fedexlora.run.layout import RunLayout
 from fedexlora.run.lifecycle import Run
 from fedexlora.run.loop import drive, run_rounds
-from fedexlora.run.rounds import RoundTraffic, evaluate_personal
-from fedexlora.run.secure_client import rounding_seed
+from fedexlora.run.rounds import RoundTraffic
 from fedexlora.run.secure_round import SecureRun
 from fedexlora.server.server import Server
 
@@ -223,69 +220,44 @@ class InProcess:
                 self.ledger.restore(history[-1])
         self.accounting = {} if accounting is None else accounting
         self.secure = cfg.secure_aggregation and spec.federated
+        # what the clients keep: their kept parts and DP records, checkpointed by the run
+        self.store = MemoryStore(self.own, self.accounting)
+        self.holder = SharedModel(model, server, cfg, method)  # one model for all
 
-    def _refused(self, sampled: list[int]) -> tuple[list[int], dict[int, int]]:
-        """DP-SGD: the sampled clients whose budget is spent, and the others' steps."""
-        if self.ledger is None:
-            return [], {}
-        from fedexlora.training.privacy import steps_per_round
-
-        refused, wants = [], {}
-        for c in sampled:
-            want = (
-                self.steps
-                if self.steps is not None
-                else steps_per_round(self.cfg, len(self.client_data[c]))
-            )
-            if self.ledger.allow(c, want):
-                wants[c] = want
-            else:
-                refused.append(c)  # its budget is spent: not trained, nothing sent
-        return refused, wants
+    def client(self, c: int) -> Client:
+        """Client ``c`` of this round, on the shared model."""
+        return Client(
+            self.cfg, self.method, c, self.client_data[c], self.holder, self.store,
+            prep=self.prep, update=self.local_update, steps=self.steps,
+            progress=self.progress,
+            budget=None if self.ledger is None else self.ledger.budgets[c],
+        )  # fmt: skip
 
     def train_round(self, rnd: int) -> RoundTraffic:
         """Round ``rnd``: the sampled clients trained in turn, their uploads aggregated."""
-        cfg, method, model, server = self.cfg, self.method, self.model, self.server
+        cfg, method, server = self.cfg, self.method, self.server
         t0 = time.perf_counter()
         sampled = server.sample(rnd)
         uploads, bytes_up, bytes_down, down_max = [], 0, 0, 0
-        refused, wants = self._refused(sampled)
+        clients = {c: self.client(c) for c in sampled}
+        refused = [c for c in sampled if clients[c].refuses()]  # budget spent: not trained
         training = [c for c in sampled if c not in refused]
         sround = (
-            SecureRun(
-                server,
-                method,
-                training,
-                cfg.seed,
-                rnd,
-                reply=self.secure_reply,
-                rounding=rounding_seed(cfg),
-            )  # fmt: skip
+            SecureRun(server, method, training, cfg.seed, rnd, reply=self.secure_reply)
             if self.secure
             else None
         )
         for c in training:
             if sround is not None and c not in sround.collecting:
                 continue  # dropped out before stage 2: not sent a payload
-            payload = server.payload_for(c)
+            client, payload = clients[c], server.payload_for(c)
             bytes_down += payload.nbytes
             down_max = max(down_max, payload.nbytes)
-            set_state(model, server.state)  # the shared base already holds the residuals
-            if c in self.own and not payload.reset:  # what it keeps (MethodSpec.keeps)
-                set_state(model, AdapterState.from_flat(self.own[c]))
-            with _client_view(model, server, c, client_adapter(cfg, method, c)):
-                up = self.local_update(
-                    cfg, method, model, self.client_data[c], rnd, c, steps=self.steps,
-                    progress=self.progress,
-                    dp=None if self.ledger is None else self.ledger.budgets[c],
-                    tokenizer=self.prep.tokenizer,
-                )  # fmt: skip
-            if self.ledger is not None:
-                self.ledger.record(c, wants[c])
-            if self.spec.personalized:
-                self.own[c] = get_state(model, **self.spec.kept_parts()).to_flat()
+            client.apply(payload)
+            up = client.train(rnd)
+            client.keep(payload.version)
             if sround is not None:
-                sent = sround.reply(c, up)
+                sent = sround.reply(client, up)
                 if not sent:
                     continue  # dropped out: its upload never arrived
                 bytes_up += sent
@@ -294,7 +266,7 @@ class InProcess:
             uploads.append(up)
             if cfg.save_client_adapters and self.out_dir is not None:
                 # the client's own model, as it trained it (the weight comes with the outcome)
-                save_client_adapter(model, self.out_dir, rnd, c, up.num_examples)
+                client.save_adapter(self.out_dir, rnd, up.num_examples)
         if sround is not None:
             outcome = sround.aggregate()
             uploads = [u for u in uploads if u.client_id in outcome.accepted]
@@ -324,18 +296,7 @@ class InProcess:
 
     def evaluate_clients(self, clients: list[int]) -> dict[int, tuple[dict[str, float], int]]:
         """Each client's own model (the global parts and what it keeps) on its test split."""
-        per_client = {
-            c: evaluate_personal(
-                self.cfg,
-                self.method,
-                self.model,
-                self.prep,
-                c,
-                self.server.state,
-                AdapterState.from_flat(self.own[c]),
-            )  # fmt: skip
-            for c in clients
-        }
+        per_client = {c: self.client(c).evaluate(self.server.state) for c in clients}
         set_state(self.model, self.server.state)
         return per_client
 
@@ -346,28 +307,3 @@ class InProcess:
         for c, w in traffic.outcome.weights.items():
             meta = RunLayout(self.out_dir).client_adapter_meta(traffic.round, c)
             meta.write_text(json.dumps({**json.loads(meta.read_text()), "weight": w}))
-
-
-@contextlib.contextmanager
-def _client_view(model, server: Server, client: int, adapter: str | None):
-    """Temporarily turns the shared model into a client of another rank.
-
-    The client's remainder ``T_c`` is folded into the shared base under the client's own
-    adapter and scale, and restored bit for bit afterwards.
-    """
-    if adapter is None:
-        yield
-        return
-    snapshot = snapshot_base(model)
-    info = layer_info(model, adapter)
-    remainder = server.remainder.get(client, {})
-    fold_residuals(
-        model, {n: t.scaled(1.0 / info[n].scale) for n, t in remainder.items()}, adapter=adapter
-    )
-    model.set_adapter(adapter)
-    set_state(model, server.sent[client], adapter=adapter)
-    try:
-        yield
-    finally:
-        restore_base(model, snapshot)
-        model.set_adapter("default")

@@ -34,13 +34,10 @@ class SecureRun:
         rnd: int,
         *,
         reply: Callable[..., bytes | None] | None = None,
-        rounding: int | None = None,
     ):
         from fedexlora.secagg.rounds import SecAggError, SecureRound
 
-        self.server, self.method = server, method
-        # each client's stochastic rounding: rounding_seed(cfg), the seed or (DP) None
-        self.run_seed, self.rnd = rounding, rnd
+        self.server, self.method, self.rnd = server, method, rnd
         self.client_reply = reply
         self.clients = list(clients)
         self.sessions = {c: SecureClient(c) for c in clients}  # each client's side
@@ -73,12 +70,16 @@ class SecureRun:
         self.protocol_bytes += sum(protocol_nbytes(r) for r in replies.values())
         return replies
 
-    def reply(self, c: int, up) -> int:
-        """Client ``c``'s masked vector (through :attr:`client_reply`); its bytes."""
+    def reply(self, client, up) -> int:
+        """A client's masked vector (:meth:`fedexlora.run.client.Client.reply`); its bytes.
+
+        Args:
+            client: The :class:`fedexlora.run.client.Client`.
+            up: Its upload.
+        """
+        c = client.client
         try:
-            data = self.sessions[c].masked(
-                self.collecting[c], up, seed=self.run_seed, rnd=self.rnd, reply=self.client_reply
-            )
+            data = client.reply(up, self.sessions[c], self.collecting[c], reply=self.client_reply)
         except ValueError as exc:  # a client refuses to send what it must not (NaN)
             self.refused[c] = str(exc)
             data = None

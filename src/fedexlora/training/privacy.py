@@ -282,6 +282,15 @@ class Budget:
         """Epsilon spent so far."""
         return epsilon_spent(self.noise_multiplier, self.sample_rate, self.steps, delta)
 
+    def allows(self, steps: int) -> bool:
+        """Whether ``steps`` more steps stay within the plan: every engine's one test."""
+        return self.steps + int(steps) <= self.planned_steps
+
+    def record(self) -> dict[str, float]:
+        """Its plan and steps taken: what a client keeps (its store, a checkpoint)."""
+        return {"noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
+                "planned_steps": self.planned_steps, "steps": self.steps}  # fmt: skip
+
 
 def plan(cfg, sizes: list[int]) -> dict[int, Budget]:
     """Each client's noise multiplier for ``cfg.dp_epsilon`` over its planned steps.
@@ -359,8 +368,7 @@ class Ledger:
 
     def allow(self, client: int, steps: int) -> bool:
         """Whether ``client`` may take ``steps`` more steps within its budget."""
-        b = self.budgets[client]
-        return b.steps + steps <= b.planned_steps
+        return self.budgets[client].allows(steps)
 
     def record(self, client: int, steps: int) -> None:
         """Counts ``steps`` taken by ``client``."""
@@ -381,11 +389,7 @@ class Ledger:
 
     def state(self) -> dict[int, dict[str, float]]:
         """Each client's plan and steps taken: what a client keeps (a checkpoint)."""
-        return {
-            c: {"noise_multiplier": b.noise_multiplier, "sample_rate": b.sample_rate,
-                "planned_steps": b.planned_steps, "steps": b.steps}
-            for c, b in self.budgets.items()
-        }  # fmt: skip
+        return {c: b.record() for c, b in self.budgets.items()}
 
     def load_state(self, state: dict[int, dict[str, float]]) -> None:
         """Continues from :meth:`state` (a resume): the plan it was made with, its steps."""
