@@ -6,7 +6,7 @@ what its holder says it must keep, :meth:`fedexlora.run.client.SharedModel.state
 the steps it has taken). Three stores, one protocol (:class:`ClientStore`):
 
 - :class:`MemoryStore`: dicts in this process (the in-process engine); the run
-  checkpoints them (``MethodRun.personal`` and ``MethodRun.accounting``).
+  checkpoints it (``MethodRun.clients``, :meth:`MemoryStore.to_flat`).
 - :class:`DiskStore`: a state directory, one folder per client: ``v<version>.safetensors``
   (the last two versions, written atomically) and ``dp.json``; a client finds it again
   after its process (or the whole run) died.
@@ -82,6 +82,36 @@ class MemoryStore:
     def save_dp_record(self, client: int, record: dict) -> None:
         """Keeps its DP-SGD record."""
         self.records[client] = dict(record)
+
+    def to_flat(self) -> dict[str, torch.Tensor]:
+        """Every client's state and record as flat tensors (a checkpoint's ``clients``).
+
+        ``<client>.<key>``: its state; ``<client>.dp.<field>``: its DP-SGD record (fp64).
+        """
+        from fedexlora.run.checkpoint import DP_PREFIX
+
+        return {
+            **{f"{c}.{k}": t for c, own in self.states.items() for k, t in own.items()},
+            **{
+                f"{c}.{DP_PREFIX}{k}": torch.tensor(v, dtype=torch.float64)
+                for c, rec in self.records.items()
+                for k, v in rec.items()
+            },
+        }
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, torch.Tensor]) -> MemoryStore:
+        """Back from :meth:`to_flat` (a resume)."""
+        from fedexlora.run.checkpoint import DP_PREFIX
+
+        store = cls()
+        for key, t in flat.items():
+            c, _, flat_key = key.partition(".")
+            if flat_key.startswith(DP_PREFIX):  # its DP-SGD plan and steps
+                store.records.setdefault(int(c), {})[flat_key.removeprefix(DP_PREFIX)] = t.item()
+            else:
+                store.states.setdefault(int(c), {})[flat_key] = t
+        return store
 
 
 class DiskStore:

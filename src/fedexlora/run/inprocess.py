@@ -85,8 +85,7 @@ def run_experiment(
             out_dir=run.layout.root,
             progress=progress,
             history=current.rows,
-            personal=current.personal,
-            accounting=current.accounting,
+            clients=current.clients,
             local_update=local_update,
             secure_reply=secure_reply,
         ),
@@ -104,7 +103,7 @@ def run_method(
     server: Server | None = None,
     after_round: Callable[[dict, Server, torch.nn.Module], None] | None = None,
     history: list[dict] | None = None,
-    personal: dict[int, dict[str, torch.Tensor]] | None = None,
+    clients: MemoryStore | None = None,
     local_update: Callable[..., ClientUpload] | None = None,
     secure_reply: Callable[..., bytes | None] | None = None,
 ):
@@ -122,7 +121,7 @@ def run_method(
         server: A server restored from a checkpoint; training resumes after its round.
         after_round: Called with ``(row, server, model)`` after each round (checkpoints).
         history: This method's rows so far (a resume): DP budgets continue from them.
-        personal: What each client keeps of its own (see :class:`InProcess`).
+        clients: What the clients keep of their own (see :class:`InProcess`).
         local_update: A client's training step (see :class:`InProcess`).
         secure_reply: Under secure aggregation, a client's masked vector (see
             :class:`InProcess`).
@@ -132,7 +131,7 @@ def run_method(
     server = server or new_server(cfg, method, model)
     transport = InProcess(
         cfg, method, prep, model, server, out_dir=out_dir, progress=progress,
-        history=history, personal=personal, local_update=local_update,
+        history=history, clients=clients, local_update=local_update,
         secure_reply=secure_reply,
     )  # fmt: skip
     rows = run_rounds(
@@ -160,14 +159,12 @@ class InProcess:
         out_dir: Where client adapters go when ``cfg.save_client_adapters`` is set.
         progress: Whether to show progress bars.
         history: This method's rows so far (a resume): DP budgets continue from them.
-        personal: What each client keeps of its own (FedSA-LoRA: client -> its B and task
-            head, as flat tensors, :meth:`~fedexlora.core.state.AdapterState.to_flat`),
-            filled in as clients train; the caller checkpoints it (a resume passes it
-            back). Each client really holds its own, as under Flower.
-        accounting: Each client's own DP-SGD accounting (client -> plan and steps,
-            :meth:`fedexlora.training.privacy.Ledger.state`), kept up to date after every
-            round; the caller checkpoints it (a resume passes it back). Under secure
-            aggregation no row holds any client's figures, so it is the only record.
+        clients: The clients' store (:class:`fedexlora.run.client_store.MemoryStore`):
+            what each keeps of its own (FedSA-LoRA: its B and task head, as flat tensors)
+            and its own DP-SGD record (plan and steps, kept up to date after every
+            round; under secure aggregation no row holds it), filled in as clients
+            train; the caller checkpoints it (a resume passes it back). Each client
+            really holds its own, as under Flower.
         local_update: A client's training step, called as
             :func:`fedexlora.run.client_step.local_update` (its default) is, returning the
             client's upload: a caller may wrap it to watch clients or play faulty ones.
@@ -187,8 +184,7 @@ class InProcess:
         out_dir: Path | None = None,
         progress: bool = True,
         history: list[dict] | None = None,
-        personal: dict[int, dict[str, torch.Tensor]] | None = None,
-        accounting: dict[int, dict[str, float]] | None = None,
+        clients: MemoryStore | None = None,
         local_update: Callable[..., ClientUpload] | None = None,
         secure_reply: Callable[..., bytes | None] | None = None,
     ):
@@ -198,7 +194,8 @@ class InProcess:
         self.model, self.server = model, server
         self.spec = spec = get_method(method)
         self.out_dir, self.progress = out_dir, progress
-        self.own = {} if personal is None else personal
+        # what the clients keep: their kept parts and DP records, checkpointed by the run
+        self.store = MemoryStore() if clients is None else clients
         self.local_update = _local_update if local_update is None else local_update
         self.secure_reply = secure_reply
         centralized = not spec.federated
@@ -214,14 +211,11 @@ class InProcess:
 
             check_model(model)
             self.ledger = Ledger.for_run(cfg, [len(d) for d in self.client_data])
-            if accounting:  # the clients' own record (a resume)
-                self.ledger.load_state(accounting)
+            if self.store.records:  # the clients' own record (a resume)
+                self.ledger.load_state(self.store.records)
             elif history:  # a run checkpointed before the clients kept it: the last row
                 self.ledger.restore(history[-1])
-        self.accounting = {} if accounting is None else accounting
         self.secure = cfg.secure_aggregation and spec.federated
-        # what the clients keep: their kept parts and DP records, checkpointed by the run
-        self.store = MemoryStore(self.own, self.accounting)
         self.holder = SharedModel(model, server, cfg, method)  # one model for all
 
     def client(self, c: int) -> Client:
@@ -290,7 +284,7 @@ class InProcess:
         """The round's privacy report; each client's own accounting kept up to date."""
         if self.ledger is None:
             return None
-        self.accounting.update(self.ledger.state())
+        self.store.records.update(self.ledger.state())
         # under secure aggregation a client's figures would tell its example count
         return self.ledger.row(refused, kept=self.secure)
 

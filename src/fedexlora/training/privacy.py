@@ -366,14 +366,6 @@ class Ledger:
         check_delta(cfg.dp_delta, sizes)
         return cls(float(cfg.dp_epsilon), float(cfg.dp_delta), plan(cfg, sizes))
 
-    def allow(self, client: int, steps: int) -> bool:
-        """Whether ``client`` may take ``steps`` more steps within its budget."""
-        return self.budgets[client].allows(steps)
-
-    def record(self, client: int, steps: int) -> None:
-        """Counts ``steps`` taken by ``client``."""
-        self.budgets[client].steps += int(steps)
-
     def restore(self, row: dict) -> None:
         """Continues from a previous round's row (a resume): the plan it was made with.
 
