@@ -5,7 +5,9 @@ its life (checks, config, partitions, rows, checkpoints, resume, trackers, summa
 :class:`fedexlora.run.lifecycle.Run`'s, and the rounds are the one loop both engines
 run (:func:`fedexlora.run.loop.run_rounds`). What is this engine's own is how a round is
 carried, :class:`InProcess`: one base model in memory, the sampled clients trained on it
-in turn through the step every engine uses (:mod:`fedexlora.run.client_step`), the same
+in turn, each through the one client every engine uses (:class:`fedexlora.run.client.Client`
+on a :class:`fedexlora.run.client.SharedModel`, over a
+:class:`fedexlora.run.client_store.MemoryStore`), the same
 :class:`fedexlora.server.Server` aggregating (in the clear, or through SecAgg+ played in
 process). The Flower engine, its sibling, is :mod:`fedexlora.flower`.
 :func:`run_method` runs one method's rounds alone (benchmarks and tests).
@@ -144,11 +146,15 @@ def run_method(
 class InProcess:
     """The in-process transport: each sampled client trains in turn on one model here.
 
-    One base model stays in memory; each client gets ``server.payload_for(client)``, is
-    loaded onto it (with what it keeps of its own, and at its own rank) and trains
-    through ``local_update``; the server aggregates the uploads, in the clear or through
-    SecAgg+ played in process (:class:`fedexlora.run.secure_round.SecureRun`). With DP-SGD
-    a ledger keeps each client's budget and refuses a client whose budget is spent.
+    One base model stays in memory (:class:`fedexlora.run.client.SharedModel`: its base
+    holds the global residuals, so no client needs a model of its own). Each sampled
+    client is a :class:`fedexlora.run.client.Client` (:meth:`client`), as under Flower:
+    it gets ``server.payload_for(client)``, is loaded onto the shared model (with what
+    it keeps of its own, and at its own rank), refuses if its DP-SGD budget is spent,
+    trains through ``local_update``, keeps its own parts and replies; the server
+    aggregates the uploads, in the clear or through SecAgg+ played in process
+    (:class:`fedexlora.run.secure_round.SecureRun`). With DP-SGD a ledger holds every
+    client's budget (the round's privacy report).
 
     Args:
         cfg: The run configuration.

@@ -9,7 +9,8 @@ steps, in all rounds, is at most ``epsilon`` at ``delta`` under Opacus's RDP acc
 
 What the server does with the uploads (averaging, the FedEx residual) is
 post-processing of DP outputs, so the guarantee holds for every method. A client whose
-next round would take it past its planned steps is not trained (:meth:`Ledger.allow`).
+next round would take it past its planned steps is not trained (:meth:`Budget.allows`,
+which every engine's client asks: :meth:`fedexlora.run.client.Client.refuses`).
 
 The ledger is the record: each round's ``metrics.jsonl`` row carries
 :meth:`Ledger.row`, from which anyone can recompute every client's epsilon with an
