@@ -1,15 +1,18 @@
 """The Flower ClientApp: one client's local step, over the shared training code.
 
-Every client really holds its own model. It applies each payload to it with
-:func:`fedexlora.bridge.steps.apply_payload` (the residual folded into its own base, or its side
-branch, then the global factors loaded), trains with
-:func:`fedexlora.run.client_step.local_update` (seeded by
+Each message's client is a :class:`fedexlora.run.client.Client`, the in-process
+engine's too: this module only turns messages into its calls and its results into
+replies. Every client really holds its own model (:class:`fedexlora.run.client.OwnModel`):
+it applies each payload to it with :func:`fedexlora.bridge.steps.apply_payload` (the
+residual folded into its own base, or its side branch, then the global factors loaded),
+trains with :func:`fedexlora.run.client_step.local_update` (seeded by
 :func:`fedexlora.run.client_step.client_seed` exactly as in-process) and replies with its
-upload.
+upload, or its masked vector under secure aggregation.
 
 What a client must remember between rounds (what was folded into its base: the fp32
 weights of its adapted layers, or their side branches for a half-precision or quantized
-base, and its adapter) lives in the Flower ``Context`` (``context.state``): in a
+base, and its adapter) lives in the Flower ``Context`` (``context.state``, through
+:class:`fedexlora.flower.client_store.ContextStore`): in a
 deployment each message runs in a fresh ClientApp process, and in a simulation a partition
 may land on another Ray actor. A small per-process cache skips rebuilding the model when
 the same process serves the same partition again.
@@ -30,32 +33,32 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedexlora.flower import client_dp
+from fedexlora.flower.client_store import ContextStore, held_versions
 from fedexlora.flower.records import from_array_record, resolve_run_config, to_array_record
 from fedexlora.flower.simulation import SEEDED_DP_CONSENT, restore_user_home
 from fedexlora.quiet import quiet_libraries
+from fedexlora.run.client_store import DiskStore
+
+if TYPE_CHECKING:
+    from fedexlora.run.client import Client
 
 __all__ = ["app", "make_client_app"]
-
-_META = "fedexlora.meta"  # ConfigRecord: method, version (of the base held), token
-_BASE = "fedexlora.client"  # ArrayRecord: fedexlora.bridge.steps.client_state(model)
 
 _DATA: dict[str, tuple] = {}  # config fingerprint -> (task, Prepared), one entry
 _MODELS: OrderedDict[tuple, tuple] = OrderedDict()  # (run, partition) -> (token, model); spares
 # Models kept per process (FEDEXLORA_CLIENT_MODEL_CACHE; 0 rebuilds every round from the
 # Context, as a deployment's fresh ClientApp process does).
 _MAX_MODELS = int(os.environ.get("FEDEXLORA_CLIENT_MODEL_CACHE", "4"))
-_KEEP_ON_DISK = 2  # base versions a client keeps on disk: a crash loses at most one round
 
 
 def _allows_seeded_dp(context: Context) -> bool:
@@ -86,48 +89,10 @@ def _state_root(context: Context, settings, token: str) -> Path | None:
     return Path(root) / token if root and token else None
 
 
-def _disk(context: Context, settings, token: str, method: str, pid: int) -> Path | None:
-    """Where this client keeps its state on disk for this run and method, if anywhere."""
+def _store(context: Context, settings, token: str, method: str) -> ContextStore:
+    """This client's store for this run and method: its Context, over its state directory."""
     root = _state_root(context, settings, token)
-    return None if root is None else root / method / f"partition-{pid}"
-
-
-def _on_disk(folder: Path | None) -> list[int]:
-    if folder is None or not folder.is_dir():
-        return []
-    return sorted(int(p.stem[1:]) for p in folder.glob("v*.safetensors") if p.stem[1:].isdigit())
-
-
-def _save_to_disk(folder: Path, model, version: int) -> None:
-    """Writes the client's state for base ``version`` atomically; keeps the last two."""
-    from safetensors.torch import save_file
-
-    from fedexlora.bridge.steps import client_state
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".v{version}.tmp"
-    flat = {k: v.detach().contiguous().cpu() for k, v in client_state(model).items()}
-    save_file(flat, str(tmp))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / f"v{version}.safetensors")
-    for old in _on_disk(folder)[:-_KEEP_ON_DISK]:
-        (folder / f"v{old}.safetensors").unlink(missing_ok=True)
-
-
-def held_versions(context: Context, settings, token: str, pid: int) -> dict[str, list[int]]:
-    """Method -> base versions this client can continue from (its Context and its disk)."""
-    out: dict[str, set[int]] = {}
-    meta = context.state.get(_META)
-    if isinstance(meta, ConfigRecord) and meta.get("run-token", "") == token:
-        out.setdefault(str(meta["method"]), set()).add(int(meta["version"]))
-    root = _state_root(context, settings, token)
-    if root is not None and root.is_dir():
-        for folder in root.iterdir():
-            versions = _on_disk(folder / f"partition-{pid}")
-            if versions:
-                out.setdefault(folder.name, set()).update(versions)
-    return {m: sorted(v) for m, v in out.items()}
+    return ContextStore(context, method, token, None if root is None else DiskStore(root / method))
 
 
 def _partition(context: Context, num_clients: int) -> int:
@@ -161,26 +126,14 @@ def _task_and_data(cfg, fingerprint: str, method: str):
     return task, prep, model
 
 
-def _held(context: Context, method: str, run_token: str) -> int | None:
-    meta = context.state.get(_META)
-    if not isinstance(meta, ConfigRecord) or meta.get("method") != method:
-        return None
-    if meta.get("run-token", "") != run_token:
-        return None
-    return int(meta["version"])
-
-
-def _client_model(
-    cfg, task, method, context, pid: int, since: int, spare, disk, run_token, fingerprint
-):
+def _client_model(cfg, task, method, context, pid: int, since: int, spare, store, fingerprint):
     """The client's model holding base version ``since`` (``-1``: the pretrained W0).
 
-    From the process cache, the Context, or the client's state directory, in that order.
+    From the process cache, else restored from its store (its Context, else its state
+    directory).
     """
-    from safetensors.torch import load_file
-
-    from fedexlora.bridge.steps import load_client_state
     from fedexlora.run.build import new_model
+    from fedexlora.run.client import OwnModel
 
     adapter = client_adapter_name(cfg, method, pid)
     if since < 0:  # a new (or re-synced) client starts from the pretrained weights:
@@ -190,16 +143,13 @@ def _client_model(
             model = new_model(cfg, task, method)[0]
         _activate(model, adapter)
         return model
-    held = _held(context, method, run_token)
+    held = store.held()
     if held == since:
-        token = context.state[_META]["token"]
         cached = _MODELS.pop((context.run_id, pid), None)  # taken: a failed round drops it
-        if cached is not None and cached[0] == token:
+        if cached is not None and cached[0] == store.token:
             return cached[1]
-        flat = from_array_record(context.state[_BASE])
-    elif since in _on_disk(disk):
-        flat = load_file(str(disk / f"v{since}.safetensors"))
-    else:
+    flat = store.load(pid, since)
+    if flat is None:
         raise ValueError(
             f"partition {pid} holds base version {held} for {method}, but the payload "
             f"is relative to version {since}; the server re-syncs this client from W0 "
@@ -207,7 +157,7 @@ def _client_model(
         )
     model = spare if spare is not None else new_model(cfg, task, method)[0]
     _activate(model, adapter)
-    load_client_state(model, flat)
+    OwnModel(model, adapter, cfg).restore(flat)
     return model
 
 
@@ -228,30 +178,17 @@ def client_adapter_name(cfg, method: str, pid: int) -> str:
     return client_adapter(cfg, method, pid) or "default"
 
 
-def _remember(context, model, method: str, version: int, pid: int, disk, run_token) -> None:
-    from fedexlora.bridge.steps import client_state
-
-    token = uuid.uuid4().hex
-    context.state[_BASE] = to_array_record(client_state(model))
-    context.state[_META] = ConfigRecord(
-        {"method": method, "version": version, "token": token, "run-token": run_token}
-    )
-    if disk is not None:
-        _save_to_disk(disk, model, version)
+def _cache(context, model, pid: int, store: ContextStore) -> None:
+    """Keeps the model in the process cache, under the token of the state it just kept."""
     key = (context.run_id, pid)
-    _MODELS[key] = (token, model)
+    _MODELS[key] = (store.token, model)
     _MODELS.move_to_end(key)
     while len(_MODELS) > max(_MAX_MODELS, 0):
         _MODELS.popitem(last=False)
 
 
-def _forget(context, model, method: str, pid: int, disk, fingerprint: str) -> None:
-    """Drops this client's state (Context and disk); its model stays cached as a spare."""
-    for key in (_BASE, _META):
-        if key in context.state:
-            del context.state[key]
-    for v in _on_disk(disk):
-        (disk / f"v{v}.safetensors").unlink(missing_ok=True)
+def _spare(context, model, method: str, pid: int, fingerprint: str) -> None:
+    """A client that kept nothing: its model stays cached as a spare."""
     _MODELS.pop((context.run_id, pid), None)
     # a spare serves only this configuration (another may adapt other modules)
     _MODELS[(context.run_id, "spare", method, fingerprint, pid)] = (None, model)
@@ -260,10 +197,10 @@ def _forget(context, model, method: str, pid: int, disk, fingerprint: str) -> No
 
 
 def _spare_model(run_id, method: str, fingerprint: str):
-    """A spare model of this run, method and configuration (:func:`_forget`), or ``None``.
+    """A spare model of this run, method and configuration (:func:`_spare`), or ``None``.
 
-    It is taken out of the cache. A client that starts from W0 can use it: its reset
-    payload drops what the model folded, and sets every trained parameter.
+    It is taken out of the cache (:func:`_spare`). A client that starts from W0 can use
+    it: its reset payload drops what the model folded, and sets every trained parameter.
     """
     for key in list(_MODELS):
         if key[:4] == (run_id, "spare", method, fingerprint):
@@ -272,18 +209,15 @@ def _spare_model(run_id, method: str, fingerprint: str):
 
 
 @dataclass
-class _Client:
-    """One message's client: its configuration, partition and model (see :func:`_client_for`)."""
+class _Request:
+    """One message's client (see :func:`_client_for`)."""
 
     cfg: Any
     conf: ConfigRecord
-    pid: int
     method: str
     since: int
-    model: Any
-    prep: Any
-    disk: Path | None
-    run_token: str
+    client: Client  # its model holding base version ``since``, over its store
+    store: ContextStore
     fingerprint: str
     settings: Any = None
 
@@ -307,115 +241,99 @@ def _check_message(msg: Message, context: Context, cfg, fingerprint: str) -> int
     return pid
 
 
-def _client_for(msg: Message, context: Context, defaults: Mapping[str, Any]) -> _Client:
+def _client_for(msg: Message, context: Context, defaults: Mapping[str, Any]) -> _Request:
     """The client a train or evaluate message is for, its model holding ``base-version``.
 
     Raises:
         ValueError: If the client's configuration or partition does not match the
             server's, or it does not hold the base version the message builds on.
     """
+    from fedexlora.run.client import Client, OwnModel
+    from fedexlora.run.workers import update_for
+
     cfg, fingerprint, settings = _resolve(defaults, context)
     conf, pid = msg.content["config"], _check_message(msg, context, cfg, fingerprint)
     method, since = str(conf["method"]), int(conf["base-version"])
-    run_token = str(conf.get("run-token", ""))
-    disk = _disk(context, settings, run_token, method, pid)
+    store = _store(context, settings, str(conf.get("run-token", "")), method)
     task, prep, spare = _task_and_data(cfg, fingerprint, method)
-    model = _client_model(
-        cfg, task, method, context, pid, since, spare, disk, run_token, fingerprint
-    )
-    return _Client(
-        cfg, conf, pid, method, since, model, prep, disk, run_token, fingerprint, settings
-    )
+    model = _client_model(cfg, task, method, context, pid, since, spare, store, fingerprint)
+    holder = OwnModel(model, client_adapter_name(cfg, method, pid), cfg)
+    data = prep.train.subset(prep.parts[pid])
+    # nproc_per_client > 1: this node's worker group, which outlives this message's process
+    update = update_for(cfg, owned=False)
+    client = Client(cfg, method, pid, data, holder, store, prep=prep, update=update)
+    return _Request(cfg, conf, method, since, client, store, fingerprint, settings)
+
+
+def _answer(msg: Message, pid: int, rnd: int, method: str, error: str) -> Message:
+    """A reply that carries only ``error`` (the server stops or drops on it)."""
+    fields = {"partition-id": pid, "server-round": rnd, "method": method, "error": error}
+    return Message(RecordDict({"config": ConfigRecord(fields)}), reply_to=msg)
 
 
 def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:
-    """Applies the payload of ``msg`` to this client's model, trains, and replies.
+    """Applies the payload of ``msg`` to this client, trains it, and replies.
+
+    The round is its :class:`fedexlora.run.client.Client`'s (the in-process engine's
+    too): apply, refuse a spent DP budget, train, keep, reply in the clear or masked.
 
     Raises:
         ValueError: If the client's configuration or partition does not match the
             server's, or it does not hold the base version the payload builds on.
     """
-    from fedexlora.bridge.fold import side_caps
-    from fedexlora.bridge.steps import apply_payload
     from fedexlora.core.messages import Payload
-    from fedexlora.run.workers import update_for
     from fedexlora.training.privacy import DPCheckError
 
-    c = _client_for(msg, context, defaults)
-    cfg, conf, pid, method, since = c.cfg, c.conf, c.pid, c.method, c.since
-    model, prep, disk, run_token, fingerprint = c.model, c.prep, c.disk, c.run_token, c.fingerprint
-    rnd, version = int(conf["server-round"]), int(conf["version"])
-    if cfg.secure_aggregation and str(conf.get("secagg-stage", "")) != "collect":
+    req = _client_for(msg, context, defaults)
+    cfg, conf, method, client = req.cfg, req.conf, req.method, req.client
+    pid, rnd, version = client.client, int(conf["server-round"]), int(conf["version"])
+    secure = str(conf.get("secagg-stage", "")) == "collect"
+    if cfg.secure_aggregation and not secure:
         # its own configuration says secure aggregation: never an upload in the clear,
         # whatever the server asks (it trains nothing, so nothing of its data is sent)
-        fields = {"partition-id": pid, "server-round": rnd, "method": method}
-        error = (
+        return _answer(msg, pid, rnd, method, (
             f"partition {pid} is configured for secure aggregation and refuses to send its "
             "upload in the clear; the server asked for one (is the server's configuration "
             "the same?)"
-        )
-        return Message(
-            RecordDict({"config": ConfigRecord({**fields, "error": error})}), reply_to=msg
-        )
+        ))  # fmt: skip
     payload = Payload.from_flat(
-        from_array_record(msg.content["arrays"]), round=rnd, version=version, reset=since < 0
+        from_array_record(msg.content["arrays"]), round=rnd, version=version, reset=req.since < 0
     )
-    apply_payload(
-        model,
-        payload,
-        side_rank=side_caps(model, side_rank=cfg.side_rank, budget=cfg.side_budget),
-        adapter=client_adapter_name(cfg, method, pid),
-    )
-    data = prep.train.subset(prep.parts[pid])
-    budget, refused = None, False
+    client.apply(payload, req.since)
     if cfg.dp:  # the accounting is the client's own; the server records what it reports
-        from fedexlora.training.privacy import check_model, steps_per_round
-
-        budget = client_dp.plan_budget(cfg, context, conf, method, pid, len(data), run_token, disk)
-        want = steps_per_round(cfg, len(data))
-        refused = budget.steps + want > budget.planned_steps
-        if not refused:
-            check_model(model)
-    up = None
+        client.budget = client_dp.plan_budget(cfg, req.store, conf, pid, len(client.data))
+    refused, up = client.refuses(), None
     if not refused:
         try:
-            up = update_for(cfg, owned=False)(  # a worker group with nproc_per_client > 1
-                cfg, method, model, data, rnd, pid, dp=budget, tokenizer=prep.tokenizer
-            )
+            up = client.train(rnd)
         except DPCheckError as exc:
             # a round that would train nothing: the server stops the run with this message
-            fields = {"partition-id": pid, "server-round": rnd, "method": method}
-            error = ConfigRecord({**fields, "error": str(exc)})
-            return Message(RecordDict({"config": error}), reply_to=msg)
-        if budget is not None:
-            budget.steps += want
-            client_dp.save_record(context, method, run_token, disk, budget)
+            return _answer(msg, pid, rnd, method, str(exc))
     if bool(conf.get("keep-state", True)):
-        _remember(context, model, method, version, pid, disk, run_token)
+        client.keep(version)
+        _cache(context, client.model, pid, req.store)
     else:  # the server will reset this client next time: keep nothing of it
-        _forget(context, model, method, pid, disk, fingerprint)
+        client.keep(version, keep=False)
+        _spare(context, client.model, method, pid, req.fingerprint)
     metrics = (
         {}
-        if budget is None
-        else client_dp.report_metrics(budget, cfg.dp_delta, secure=cfg.secure_aggregation)
+        if client.budget is None
+        else client_dp.report_metrics(client.budget, cfg.dp_delta, secure=cfg.secure_aggregation)
     )
     content = RecordDict(
         {"config": ConfigRecord({"partition-id": pid, "server-round": rnd, "method": method})}
     )
     if refused:  # past its budget: not trained, nothing of its data sent
         metrics["dp-refused"] = 1
-    elif str(conf.get("secagg-stage", "")) == "collect":  # masked: count and loss in the sum
-        # under DP (unless reproducible) its rounding is drawn from OS entropy, not the seed
-        seed = None if cfg.dp and not cfg.dp_reproducible else cfg.seed
-        content["config"]["secagg.masked"] = _secure_upload(context, conf, up, seed, rnd)
-        if cfg.save_client_adapters and c.settings.run_dir:  # the client keeps its own
-            from fedexlora.run.client_step import save_client_adapter
-
-            save_client_adapter(model, Path(c.settings.run_dir), rnd, pid, int(up.num_examples))
+    elif secure:  # masked: count and loss in the sum
+        content["config"]["secagg.masked"] = _secure_upload(context, conf, up, client)
+        if cfg.save_client_adapters and req.settings.run_dir:  # the client keeps its own
+            client.save_adapter(Path(req.settings.run_dir), rnd, int(up.num_examples))
     else:
+        up = client.reply(up)
         content["arrays"] = to_array_record(up.state.to_flat())
         metrics["num-examples"] = int(up.num_examples)
-        if budget is None:  # under DP no loss is sent (it is outside DP-SGD's guarantee)
+        if client.budget is None:  # under DP no loss is sent (outside DP-SGD's guarantee)
             metrics["train-loss"] = float(up.train_loss)
     content["metrics"] = MetricRecord(metrics)
     return Message(content, reply_to=msg)
@@ -427,61 +345,42 @@ _SECAGG = "fedexlora.secagg"
 def secure_stage_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:
     """One SecAgg+ stage other than the upload: ``setup``, ``share-keys`` or ``unmask``.
 
-    The client's protocol state (Flower's SecAgg+ state, and the round's setup) lives
-    in its Context between the stages' messages.
+    The client's side (:class:`fedexlora.run.secure_client.SecureClient`, the in-process
+    engine's too) lives in its Context between the stages' messages.
 
     Raises:
         ValueError: If the message is for another partition or configuration.
     """
-    from fedexlora.secagg.protocol import ClientSession
-    from fedexlora.secagg.rounds import client_session_reply
+    from fedexlora.run.secure_client import SecureClient
 
     cfg, fingerprint, _ = _resolve(defaults, context)
     conf, pid = msg.content["config"], _check_message(msg, context, cfg, fingerprint)
     stage = str(conf["secagg-stage"])
     fields = {k[len("secagg.") :]: v for k, v in conf.items() if k.startswith("secagg.")}
-    if stage == "setup":
-        session, setup = ClientSession(pid), {k: v for k, v in fields.items() if "." in k}
-    else:
-        session, setup = _load_session(context, stage)
-    reply = client_session_reply(session, stage, fields)
-    _save_session(context, session, setup)
+    secure = SecureClient(pid) if stage == "setup" else _load_secure(context, pid, stage)
+    reply = secure.answer(stage, fields)
+    context.state[_SECAGG] = ConfigRecord(secure.to_dict())
     record = {"partition-id": pid, **{f"secagg.{k}": v for k, v in reply.items()}}
     return Message(RecordDict({"config": ConfigRecord(record)}), reply_to=msg)
 
 
-def _secure_upload(context: Context, conf, up, seed: int | None, rnd: int) -> bytes:
-    """Stage 2: this client's upload as its masked vector (its SecAgg+ state updated).
-
-    Its stochastic rounding is seeded by the run's seed, the round and the client; with
-    ``seed`` None (DP, not reproducible) it is drawn from OS entropy.
-    """
-    from fedexlora.secagg.rounds import client_reply
-
-    session, setup = _load_session(context, "collect")
+def _secure_upload(context: Context, conf, up, client: Client) -> bytes:
+    """Stage 2: the client's masked vector (:meth:`Client.reply`); its SecAgg+ state kept."""
+    secure = _load_secure(context, client.client, "collect")
     fields = {k[len("secagg.") :]: v for k, v in conf.items() if k.startswith("secagg.")}
-    data = client_reply(session, setup, fields, up, seed=seed, rnd=rnd)
-    _save_session(context, session, setup)
+    data = client.reply(up, secure, fields)
+    context.state[_SECAGG] = ConfigRecord(secure.to_dict())
     return data
 
 
-def _load_session(context: Context, stage: str):
-    """``(session, setup)``: this client's SecAgg+ state of the round, from its Context."""
-    from fedexlora.secagg.protocol import ClientSession
+def _load_secure(context: Context, pid: int, stage: str):
+    """This client's side of the round's SecAgg+ (a ``SecureClient``), from its Context."""
+    from fedexlora.run.secure_client import SecureClient
 
     saved = context.state.get(_SECAGG)
     if not isinstance(saved, ConfigRecord):
         raise ValueError(f"secure aggregation stage {stage!r} before the round's key setup")
-    state = dict(saved)
-    setup = {k[len("setup.") :]: state.pop(k) for k in list(state) if k.startswith("setup.")}
-    return ClientSession.from_dict(state), setup
-
-
-def _save_session(context: Context, session, setup: Mapping) -> None:
-    """Keeps the SecAgg+ state in the Context until the round's next stage."""
-    context.state[_SECAGG] = ConfigRecord(
-        {**session.to_dict(), **{f"setup.{k}": v for k, v in setup.items()}}
-    )
+    return SecureClient.from_dict(pid, saved)
 
 
 def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> Message:
@@ -497,7 +396,6 @@ def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -
             client does not hold the base version the server expects.
     """
     from fedexlora.core.state import AdapterState
-    from fedexlora.run.rounds import evaluate_personal
 
     cfg, _, _ = _resolve(defaults, context)
     if cfg.secure_aggregation:
@@ -511,13 +409,11 @@ def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -
         )
         fields = {"partition-id": pid, "error": error}
         return Message(RecordDict({"config": ConfigRecord(fields)}), reply_to=msg)
-    c = _client_for(msg, context, defaults)
-    state = AdapterState.from_flat(from_array_record(msg.content["arrays"]))
-    metrics, n = evaluate_personal(c.cfg, c.method, c.model, c.prep, c.pid, state)
-    model, pid = c.model, c.pid
-    meta = context.state.get(_META)
-    if _MAX_MODELS > 0 and isinstance(meta, ConfigRecord):  # back in the cache: only A
-        _MODELS[(context.run_id, pid)] = (meta["token"], model)  # moved, and payloads set A
+    req = _client_for(msg, context, defaults)
+    client, pid = req.client, req.client.client
+    metrics, n = client.evaluate(AdapterState.from_flat(from_array_record(msg.content["arrays"])))
+    if _MAX_MODELS > 0 and req.store.token is not None:  # back in the cache: only A
+        _MODELS[(context.run_id, pid)] = (req.store.token, client.model)  # payloads set A
     reply = {"partition-id": pid, "metrics": json.dumps(metrics), "test-examples": n}
     return Message(RecordDict({"config": ConfigRecord(reply)}), reply_to=msg)
 
@@ -555,7 +451,8 @@ def make_client_app(defaults: Mapping[str, Any] | None = None) -> ClientApp:
             cfg, record["fingerprint"], settings = _resolve(base, context)
             pid = _partition(context, cfg.num_clients)
             token = str(msg.content["config"].get("run-token", ""))
-            record["held"] = json.dumps(held_versions(context, settings, token, pid))
+            root = _state_root(context, settings, token)
+            record["held"] = json.dumps(held_versions(context, root, token, pid))
         except ValueError as exc:  # ConfigError included
             record["error"] = str(exc)
         return Message(RecordDict({"config": record}), reply_to=msg)

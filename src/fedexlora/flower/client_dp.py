@@ -3,53 +3,22 @@
 The client plans its budget from the run's settings and its own example count, keeps the
 plan and its steps in its Context and its state directory, and reports them to the
 server, which records them (and sends them back to a client that lost its state). Under
-secure aggregation it reports nothing but a refusal: its record is its own.
+secure aggregation it reports nothing but a refusal: its record is its own. Its store
+(:class:`fedexlora.flower.client_store.ContextStore`) keeps the record, and its
+:class:`fedexlora.run.client.Client` refuses a spent budget and counts the steps, as
+the in-process engine's clients do.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import warnings
-from pathlib import Path
 
-from flwr.app import ConfigRecord, Context
+__all__ = ["plan_budget", "report_metrics"]
 
-__all__ = ["load_record", "plan_budget", "report_metrics", "save_record"]
-
-_DP = "fedexlora.dp"  # ConfigRecord: DP-SGD steps taken per method, and the run token
 _PLAN = ("noise_multiplier", "sample_rate", "planned_steps")
 
 
-def load_record(context: Context, method: str, run_token: str, disk: Path | None) -> dict:
-    """This client's own record for ``method`` in this run: its plan and steps taken.
-
-    From its Context, else its state directory; ``{}`` when it has none.
-    """
-    rec = context.state.get(_DP)
-    if isinstance(rec, ConfigRecord) and rec.get("run-token", "") == run_token and method in rec:
-        return json.loads(str(rec[method]))
-    if disk is not None and (disk / "dp.json").is_file():
-        return json.loads((disk / "dp.json").read_text())
-    return {}
-
-
-def save_record(context: Context, method: str, run_token: str, disk, budget) -> None:
-    """Keeps the plan and the steps taken, in the Context and the state directory."""
-    record = {k: getattr(budget, k) for k in _PLAN} | {"steps": int(budget.steps)}
-    rec = context.state.get(_DP)
-    if not isinstance(rec, ConfigRecord) or rec.get("run-token", "") != run_token:
-        rec = ConfigRecord({"run-token": run_token})
-    rec[method] = json.dumps(record)
-    context.state[_DP] = rec
-    if disk is not None:
-        disk.mkdir(parents=True, exist_ok=True)
-        tmp = disk / ".dp.json.tmp"
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, disk / "dp.json")
-
-
-def plan_budget(cfg, context, conf, method: str, pid: int, n: int, run_token: str, disk):
+def plan_budget(cfg, store, conf, pid: int, n: int):
     """This client's DP-SGD plan and the steps it has taken: its own accounting.
 
     The plan is made once, from the run's settings and this client's example count, and
@@ -57,12 +26,19 @@ def plan_budget(cfg, context, conf, method: str, pid: int, n: int, run_token: st
     A client that lost its state takes the plan and count it last reported, which the
     server sends back; the count is the largest of all it knows, so a budget is never
     spent twice.
+
+    Args:
+        cfg: The run configuration.
+        store: The client's store (its record).
+        conf: The training message's config (what the server sends back).
+        pid: Its partition.
+        n: Its example count.
     """
     from fedexlora.training.privacy import budget_for, check_delta
 
     check_delta(cfg.dp_delta, [n])
     budget = budget_for(cfg, pid, n)
-    saved = load_record(context, method, run_token, disk)
+    saved = store.dp_record(pid)
     echo = {
         k: conf[f"dp-{k.replace('_', '-')}"] for k in _PLAN if f"dp-{k.replace('_', '-')}" in conf
     }

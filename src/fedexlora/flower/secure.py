@@ -3,7 +3,9 @@
 :class:`fedexlora.flower.strategy.FedExLoRA` calls these when ``secure`` is on: stages 0
 and 1 before its training messages go out (:func:`secure_keys`), stage 3 and the server's
 round from the sums after the masked vectors are back (:func:`aggregate_secure`). The
-protocol itself is :mod:`fedexlora.secagg`; this module only moves its messages.
+protocol itself is :mod:`fedexlora.secagg`; this module only moves its messages. The
+client's side is :class:`fedexlora.run.secure_client.SecureClient`, the in-process
+engine's too.
 Each function takes the strategy (``FedExLoRA``) and its round's ``RoundRecord``.
 """
 
@@ -17,6 +19,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
 from fedexlora.core.messages import RoundOutcome
+from fedexlora.run.secure_client import clipped_warning
 
 __all__ = ["aggregate_secure", "secure_exchange", "secure_keys"]
 
@@ -140,8 +143,7 @@ def aggregate_secure(strategy, replies: Iterable[Message], rec: Any) -> RoundOut
         )
     if sums is not None and sums.clipped:
         warnings.warn(
-            f"{strategy.method} round {rec.round}: secure aggregation clipped {sums.clipped} "
-            f"numbers beyond ±{rec.secure.quant.clip:g}: the model is not exact this round",
+            clipped_warning(strategy.method, rec.round, sums.clipped, rec.secure.quant.clip),
             stacklevel=1,
         )
     rejected = {c: rec.errors.get(c, "not in the secure sum") for c in rec.dropped}

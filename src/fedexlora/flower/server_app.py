@@ -158,11 +158,7 @@ class FlowerRounds:
                 self.cfg.dp_epsilon, self.cfg.dp_delta, self.strategy.dp_reports, rec.refused,
                 kept=self.cfg.secure_aggregation,  # then the clients reported no figures
             )  # fmt: skip
-        return RoundTraffic(
-            rec.round, rec.sampled, rec.uploads, rec.outcome, rec.started, rec.bytes_up,
-            rec.bytes_down, rec.bytes_down_max, dropped=rec.dropped,
-            refused=rec.refused, privacy=privacy, bytes_up_protocol=rec.bytes_up_protocol,
-        )  # fmt: skip
+        return rec.traffic(privacy)
 
     def evaluate_clients(self, clients: list[int]) -> dict[int, tuple[dict[str, float], int]]:
         """Each client evaluates its own model (a personalized method) and replies."""

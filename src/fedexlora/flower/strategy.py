@@ -106,6 +106,20 @@ class RoundRecord:
     secure: Any = None
     secure_error: str | None = None
 
+    def traffic(self, privacy: dict | None = None):
+        """The round as every engine's loop reads it (:class:`fedexlora.run.rounds.RoundTraffic`).
+
+        Args:
+            privacy: The round's ``privacy`` report with DP-SGD (``None``: no DP).
+        """
+        from fedexlora.run.rounds import RoundTraffic
+
+        return RoundTraffic(
+            self.round, self.sampled, self.uploads, self.outcome, self.started, self.bytes_up,
+            self.bytes_down, self.bytes_down_max, dropped=self.dropped, refused=self.refused,
+            privacy=privacy, bytes_up_protocol=self.bytes_up_protocol,
+        )  # fmt: skip
+
 
 class FedExLoRA(FedAvg):
     """Flower strategy for FedEx-LoRA and its baselines over the shared server logic.

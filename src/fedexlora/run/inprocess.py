@@ -5,7 +5,9 @@ its life (checks, config, partitions, rows, checkpoints, resume, trackers, summa
 :class:`fedexlora.run.lifecycle.Run`'s, and the rounds are the one loop both engines
 run (:func:`fedexlora.run.loop.run_rounds`). What is this engine's own is how a round is
 carried, :class:`InProcess`: one base model in memory, the sampled clients trained on it
-in turn through the step every engine uses (:mod:`fedexlora.run.client_step`), the same
+in turn, each through the one client every engine uses (:class:`fedexlora.run.client.Client`
+on a :class:`fedexlora.run.client.SharedModel`, over a
+:class:`fedexlora.run.client_store.MemoryStore`), the same
 :class:`fedexlora.server.Server` aggregating (in the clear, or through SecAgg+ played in
 process). The Flower engine, its sibling, is :mod:`fedexlora.flower`.
 :func:`run_method` runs one method's rounds alone (benchmarks and tests).
@@ -13,7 +15,6 @@ process). The Flower engine, its sibling, is :mod:`fedexlora.flower`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -21,17 +22,16 @@ from pathlib import Path
 
 import torch
 
-from fedexlora.bridge.adapters import get_state, layer_info, set_state
-from fedexlora.bridge.fold import fold_residuals, restore_base, snapshot_base
+from fedexlora.bridge.adapters import set_state
 from fedexlora.config import RunConfig
 from fedexlora.core.messages import ClientUpload
-from fedexlora.core.state import AdapterState
-from fedexlora.run.build import Prepared, client_adapter, new_model, new_server
-from fedexlora.run.client_step import save_client_adapter
+from fedexlora.run.build import Prepared, new_model, new_server
+from fedexlora.run.client import Client, SharedModel
+from fedexlora.run.client_store import MemoryStore
 from fedexlora.run.layout import RunLayout
 from fedexlora.run.lifecycle import Run
 from fedexlora.run.loop import drive, run_rounds
-from fedexlora.run.rounds import RoundTraffic, evaluate_personal
+from fedexlora.run.rounds import RoundTraffic
 from fedexlora.run.secure_round import SecureRun
 from fedexlora.run.workers import update_for
 from fedexlora.server.server import Server
@@ -87,8 +87,7 @@ def run_experiment(
             out_dir=run.layout.root,
             progress=progress,
             history=current.rows,
-            personal=current.personal,
-            accounting=current.accounting,
+            clients=current.clients,
             local_update=local_update,
             secure_reply=secure_reply,
         ),
@@ -106,7 +105,7 @@ def run_method(
     server: Server | None = None,
     after_round: Callable[[dict, Server, torch.nn.Module], None] | None = None,
     history: list[dict] | None = None,
-    personal: dict[int, dict[str, torch.Tensor]] | None = None,
+    clients: MemoryStore | None = None,
     local_update: Callable[..., ClientUpload] | None = None,
     secure_reply: Callable[..., bytes | None] | None = None,
 ):
@@ -124,7 +123,7 @@ def run_method(
         server: A server restored from a checkpoint; training resumes after its round.
         after_round: Called with ``(row, server, model)`` after each round (checkpoints).
         history: This method's rows so far (a resume): DP budgets continue from them.
-        personal: What each client keeps of its own (see :class:`InProcess`).
+        clients: What the clients keep of their own (see :class:`InProcess`).
         local_update: A client's training step (see :class:`InProcess`).
         secure_reply: Under secure aggregation, a client's masked vector (see
             :class:`InProcess`).
@@ -134,7 +133,7 @@ def run_method(
     server = server or new_server(cfg, method, model)
     transport = InProcess(
         cfg, method, prep, model, server, out_dir=out_dir, progress=progress,
-        history=history, personal=personal, local_update=local_update,
+        history=history, clients=clients, local_update=local_update,
         secure_reply=secure_reply,
     )  # fmt: skip
     rows = run_rounds(
@@ -147,11 +146,15 @@ def run_method(
 class InProcess:
     """The in-process transport: each sampled client trains in turn on one model here.
 
-    One base model stays in memory; each client gets ``server.payload_for(client)``, is
-    loaded onto it (with what it keeps of its own, and at its own rank) and trains
-    through ``local_update``; the server aggregates the uploads, in the clear or through
-    SecAgg+ played in process (:class:`fedexlora.run.secure_round.SecureRun`). With DP-SGD
-    a ledger keeps each client's budget and refuses a client whose budget is spent.
+    One base model stays in memory (:class:`fedexlora.run.client.SharedModel`: its base
+    holds the global residuals, so no client needs a model of its own). Each sampled
+    client is a :class:`fedexlora.run.client.Client` (:meth:`client`), as under Flower:
+    it gets ``server.payload_for(client)``, is loaded onto the shared model (with what
+    it keeps of its own, and at its own rank), refuses if its DP-SGD budget is spent,
+    trains through ``local_update``, keeps its own parts and replies; the server
+    aggregates the uploads, in the clear or through SecAgg+ played in process
+    (:class:`fedexlora.run.secure_round.SecureRun`). With DP-SGD a ledger holds every
+    client's budget (the round's privacy report).
 
     Args:
         cfg: The run configuration.
@@ -162,14 +165,12 @@ class InProcess:
         out_dir: Where client adapters go when ``cfg.save_client_adapters`` is set.
         progress: Whether to show progress bars.
         history: This method's rows so far (a resume): DP budgets continue from them.
-        personal: What each client keeps of its own (FedSA-LoRA: client -> its B and task
-            head, as flat tensors, :meth:`~fedexlora.core.state.AdapterState.to_flat`),
-            filled in as clients train; the caller checkpoints it (a resume passes it
-            back). Each client really holds its own, as under Flower.
-        accounting: Each client's own DP-SGD accounting (client -> plan and steps,
-            :meth:`fedexlora.training.privacy.Ledger.state`), kept up to date after every
-            round; the caller checkpoints it (a resume passes it back). Under secure
-            aggregation no row holds any client's figures, so it is the only record.
+        clients: The clients' store (:class:`fedexlora.run.client_store.MemoryStore`):
+            what each keeps of its own (FedSA-LoRA: its B and task head, as flat tensors)
+            and its own DP-SGD record (plan and steps, kept up to date after every
+            round; under secure aggregation no row holds it), filled in as clients
+            train; the caller checkpoints it (a resume passes it back). Each client
+            really holds its own, as under Flower.
         local_update: A client's training step, called as
             :func:`fedexlora.run.client_step.local_update` (its default) is, returning the
             client's upload: a caller may wrap it to watch clients or play faulty ones.
@@ -189,8 +190,7 @@ class InProcess:
         out_dir: Path | None = None,
         progress: bool = True,
         history: list[dict] | None = None,
-        personal: dict[int, dict[str, torch.Tensor]] | None = None,
-        accounting: dict[int, dict[str, float]] | None = None,
+        clients: MemoryStore | None = None,
         local_update: Callable[..., ClientUpload] | None = None,
         secure_reply: Callable[..., bytes | None] | None = None,
     ):
@@ -200,7 +200,9 @@ class InProcess:
         self.model, self.server = model, server
         self.spec = spec = get_method(method)
         self.out_dir, self.progress = out_dir, progress
-        self.own = {} if personal is None else personal
+        # what the clients keep: their kept parts and DP records, checkpointed by the run
+        self.store = MemoryStore() if clients is None else clients
+        # nproc_per_client > 1: the node's worker group (fedexlora.run.workers)
         self.local_update = update_for(cfg) if local_update is None else local_update
         self.secure_reply = secure_reply
         centralized = not spec.federated
@@ -216,75 +218,47 @@ class InProcess:
 
             check_model(model)
             self.ledger = Ledger.for_run(cfg, [len(d) for d in self.client_data])
-            if accounting:  # the clients' own record (a resume)
-                self.ledger.load_state(accounting)
+            if self.store.records:  # the clients' own record (a resume)
+                self.ledger.load_state(self.store.records)
             elif history:  # a run checkpointed before the clients kept it: the last row
                 self.ledger.restore(history[-1])
-        self.accounting = {} if accounting is None else accounting
         self.secure = cfg.secure_aggregation and spec.federated
+        self.holder = SharedModel(model, server, cfg, method)  # one model for all
 
-    def _refused(self, sampled: list[int]) -> tuple[list[int], dict[int, int]]:
-        """DP-SGD: the sampled clients whose budget is spent, and the others' steps."""
-        if self.ledger is None:
-            return [], {}
-        from fedexlora.training.privacy import steps_per_round
-
-        refused, wants = [], {}
-        for c in sampled:
-            want = (
-                self.steps
-                if self.steps is not None
-                else steps_per_round(self.cfg, len(self.client_data[c]))
-            )
-            if self.ledger.allow(c, want):
-                wants[c] = want
-            else:
-                refused.append(c)  # its budget is spent: not trained, nothing sent
-        return refused, wants
+    def client(self, c: int) -> Client:
+        """Client ``c`` of this round, on the shared model."""
+        return Client(
+            self.cfg, self.method, c, self.client_data[c], self.holder, self.store,
+            prep=self.prep, update=self.local_update, steps=self.steps,
+            progress=self.progress,
+            budget=None if self.ledger is None else self.ledger.budgets[c],
+        )  # fmt: skip
 
     def train_round(self, rnd: int) -> RoundTraffic:
         """Round ``rnd``: the sampled clients trained in turn, their uploads aggregated."""
-        cfg, method, model, server = self.cfg, self.method, self.model, self.server
+        cfg, method, server = self.cfg, self.method, self.server
         t0 = time.perf_counter()
         sampled = server.sample(rnd)
         uploads, bytes_up, bytes_down, down_max = [], 0, 0, 0
-        refused, wants = self._refused(sampled)
+        clients = {c: self.client(c) for c in sampled}
+        refused = [c for c in sampled if clients[c].refuses()]  # budget spent: not trained
         training = [c for c in sampled if c not in refused]
         sround = (
-            SecureRun(
-                server,
-                method,
-                training,
-                cfg.seed,
-                rnd,
-                reply=self.secure_reply,
-                secret_rounding=cfg.dp and not cfg.dp_reproducible,
-            )  # fmt: skip
+            SecureRun(server, method, training, cfg.seed, rnd, reply=self.secure_reply)
             if self.secure
             else None
         )
         for c in training:
             if sround is not None and c not in sround.collecting:
                 continue  # dropped out before stage 2: not sent a payload
-            payload = server.payload_for(c)
+            client, payload = clients[c], server.payload_for(c)
             bytes_down += payload.nbytes
             down_max = max(down_max, payload.nbytes)
-            set_state(model, server.state)  # the shared base already holds the residuals
-            if c in self.own and not payload.reset:  # what it keeps (MethodSpec.keeps)
-                set_state(model, AdapterState.from_flat(self.own[c]))
-            with _client_view(model, server, c, client_adapter(cfg, method, c)):
-                up = self.local_update(
-                    cfg, method, model, self.client_data[c], rnd, c, steps=self.steps,
-                    progress=self.progress,
-                    dp=None if self.ledger is None else self.ledger.budgets[c],
-                    tokenizer=self.prep.tokenizer,
-                )  # fmt: skip
-            if self.ledger is not None:
-                self.ledger.record(c, wants[c])
-            if self.spec.personalized:
-                self.own[c] = get_state(model, **self.spec.kept_parts()).to_flat()
+            client.apply(payload)
+            up = client.train(rnd)
+            client.keep(payload.version)
             if sround is not None:
-                sent = sround.reply(c, up)
+                sent = sround.reply(client, up)
                 if not sent:
                     continue  # dropped out: its upload never arrived
                 bytes_up += sent
@@ -293,7 +267,7 @@ class InProcess:
             uploads.append(up)
             if cfg.save_client_adapters and self.out_dir is not None:
                 # the client's own model, as it trained it (the weight comes with the outcome)
-                save_client_adapter(model, self.out_dir, rnd, c, up.num_examples)
+                client.save_adapter(self.out_dir, rnd, up.num_examples)
         if sround is not None:
             outcome = sround.aggregate()
             uploads = [u for u in uploads if u.client_id in outcome.accepted]
@@ -317,24 +291,13 @@ class InProcess:
         """The round's privacy report; each client's own accounting kept up to date."""
         if self.ledger is None:
             return None
-        self.accounting.update(self.ledger.state())
+        self.store.records.update(self.ledger.state())
         # under secure aggregation a client's figures would tell its example count
         return self.ledger.row(refused, kept=self.secure)
 
     def evaluate_clients(self, clients: list[int]) -> dict[int, tuple[dict[str, float], int]]:
         """Each client's own model (the global parts and what it keeps) on its test split."""
-        per_client = {
-            c: evaluate_personal(
-                self.cfg,
-                self.method,
-                self.model,
-                self.prep,
-                c,
-                self.server.state,
-                AdapterState.from_flat(self.own[c]),
-            )  # fmt: skip
-            for c in clients
-        }
+        per_client = {c: self.client(c).evaluate(self.server.state) for c in clients}
         set_state(self.model, self.server.state)
         return per_client
 
@@ -345,28 +308,3 @@ class InProcess:
         for c, w in traffic.outcome.weights.items():
             meta = RunLayout(self.out_dir).client_adapter_meta(traffic.round, c)
             meta.write_text(json.dumps({**json.loads(meta.read_text()), "weight": w}))
-
-
-@contextlib.contextmanager
-def _client_view(model, server: Server, client: int, adapter: str | None):
-    """Temporarily turns the shared model into a client of another rank.
-
-    The client's remainder ``T_c`` is folded into the shared base under the client's own
-    adapter and scale, and restored bit for bit afterwards.
-    """
-    if adapter is None:
-        yield
-        return
-    snapshot = snapshot_base(model)
-    info = layer_info(model, adapter)
-    remainder = server.remainder.get(client, {})
-    fold_residuals(
-        model, {n: t.scaled(1.0 / info[n].scale) for n, t in remainder.items()}, adapter=adapter
-    )
-    model.set_adapter(adapter)
-    set_state(model, server.sent[client], adapter=adapter)
-    try:
-        yield
-    finally:
-        restore_base(model, snapshot)
-        model.set_adapter("default")

@@ -30,12 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fedexlora.config import RunConfig, load_run_config
 from fedexlora.core.methods.spec import EXACT_BOUND, ROUNDING_MARGIN
 from fedexlora.run.build import Prepared, new_model, new_server, prepare
-from fedexlora.run.checkpoint import DP_PREFIX, config_fingerprint, save_checkpoint
+from fedexlora.run.checkpoint import config_fingerprint, save_checkpoint
+from fedexlora.run.client_store import MemoryStore
 from fedexlora.run.layout import RunError, RunLayout, append_row, write_atomic, write_rows
 from fedexlora.run.recipes import get_recipe, paper_section, recipe_section
 from fedexlora.run.report import read_metrics, write_summary
@@ -58,12 +57,11 @@ class MethodRun:
         server: The method's :class:`fedexlora.server.Server`.
         rows: Its metrics rows, restored ones first.
         restored: How many of ``rows`` came from a checkpoint (a resume).
-        personal: What the in-process engine's clients keep of their own between rounds
-            (FedSA-LoRA: client -> its B and head as flat tensors), checkpointed with the
-            server.
-        accounting: The in-process engine's clients' own DP-SGD accounting (client ->
-            plan and steps, :meth:`fedexlora.training.privacy.Ledger.state`), checkpointed
-            with them: under secure aggregation no row holds it.
+        clients: The in-process engine's clients' store
+            (:class:`fedexlora.run.client_store.MemoryStore`: what they keep of their own
+            between rounds, and their DP-SGD records, which under secure aggregation no
+            row holds), checkpointed with the server as it gives itself
+            (:meth:`~fedexlora.run.client_store.MemoryStore.to_flat`).
     """
 
     method: str
@@ -71,8 +69,7 @@ class MethodRun:
     server: Any
     rows: list[dict] = field(default_factory=list)
     restored: int = 0
-    personal: dict = field(default_factory=dict)
-    accounting: dict = field(default_factory=dict)
+    clients: MemoryStore = field(default_factory=MemoryStore)
 
     @property
     def new_rows(self) -> list[dict]:
@@ -98,7 +95,7 @@ class Run:
         first_model: The model whose tokenizer encoded the task, for the first method
             of ``cfg.methods`` when it is not restored (it is not loaded twice);
             ``None``: every method loads its own.
-        restored: Method -> ``(model, server, personal, accounting)`` brought back from its newest
+        restored: Method -> ``(model, server, clients)`` brought back from its newest
             intact checkpoint.
         done_rows: Method -> the rows that checkpoint holds.
     """
@@ -210,17 +207,16 @@ class Run:
         """
         for method in self.cfg.methods:
             rows = list(self._done_rows.get(method, []))
-            personal: dict = {}
-            accounting: dict = {}
+            clients = MemoryStore()
             if method in self._restored:
-                model, server, personal, accounting = self._restored.pop(method)
+                model, server, clients = self._restored.pop(method)
             else:
                 model = self._first_model
                 if model is None:
                     model = new_model(self.cfg, self.task, method)[0]
                 server = new_server(self.cfg, method, model)
             self._first_model = None
-            current = MethodRun(method, model, server, rows, len(rows), personal, accounting)
+            current = MethodRun(method, model, server, rows, len(rows), clients)
             if server.round < self.cfg.rounds:
                 t0 = time.perf_counter()
                 yield current
@@ -250,14 +246,7 @@ class Run:
             },
             keep=self.cfg.keep_checkpoints,
             base=base_deltas(current.model),
-            clients={
-                **{f"{c}.{k}": t for c, own in current.personal.items() for k, t in own.items()},
-                **{
-                    f"{c}.{DP_PREFIX}{k}": torch.tensor(v, dtype=torch.float64)
-                    for c, rec in current.accounting.items()
-                    for k, v in rec.items()
-                },
-            },
+            clients=current.clients.to_flat(),
         )
 
     def _check_exact(self, method: str, row: dict) -> None:

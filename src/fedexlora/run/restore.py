@@ -14,11 +14,11 @@ from fedexlora.run.build import new_model, new_server
 from fedexlora.run.checkpoint import (
     BASE_DELTAS,
     CLIENTS,
-    DP_PREFIX,
     CheckpointError,
     checkpoints,
     load_checkpoint,
 )
+from fedexlora.run.client_store import MemoryStore
 from fedexlora.run.layout import RunLayout, write_rows
 
 __all__ = [
@@ -66,9 +66,9 @@ def apply_base_deltas(model, deltas: dict[str, torch.Tensor]) -> None:
 def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: str | None):
     """A fresh model and server brought to the state of checkpoint ``ckpt``.
 
-    ``info["personal"]`` is what the simulated clients kept of their own (client ->
-    module -> tensor; empty for most methods), ``info["accounting"]`` their DP-SGD
-    accounting (client -> plan and steps, :meth:`fedexlora.training.privacy.Ledger.state`).
+    ``info["clients"]`` is what the in-process clients kept of their own, their store
+    (:class:`fedexlora.run.client_store.MemoryStore`: their kept parts, empty for most
+    methods, and their DP-SGD records).
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -85,14 +85,7 @@ def restore_model(cfg: RunConfig, task, method: str, ckpt: Path, fingerprint: st
         ) from None
     apply_base_deltas(model, deltas)
     set_state(model, server.state)
-    info["personal"] = personal = {}
-    info["accounting"] = accounting = {}
-    for key, t in own.items():
-        c, _, flat_key = key.partition(".")
-        if flat_key.startswith(DP_PREFIX):  # its DP-SGD plan and steps (its own ledger)
-            accounting.setdefault(int(c), {})[flat_key.removeprefix(DP_PREFIX)] = t.item()
-        else:
-            personal.setdefault(int(c), {})[flat_key] = t
+    info["clients"] = MemoryStore.from_flat(own)  # the in-process clients' own
     return model, tokenizer, server, info
 
 
@@ -140,8 +133,8 @@ def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
     was not checkpointed are dropped: it runs again). Shared by both engines.
 
     Returns:
-        ``(restored, done_rows)``: method -> ``(model, server, personal, accounting)``
-        (what its simulated clients keep of their own, and their DP-SGD accounting),
+        ``(restored, done_rows)``: method -> ``(model, server, clients)`` (its in-process
+        clients' store: what they keep of their own, and their DP-SGD records),
         and method -> its rows, for the methods that have a checkpoint.
     """
     layout = RunLayout(out)
@@ -152,7 +145,7 @@ def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
         if found is None:
             continue
         model, _, server, info = found
-        restored[method] = (model, server, info["personal"], info["accounting"])
+        restored[method] = (model, server, info["clients"])
         done_rows[method] = info["rows"]
         say(f"resuming {method} after round {server.round}")
     write_rows(layout.metrics, [r for m in cfg.methods for r in done_rows.get(m, [])])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
+from fedexlora.run.secure_client import SecureClient, clipped_warning
 from fedexlora.server.server import Server
 
 __all__ = ["SecureRun"]
@@ -20,7 +21,8 @@ class SecureRun:
     """One secure round in-process: the server's SecAgg+ side and each client's.
 
     The server's side sees only what Flower's would: the clients' replies to each
-    stage, and their masked vectors (:mod:`fedexlora.secagg.rounds`).
+    stage, and their masked vectors (:mod:`fedexlora.secagg.rounds`). Each client's side
+    is a :class:`fedexlora.run.secure_client.SecureClient`, as under Flower.
     """
 
     def __init__(
@@ -32,19 +34,13 @@ class SecureRun:
         rnd: int,
         *,
         reply: Callable[..., bytes | None] | None = None,
-        secret_rounding: bool = False,
     ):
-        from fedexlora.secagg.protocol import ClientSession
         from fedexlora.secagg.rounds import SecAggError, SecureRound
 
-        self.server = server
-        # each client's stochastic rounding: from the seed, or (DP) from OS entropy
-        self.run_seed, self.rnd = (None if secret_rounding else seed), rnd
-        if reply is None:
-            from fedexlora.secagg.rounds import client_reply as reply
+        self.server, self.method, self.rnd = server, method, rnd
         self.client_reply = reply
         self.clients = list(clients)
-        self.sessions = {c: ClientSession(c) for c in clients}
+        self.sessions = {c: SecureClient(c) for c in clients}  # each client's side
         self.masked: dict[int, bytes] = {}
         self.refused: dict[int, str] = {}
         self.error: str | None = None
@@ -66,22 +62,24 @@ class SecureRun:
             self.error = str(exc)
 
     def _exchange(self, stage: str, messages: dict[int, dict]) -> dict[int, dict]:
-        from fedexlora.secagg.rounds import client_session_reply
         from fedexlora.secagg.traffic import protocol_nbytes
 
         if stage == "setup":
             messages = self.setups
-        replies = {c: client_session_reply(self.sessions[c], stage, m) for c, m in messages.items()}
+        replies = {c: self.sessions[c].answer(stage, m) for c, m in messages.items()}
         self.protocol_bytes += sum(protocol_nbytes(r) for r in replies.values())
         return replies
 
-    def reply(self, c: int, up) -> int:
-        """Client ``c``'s masked vector (through :attr:`client_reply`); its bytes."""
+    def reply(self, client, up) -> int:
+        """A client's masked vector (:meth:`fedexlora.run.client.Client.reply`); its bytes.
+
+        Args:
+            client: The :class:`fedexlora.run.client.Client`.
+            up: Its upload.
+        """
+        c = client.client
         try:
-            data = self.client_reply(
-                self.sessions[c], self.setups[c], self.collecting[c], up,
-                seed=self.run_seed, rnd=self.rnd,
-            )  # fmt: skip
+            data = client.reply(up, self.sessions[c], self.collecting[c], reply=self.client_reply)
         except ValueError as exc:  # a client refuses to send what it must not (NaN)
             self.refused[c] = str(exc)
             data = None
@@ -120,9 +118,8 @@ class SecureRun:
         )
         if sums.clipped:
             warnings.warn(
-                f"secure aggregation clipped {sums.clipped} numbers beyond "
-                f"±{self.round.quant.clip:g} in round {self.server.round}: the model is not "
-                "exact this round",
+                clipped_warning(self.method, self.server.round, sums.clipped,
+                                self.round.quant.clip),
                 stacklevel=2,
-            )
+            )  # fmt: skip
         return outcome

@@ -9,7 +9,8 @@ steps, in all rounds, is at most ``epsilon`` at ``delta`` under Opacus's RDP acc
 
 What the server does with the uploads (averaging, the FedEx residual) is
 post-processing of DP outputs, so the guarantee holds for every method. A client whose
-next round would take it past its planned steps is not trained (:meth:`Ledger.allow`).
+next round would take it past its planned steps is not trained (:meth:`Budget.allows`,
+which every engine's client asks: :meth:`fedexlora.run.client.Client.refuses`).
 
 The ledger is the record: each round's ``metrics.jsonl`` row carries
 :meth:`Ledger.row`, from which anyone can recompute every client's epsilon with an
@@ -282,6 +283,15 @@ class Budget:
         """Epsilon spent so far."""
         return epsilon_spent(self.noise_multiplier, self.sample_rate, self.steps, delta)
 
+    def allows(self, steps: int) -> bool:
+        """Whether ``steps`` more steps stay within the plan: every engine's one test."""
+        return self.steps + int(steps) <= self.planned_steps
+
+    def record(self) -> dict[str, float]:
+        """Its plan and steps taken: what a client keeps (its store, a checkpoint)."""
+        return {"noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
+                "planned_steps": self.planned_steps, "steps": self.steps}  # fmt: skip
+
 
 def plan(cfg, sizes: list[int]) -> dict[int, Budget]:
     """Each client's noise multiplier for ``cfg.dp_epsilon`` over its planned steps.
@@ -357,15 +367,6 @@ class Ledger:
         check_delta(cfg.dp_delta, sizes)
         return cls(float(cfg.dp_epsilon), float(cfg.dp_delta), plan(cfg, sizes))
 
-    def allow(self, client: int, steps: int) -> bool:
-        """Whether ``client`` may take ``steps`` more steps within its budget."""
-        b = self.budgets[client]
-        return b.steps + steps <= b.planned_steps
-
-    def record(self, client: int, steps: int) -> None:
-        """Counts ``steps`` taken by ``client``."""
-        self.budgets[client].steps += int(steps)
-
     def restore(self, row: dict) -> None:
         """Continues from a previous round's row (a resume): the plan it was made with.
 
@@ -381,11 +382,7 @@ class Ledger:
 
     def state(self) -> dict[int, dict[str, float]]:
         """Each client's plan and steps taken: what a client keeps (a checkpoint)."""
-        return {
-            c: {"noise_multiplier": b.noise_multiplier, "sample_rate": b.sample_rate,
-                "planned_steps": b.planned_steps, "steps": b.steps}
-            for c, b in self.budgets.items()
-        }  # fmt: skip
+        return {c: b.record() for c, b in self.budgets.items()}
 
     def load_state(self, state: dict[int, dict[str, float]]) -> None:
         """Continues from :meth:`state` (a resume): the plan it was made with, its steps."""
