@@ -27,7 +27,33 @@ def _rel(got, want, w0) -> float:
     )
 
 
-def test_flowertune_app_on_smollm2_4bit(monkeypatch, tmp_path, task_identity):
+SEQ = 96  # tokens per example: a short question in SmolLM2's chat template, and answer
+
+
+def _short_gsm8k(n: int | None = None):
+    """GSM8K's training items whose question is short (at most 200 characters; with the
+    chat template, at most 85 tokens), the first ``n`` of them (or all): at ``SEQ``
+    tokens, every example still trains on part of its answer (none is a batch of
+    prompt tokens only, whose loss would be empty), and no step pays for 192."""
+    from fedexlora.tasks.data import load_task
+
+    train = load_task("gsm8k", seed=0, test_fraction=0.2).train
+    keep = [i for i, p in enumerate(train["prompt"]) if len(p) <= 200]
+    assert len(keep) >= (n or 15), len(keep)
+    return train.select(keep[:n])
+
+
+@pytest.fixture(scope="module")
+def short_gsm8k_jsonl(tmp_path_factory):
+    """Those GSM8K items as a task file (prompt, response, answer), for the app."""
+    path = tmp_path_factory.mktemp("gsm8k") / "gsm8k-short.jsonl"
+    with open(path, "w") as f:
+        for row in _short_gsm8k():
+            f.write(json.dumps({k: row[k] for k in ("prompt", "response", "answer")}) + "\n")
+    return str(path)
+
+
+def test_flowertune_app_on_smollm2_4bit(monkeypatch, tmp_path, task_identity, short_gsm8k_jsonl):
     from flwr.app import Context, RecordDict
     from peft import PeftModel
 
@@ -35,8 +61,9 @@ def test_flowertune_app_on_smollm2_4bit(monkeypatch, tmp_path, task_identity):
     from test_flowertune_app import APP, _weights, app_settings
 
     settings = app_settings(**{
+        "static.dataset.name": short_gsm8k_jsonl,
         "num-server-rounds": 2, "train.training-arguments.max-steps": 1,
-        "train.seq-length": 192, "eval.items": 1, "eval.max-new-tokens": 12,
+        "train.seq-length": SEQ, "eval.items": 1, "eval.max-new-tokens": 12,
         "results-dir": str(tmp_path / "results"),
     })  # fmt: skip
     assert settings["model.name"] == "smollm2-135m" and settings["model.quantization"] == 4
@@ -66,17 +93,15 @@ def test_flowertune_app_on_smollm2_4bit(monkeypatch, tmp_path, task_identity):
 
 
 def test_trl_sft_example_on_smollm2_fp32(tmp_path):
-    from fedexlora.tasks.data import load_task
     from test_fp32_side_branch import _forward_weights
 
     ex = _load("examples/trl_sft/train.py")
     base, tok = ex.load_base("smollm2-135m")
-    task = load_task("gsm8k", seed=0, test_fraction=0.2)
-    data = ex.conversations(task.train.select(range(12)))
+    data = ex.conversations(_short_gsm8k(12))
     shards = [data.shard(3, i) for i in range(3)]
     w0 = _forward_weights(ex.lora_model(base))
     glob, _, _, history = ex.federate(
-        base, tok, shards, rounds=2, steps=1, out=str(tmp_path / "out"), max_length=192
+        base, tok, shards, rounds=2, steps=1, out=str(tmp_path / "out"), max_length=SEQ
     )
     want = hand_ideal(w0, [(o, u) for o, u, _ in history], scale=ex.LORA["lora_alpha"] / 8)
     err = _rel(_forward_weights(glob), want, w0)

@@ -148,3 +148,22 @@ def test_side_branch_cost_compares_the_fold_with_the_side_branch(tiny_cfg):
     assert all(_side(layer) is None for layer in lora_layers(folded).values())
     assert any(not torch.equal(v, folded.state_dict()[k]) for k, v in before.items())
     assert all(_side(layer).rank == 1 for layer in lora_layers(side).values())
+
+
+def test_distributed_client_table_gives_each_rank_its_share_of_one_process():
+    """``benchmarks/distributed_client.py``: base + side per rank over one process's, and
+    that times N (1.0 when sharded, N when every rank holds it all)."""
+    mod = _script("distributed_client")
+    row = dict(trained=8, peak=3e9, libs=1e9, step_s=1.0)
+    rows = [
+        dict(mode="one", N=1, rank=0, frozen=400, side=800, **row),
+        dict(mode="ddp", N=2, rank=1, frozen=400, side=800, **row),
+        dict(mode="fsdp", N=2, rank=1, frozen=200, side=420, **row),
+    ]
+    lines = mod.table(rows).splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert [c[6:8] for c in cells] == [
+        ["1.0000", "1.0000"],
+        ["1.0000", "2.0000"],
+        ["0.5167", "1.0333"],
+    ]

@@ -67,6 +67,18 @@ def _strace_prefix(log: Path) -> list[str]:
     ]
 
 
+def _client_state(run: Path) -> dict[str, int]:
+    """Every file under ``run/client-state`` and its modification time (ns)."""
+    root = run / "client-state"
+    out = {}
+    for p in root.rglob("*") if root.is_dir() else []:
+        try:
+            out[str(p)] = p.stat().st_mtime_ns
+        except OSError:  # replaced while listed
+            pass
+    return out
+
+
 @pytest.fixture(scope="module")
 def killed_and_resumed(tmp_path_factory, tiny_bert_dir, tiny_csv):
     """``--engine flower`` SIGKILLed (its whole process group) in round 2, then resumed
@@ -76,7 +88,7 @@ def killed_and_resumed(tmp_path_factory, tiny_bert_dir, tiny_csv):
     cfg.write_text(
         f'model = "{tiny_bert_dir}"\ntask = "{tiny_csv}"\n'
         f"methods = {json.dumps(METHODS)}\nrounds = {ROUNDS}\n"
-        'engine = "flower"\nlocal_steps = 80\nbatch_size = 8\nnum_clients = 2\n'
+        'engine = "flower"\nlocal_steps = 20\nbatch_size = 8\nnum_clients = 2\n'
         'min_partition_size = 5\nmax_length = 16\nlora_r = 4\ntarget_modules = ["query", "value"]\n'
         'keep_checkpoints = 1\nreport_to = ["tensorboard"]\n'
     )
@@ -101,8 +113,12 @@ def killed_and_resumed(tmp_path_factory, tiny_bert_dir, tiny_csv):
         if done is not None and done.name == "round-0001":
             break
         time.sleep(0.05)
-    time.sleep(0.3)  # into round 2: its clients are training (80 local steps each: a round
-    # lasts well over 0.3 s even in the machine's fast phases; at 20 it did not always)
+    # Into round 2 by its progress, not the clock: the one ClientApp actor trains the two
+    # clients in turn, and the first one's round-2 state lands in client-state/ while the
+    # second one trains (a kill on a timer needed 80 local steps to land in any phase).
+    before = _client_state(run)
+    while time.monotonic() < deadline and proc.poll() is None and _client_state(run) == before:
+        time.sleep(0.005)
     tree = set(_descendants(proc.pid))
     assert proc.poll() is None, "the run ended before it could be killed: " + proc.output()[-3000:]
     os.killpg(proc.pid, signal.SIGKILL)
