@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from fedexlora.training.sharded_side import ShardedSide
 
 if TYPE_CHECKING:
-    from fedexlora.training.local import TrainResult
+    from fedexlora.training.batches import TrainResult
 
 __all__ = [
     "DistContext",
@@ -472,7 +472,7 @@ def train_sharded(
     rank (``seed`` on rank 0), so it cannot equal one process's masks: exactness against
     one process holds without dropout.
     """
-    from fedexlora.training.local import TrainResult, _schedule
+    from fedexlora.training.batches import TrainResult, _schedule
 
     check_supported(ctx.mode, dp=dp is not None, penalty=penalty is not None)
     if ctx.mode == "fsdp":
@@ -535,7 +535,7 @@ def backward_share(model, data, idx: Sequence[int], ctx: DistContext, *, params,
     batch's mean loss (whole on every rank under ``ddp``; this rank's shard under
     ``fsdp``). Returns this rank's part of the batch's mean loss (their sum is the mean).
     """
-    from fedexlora.training.local import _amp, _collate
+    from fedexlora.training.batches import _amp, _collate
 
     rank, world = ctx.rank, ctx.world_size
     lo, hi = share(len(idx), rank, world)

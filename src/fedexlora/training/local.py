@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from fedexlora.training.batches import TrainResult, _amp, _collate, _schedule
+
 __all__ = [
     "Encoded",
     "TrainResult",
@@ -128,41 +130,6 @@ def encode(dataset, tokenizer, *, kind: str, max_length: int, template: str = "q
     return Encoded(list(enc["input_ids"]), list(dataset["label"]), kind, pad_id)
 
 
-def _collate(batch: Encoded, device, pad_to: int = 0) -> dict[str, torch.Tensor]:
-    n = max(pad_to, *(len(x) for x in batch.input_ids))
-    ids = torch.full((len(batch), n), batch.pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), n), dtype=torch.long)
-    for i, x in enumerate(batch.input_ids):
-        ids[i, : len(x)] = torch.tensor(x)
-        mask[i, : len(x)] = 1
-    out = {"input_ids": ids, "attention_mask": mask}
-    if batch.kind == "causal_lm":
-        lab = torch.full((len(batch), n), -100, dtype=torch.long)
-        for i, y in enumerate(batch.labels):
-            lab[i, : len(y)] = torch.tensor(y)
-        out["labels"] = lab
-    elif batch.kind == "regression":
-        out["labels"] = torch.tensor(batch.labels, dtype=torch.float32)
-    else:
-        out["labels"] = torch.tensor(batch.labels, dtype=torch.long)
-    return {k: v.to(device) for k, v in out.items()}
-
-
-@dataclass
-class TrainResult:
-    """What local training reports.
-
-    Attributes:
-        loss: Mean training loss over the steps taken.
-        steps: Optimizer steps taken.
-        num_examples: Examples in the local dataset.
-    """
-
-    loss: float
-    steps: int
-    num_examples: int
-
-
 def train_local(
     model: torch.nn.Module,
     data: Encoded,
@@ -265,18 +232,6 @@ def train_local(
     return TrainResult(loss=sum(losses) / len(losses), steps=total, num_examples=n)
 
 
-def _schedule(total: int, warmup_ratio: float):
-    """Linear warm-up over ``warmup_ratio`` of ``total`` steps, then linear decay to 0."""
-    warm = int(warmup_ratio * total)
-
-    def schedule(step: int) -> float:
-        if step < warm:
-            return (step + 1) / (warm + 1)
-        return max(0.0, (total - step) / max(1, total - warm))
-
-    return schedule
-
-
 def _train_dp(
     model, data: Encoded, dp, *, epochs, steps, batch_size, lr, weight_decay, warmup_ratio,
     seed, device, desc, progress, autocast, reproducible=False,
@@ -366,13 +321,6 @@ def _train_dp(
     model.eval()
     loss = sum(losses) / len(losses) if losses else float("nan")
     return TrainResult(loss=loss, steps=total, num_examples=n)
-
-
-def _amp(device, dtype: torch.dtype | None):
-    dev = torch.device(device)
-    return torch.autocast(
-        device_type=dev.type, dtype=dtype or torch.float32, enabled=dtype is not None
-    )
 
 
 @torch.no_grad()
