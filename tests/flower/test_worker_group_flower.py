@@ -23,7 +23,7 @@ from test_flower import InProcessGrid
 
 # a worker group started twice (torchrun and two ranks importing torch, transformers and
 # peft); measured on the 2-core dev machine under the load of five sessions (2026-12-06)
-pytestmark = [pytest.mark.integration, pytest.mark.slow(seconds=310)]
+pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow(seconds=310)]
 
 
 class RaisingGrid(InProcessGrid):

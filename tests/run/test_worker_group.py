@@ -25,7 +25,7 @@ from fedexlora.run.inprocess import run_experiment
 # each test starts (or reuses) a worker group: torchrun and two ranks that import torch,
 # transformers and peft; measured on the 2-core dev machine under the load of five
 # sessions (2026-12-06)
-pytestmark = [pytest.mark.integration, pytest.mark.slow(seconds=350)]
+pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow(seconds=350)]
 
 KILL_TIMEOUT_S = 30.0  # a dead rank is noticed well within this (a stale heartbeat alone: 60 s)
 

@@ -122,10 +122,10 @@ class RunLayout:
         return self.metrics.is_file() and self.metrics.stat().st_size > 0
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str | bytes) -> None:
     """Writes ``text`` to ``path`` through a temporary file and a rename: whole or not at all."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
+    with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

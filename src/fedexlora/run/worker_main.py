@@ -29,16 +29,9 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+from fedexlora.run.layout import write_atomic
+
 POLL_S = 0.05
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _heartbeat(path: Path, every: float, stop: threading.Event) -> None:
@@ -80,7 +73,7 @@ def main(jobdir: str) -> int:
     try:
         return _serve(root, cfg, method, owner, idle_s, rank)
     except BaseException:
-        _write_atomic(root / f"error-rank{rank}.txt", traceback.format_exc().encode())
+        write_atomic(root / f"error-rank{rank}.txt", traceback.format_exc().encode())
         raise
     finally:
         with contextlib.suppress(Exception):
@@ -111,7 +104,7 @@ def _serve(root: Path, cfg, method: str, owner: int | None, idle_s: float, rank:
         threading.Thread(
             target=_heartbeat, args=(root / "heartbeat", 1.0, beat), daemon=True
         ).start()
-        _write_atomic(root / "ready", b"")
+        write_atomic(root / "ready", b"")
     seq, last = 1, time.monotonic()
     try:
         while True:
@@ -132,16 +125,16 @@ def _serve(root: Path, cfg, method: str, owner: int | None, idle_s: float, rank:
                     save_file({k: v.contiguous().cpu() for k, v in flat.items()}, str(tmp))
                     os.replace(tmp, root / "results" / f"{seq}.safetensors")
                     result = {"num_examples": int(up.num_examples), "loss": up.train_loss}
-                    _write_atomic(root / "results" / f"{seq}.json", json.dumps(result).encode())
+                    write_atomic(root / "results" / f"{seq}.json", json.dumps(result).encode())
                 seq, last = seq + 1, time.monotonic()
                 continue
             if (root / "stop").exists():
                 return 0
             if rank == 0:  # rank 0 decides for all: every rank then sees the stop file
                 if time.monotonic() - last > idle_s:
-                    _write_atomic(root / "stop", b"idle")
+                    write_atomic(root / "stop", b"idle")
                 elif owner is not None and not _alive(int(owner)):
-                    _write_atomic(root / "stop", b"owner gone")
+                    write_atomic(root / "stop", b"owner gone")
             time.sleep(POLL_S)
     finally:
         beat.set()

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import functools
 import hashlib
 import json
@@ -53,6 +52,7 @@ from pathlib import Path
 
 from fedexlora.config import RunConfig
 from fedexlora.core.messages import ClientUpload
+from fedexlora.run.layout import write_atomic
 
 __all__ = ["WorkerGroup", "WorkerGroupError", "group_dir", "stop_groups", "update_for"]
 
@@ -110,16 +110,6 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Writes ``path`` through a temporary file, fsynced, then renamed."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _free_port() -> int:
@@ -230,7 +220,7 @@ class WorkerGroup:
         owner = os.getpid() if self.owned else os.getppid()
         conf = {"cfg": self.cfg.to_dict(), "method": self.method, "owner_pid": owner}
         conf["idle_s"] = IDLE_S
-        _write_atomic(self.dir / "config.json", json.dumps(conf).encode())
+        write_atomic(self.dir / "config.json", json.dumps(conf).encode())
         cmd = launch_command(self.cfg, self.dir, _free_port())
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         src = str(Path(__file__).resolve().parents[2])  # this very fedexlora, for the ranks
@@ -249,7 +239,7 @@ class WorkerGroup:
             log.close()
         info = {"key": self.key, "launcher_pid": self.proc.pid, "nproc": self.cfg.nproc_per_client}
         info.update(launcher=self.cfg.launcher, started=time.time(), owner_pid=owner)
-        _write_atomic(self.dir / "group.json", json.dumps(info).encode())
+        write_atomic(self.dir / "group.json", json.dumps(info).encode())
         _STARTED[self.dir] = self
         deadline = time.monotonic() + START_TIMEOUT_S
         while not (self.dir / "ready").exists():
@@ -270,7 +260,7 @@ class WorkerGroup:
         """Tells the group to stop, waits for it, and kills whatever is left."""
         if self.dir.exists() and self.info() is not None:
             with contextlib.suppress(OSError):
-                _write_atomic(self.dir / "stop", b"")
+                write_atomic(self.dir / "stop", b"")
             deadline = time.monotonic() + timeout
             pid = self.launcher_pid()
             while pid is not None and time.monotonic() < deadline:
@@ -334,7 +324,7 @@ class WorkerGroup:
             tmp = jobs / f".{seq}.safetensors.tmp"
             save_file(flat, str(tmp))
             os.replace(tmp, jobs / f"{seq}.safetensors")
-            _write_atomic(jobs / f"{seq}.json", json.dumps({**job, "data": data_name}).encode())
+            write_atomic(jobs / f"{seq}.json", json.dumps({**job, "data": data_name}).encode())
             done = self.dir / "results" / f"{seq}.json"
             while not done.exists():
                 why = self.problem()
@@ -353,6 +343,8 @@ class WorkerGroup:
         """One job at a time per group (clients of one node share it)."""
         self.dir.parent.mkdir(parents=True, exist_ok=True)
         with open(self.dir.parent / f"{self.key}.lock", "w") as f:
+            import fcntl  # POSIX: the group's lock (not imported with the package)
+
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 yield
@@ -367,7 +359,7 @@ def _write_data(jobdir: Path, data) -> str:
     text = json.dumps(fields).encode()
     name = f"data-{hashlib.sha256(text).hexdigest()[:16]}.json"
     if not (jobdir / "data" / name).exists():
-        _write_atomic(jobdir / "data" / name, text)
+        write_atomic(jobdir / "data" / name, text)
     return name
 
 
