@@ -798,15 +798,6 @@ class RunConfig:
                 f"`fedexlora methods`), on both engines; it cannot be combined with methods "
                 f"{other}",
             )
-        if self.engine == "flower" and self.save_client_adapters:
-            for m in self._methods_where(lambda s: s.personalized):
-                kept = " and ".join(REGISTRY[m].keeps)
-                errs.append(
-                    "`save_client_adapters` under the Flower engine saves each adapter from "
-                    f"what the server receives, and the clients of method {m!r} keep {kept} "
-                    "for themselves; fix: --engine local (each client's adapter is saved as it "
-                    "trains), or drop --save-client-adapters"
-                )
         if self.engine == "flower":
             for m in self._methods_where(lambda s: not s.flower):
                 errs.append(

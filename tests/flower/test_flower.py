@@ -372,3 +372,25 @@ def test_a_client_app_gets_the_users_home_back(monkeypatch):
     assert os.environ["HOME"] == "/home/someone" and USER_HOME_VAR not in os.environ
     restore_user_home()  # idempotent
     assert os.environ["HOME"] == "/home/someone"
+
+
+def test_a_node_that_cannot_write_its_adapter_says_so_and_replies(capsys, tmp_path):
+    """``adapters-dir`` is the server's path: on another machine it may not be writable.
+    The client names the path and goes on (its reply does not depend on the file)."""
+    from fedexlora.flower.client_app import _save_adapter
+
+    class Unwritable:
+        client = 3
+        calls: list = []
+
+        def save_adapter(self, out_dir, rnd, num_examples):
+            self.calls.append((out_dir, rnd, num_examples))
+            raise PermissionError(13, "Permission denied", str(out_dir))
+
+    node = Unwritable()
+    _save_adapter(node, "", 1, 5)  # the server asked for none
+    assert node.calls == []
+    _save_adapter(node, str(tmp_path / "server-run"), 2, 5)
+    assert node.calls == [(tmp_path / "server-run", 2, 5)]
+    out = capsys.readouterr().out
+    assert "partition 3: could not save its adapter under" in out and "server-run" in out

@@ -10,6 +10,8 @@ a feature through both engines. The Ray and SuperLink versions are in
 ``test_flower_simulation.py`` and ``test_flower_deploy.py``.
 """
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -130,6 +132,43 @@ def test_client_ranks_and_saved_adapters_match_the_local_engine(tiny_cfg, tmp_pa
                 # other groupings than the local engine's client does (2.5e-7 of 0.027 seen)
                 tol = 1e-5 * float(b[k].abs().max())
                 assert torch.allclose(a[k], b[k], rtol=1e-5, atol=tol), (rel, k)
+            # each client saved its own; the server added its weight, on both engines
+            metas = [
+                json.loads(
+                    (tmp_path / eng / f"clients/round-{rnd}/client-{c}/meta.json").read_text()
+                )
+                for eng in ("flower", "local")
+            ]
+            assert metas[0] == metas[1] and set(metas[0]) >= {"num_examples", "weight"}, metas
+
+
+def test_clients_that_keep_parts_save_their_own_adapters_under_flower(
+    tiny_cfg, tmp_path, task_identity
+):
+    """FedSA-LoRA's clients keep B and the head: the server never receives them, so only
+    the client can save its adapter. Each Flower client saves what it trained, as the
+    in-process engine's does (B kept across rounds), and the server adds the weights."""
+    cfg = tiny_cfg.replace(methods=["fedsa"], rounds=2, save_client_adapters=True)
+    local = run_experiment(cfg, tmp_path / "local", progress=False)
+    flower, _ = _flower(cfg, tmp_path / "flower")
+    _close(flower, local)
+    for rnd in (1, 2):
+        for c in range(cfg.num_clients):
+            rel = f"clients/round-{rnd}/client-{c}"
+            a = load_file(str(tmp_path / "flower" / rel / "adapter_model.safetensors"))
+            b = load_file(str(tmp_path / "local" / rel / "adapter_model.safetensors"))
+            assert set(a) == set(b) and any("lora_B" in k for k in a), rel
+            for k in a:
+                tol = 1e-5 * float(b[k].abs().max())
+                assert torch.allclose(a[k], b[k], rtol=1e-5, atol=tol), (rel, k)
+            metas = [json.loads((tmp_path / e / rel / "meta.json").read_text()) for e in
+                     ("flower", "local")]  # fmt: skip
+            assert metas[0] == metas[1] and "weight" in metas[0], metas
+    saved = tmp_path / "flower/clients/round-2"
+    b_of = [load_file(str(saved / f"client-{c}/adapter_model.safetensors"))
+            for c in range(cfg.num_clients)]  # fmt: skip
+    key = next(k for k in b_of[0] if "lora_B" in k)
+    assert not torch.equal(b_of[0][key], b_of[1][key])  # each its own B, not the server's
 
 
 def test_nf4_base_with_side_branch_matches_the_local_engine(tiny_cfg, tmp_path, task_identity):

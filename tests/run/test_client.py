@@ -158,3 +158,24 @@ def test_both_engines_run_the_one_client_and_its_one_secure_side():
     # a spent DP budget is refused in one place
     assert _calls("allows") == {"run/client.py"}
     assert _calls("refuses") == {"run/inprocess.py", "flower/client_app.py"}
+
+
+def test_the_server_weighs_the_adapters_its_clients_saved_and_names_the_missing(tmp_path):
+    """Clients write their adapters (meta: round, client, examples); the server adds each
+    weight to what is there and names the clients whose adapter is elsewhere."""
+    import json
+
+    from fedexlora.run.layout import RunLayout
+
+    layout = RunLayout(tmp_path)
+    for c in (0, 2):
+        layout.client_adapter(1, c).mkdir(parents=True)
+        layout.client_adapter_meta(1, c).write_text(json.dumps({"num_examples": 10 + c}))
+    missing = layout.weigh_client_adapters(1, {0: 0.25, 1: 0.5, 2: 0.25})
+    assert missing == [1]
+    assert json.loads(layout.client_adapter_meta(1, 0).read_text()) == {
+        "num_examples": 10,
+        "weight": 0.25,
+    }
+    assert json.loads(layout.client_adapter_meta(1, 2).read_text())["weight"] == 0.25
+    assert not layout.client_adapter(1, 1).exists()  # nothing made up for the missing

@@ -325,18 +325,33 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     )
     if refused:  # past its budget: not trained, nothing of its data sent
         metrics["dp-refused"] = 1
-    elif secure:  # masked: count and loss in the sum
-        content["config"]["secagg.masked"] = _secure_upload(context, conf, up, client)
-        if cfg.save_client_adapters and req.settings.run_dir:  # the client keeps its own
-            client.save_adapter(Path(req.settings.run_dir), rnd, int(up.num_examples))
     else:
-        up = client.reply(up)
-        content["arrays"] = to_array_record(up.state.to_flat())
-        metrics["num-examples"] = int(up.num_examples)
-        if client.budget is None:  # under DP no loss is sent (outside DP-SGD's guarantee)
-            metrics["train-loss"] = float(up.train_loss)
+        # the client keeps its adapter as trained, in the run directory the server names
+        _save_adapter(client, str(conf.get("adapters-dir", "")), rnd, int(up.num_examples))
+        if secure:  # masked: count and loss in the sum
+            content["config"]["secagg.masked"] = _secure_upload(context, conf, up, client)
+        else:
+            up = client.reply(up)
+            content["arrays"] = to_array_record(up.state.to_flat())
+            metrics["num-examples"] = int(up.num_examples)
+            if client.budget is None:  # under DP no loss is sent (outside DP-SGD's guarantee)
+                metrics["train-loss"] = float(up.train_loss)
     content["metrics"] = MetricRecord(metrics)
     return Message(content, reply_to=msg)
+
+
+def _save_adapter(client: Client, where: str, rnd: int, num_examples: int) -> None:
+    """``save_client_adapters``: the adapter as trained, into ``where``.
+
+    ``where`` is the server's run directory (``""``: not asked). A node that cannot write
+    there (another machine's path) says so and goes on: its reply does not depend on it.
+    """
+    if not where:
+        return
+    try:
+        client.save_adapter(Path(where), rnd, num_examples)
+    except OSError as exc:
+        print(f"partition {client.client}: could not save its adapter under {where}: {exc}")
 
 
 _SECAGG = "fedexlora.secagg"

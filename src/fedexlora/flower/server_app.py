@@ -26,6 +26,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedexlora.flower.records import FlowerSettings, resolve_run_config
 from fedexlora.quiet import quiet_libraries
+from fedexlora.run.layout import RunLayout
 from fedexlora.run.rounds import RoundTraffic
 
 __all__ = ["FlowerRounds", "app", "make_server_app", "run_server"]
@@ -84,6 +85,7 @@ def run_server(
             nodes,
             fingerprint=run.fingerprint,
             out_dir=run.layout.root,
+            say=say,
         ),  # fmt: skip
     )
     say(f"wrote {run.layout.metrics}")
@@ -108,6 +110,7 @@ class FlowerRounds:
         nodes: Which node holds which partition (shared by the run's methods).
         fingerprint: The configuration's fingerprint, which clients check.
         out_dir: The run directory (client adapters).
+        say: Where messages go.
     """
 
     def __init__(
@@ -120,12 +123,13 @@ class FlowerRounds:
         *,
         fingerprint: str,
         out_dir: Path,
+        say: Callable[[str], Any] = print,
     ):
         from fedexlora.flower.strategy import FedExLoRA
 
         self.grid, self.cfg, self.settings = grid, cfg, settings
         self.method, self.model, self.server = current.method, current.model, current.server
-        self.out_dir = out_dir
+        self.out_dir, self.say = out_dir, say
         self.strategy = FedExLoRA(
             self.server,
             nodes,
@@ -136,6 +140,7 @@ class FlowerRounds:
             fingerprint=fingerprint,
             effective=False,  # the loop measures it on the model
             secure=cfg.secure_aggregation,
+            adapters_dir=str(out_dir) if cfg.save_client_adapters else "",
         )
         if current.rows and current.rows[-1].get("privacy"):  # a resume: the last reports
             self.strategy.dp_reports = {
@@ -165,22 +170,20 @@ class FlowerRounds:
         return self.strategy.evaluate_personal(self.grid, clients, self.settings.round_timeout)
 
     def save_uploads(self, traffic: RoundTraffic) -> None:
-        """``save_client_adapters``: each upload as the PEFT adapter its client trained."""
-        from fedexlora.bridge.adapters import set_state
-        from fedexlora.run.build import client_adapter
-        from fedexlora.run.client_step import save_client_adapter
+        """``save_client_adapters``: each client saved its adapter; the server weighs them.
 
-        mdl = self.model
-        for up in traffic.uploads:
-            adapter = client_adapter(self.cfg, self.method, up.client_id) or "default"
-            set_state(mdl, up.state, adapter=adapter)
-            mdl.set_adapter(adapter)
-            weight = traffic.outcome.weights.get(up.client_id)
-            save_client_adapter(
-                mdl, self.out_dir, traffic.round, up.client_id, int(up.num_examples), weight
+        A client writes its adapter as it trained it into the run directory the server
+        names in its message (``adapters-dir``); one on another machine keeps it there, on
+        its own node.
+        """
+        missing = RunLayout(self.out_dir).weigh_client_adapters(
+            traffic.round, traffic.outcome.weights
+        )
+        if missing:
+            self.say(
+                f"{self.method} round {traffic.round}: the adapters of clients {missing} are "
+                f"not in {self.out_dir / 'clients'} (each keeps it on its own node)"
             )
-        mdl.set_adapter("default")
-        set_state(mdl, self.server.state)
 
 
 def make_server_app(

@@ -150,6 +150,8 @@ class FedExLoRA(FedAvg):
             sum alone (``Server.aggregate_secure``). The replies the server receives in
             the round's stages are kept in :attr:`received` (stage, partition, content)
             until the next round.
+        adapters_dir: Where each client saves the adapter it trained
+            (``save_client_adapters``), sent along as ``adapters-dir``; ``""``: nowhere.
 
     A ``server`` restored from a checkpoint continues after its round: Flower's round 1
     is then the server's round ``server.round + 1``. Before its first round the strategy
@@ -170,6 +172,7 @@ class FedExLoRA(FedAvg):
         weighted_by_key: str = "num-examples",
         effective: bool = True,
         secure: bool = False,
+        adapters_dir: str = "",
     ) -> None:
         if not server.spec.flower:  # asked of the registry now: a method added later counts
             raise ValueError(
@@ -196,6 +199,7 @@ class FedExLoRA(FedAvg):
         self.fingerprint = fingerprint
         self.effective = effective
         self.secure = secure
+        self.adapters_dir = adapters_dir
         self.received: list[tuple[str, int, Any]] = []
         self._timeout: float | None = None
         self._grid: Grid | None = None
@@ -320,6 +324,7 @@ class FedExLoRA(FedAvg):
                     "keep-state": payload.keep,
                     "fingerprint": self.fingerprint,
                     "run-token": self.nodes.run_token,
+                    "adapters-dir": self.adapters_dir,
                     **self._dp_echo(c),
                 }
             )

@@ -15,7 +15,6 @@ process). The Flower engine, its sibling, is :mod:`fedexlora.flower`.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -303,8 +302,5 @@ class InProcess:
 
     def save_uploads(self, traffic: RoundTraffic) -> None:
         """The adapters were saved as the clients trained: each gets its weight."""
-        if self.out_dir is None:
-            return
-        for c, w in traffic.outcome.weights.items():
-            meta = RunLayout(self.out_dir).client_adapter_meta(traffic.round, c)
-            meta.write_text(json.dumps({**json.loads(meta.read_text()), "weight": w}))
+        if self.out_dir is not None:
+            RunLayout(self.out_dir).weigh_client_adapters(traffic.round, traffic.outcome.weights)

@@ -113,6 +113,26 @@ class RunLayout:
         """``clients/round-<rnd>/client-<client>/meta.json``: its examples and weight."""
         return self.client_adapter(rnd, client) / "meta.json"
 
+    def weigh_client_adapters(self, rnd: int, weights: dict[int, float]) -> list[int]:
+        """Adds each client's aggregation weight to the ``meta.json`` its client wrote.
+
+        Every engine's client saves its own adapter as it trained it
+        (:meth:`fedexlora.run.client.Client.save_adapter`); the server knows only the
+        weights, which it adds here after the round.
+
+        Returns:
+            The clients whose adapter is not here (a Flower client on another machine
+            keeps it on its node, or could not write it).
+        """
+        missing = []
+        for c, w in sorted(weights.items()):
+            meta = self.client_adapter_meta(rnd, c)
+            if not meta.is_file():
+                missing.append(c)
+                continue
+            write_atomic(meta, json.dumps({**json.loads(meta.read_text()), "weight": w}, indent=2))
+        return missing
+
     def task(self, task: str) -> RunLayout:
         """The run directory of one task of a multi-task recipe."""
         return RunLayout(self.root / re.sub(r"[^A-Za-z0-9._-]+", "-", task))

@@ -34,12 +34,3 @@ def test_a_method_refuses_what_it_cannot_run_with(method, changes, message, monk
 @pytest.mark.parametrize("method", [m for m, s in REGISTRY.items() if s.check is not None])
 def test_a_method_accepts_the_defaults(method):
     assert REGISTRY[method].check(RunConfig(methods=[method])) == []
-
-
-def test_flower_cannot_save_the_adapters_of_clients_that_keep_parts():
-    """Under Flower the server saves each client adapter from its upload; FedSA-LoRA's
-    uploads hold no B, so the adapter would carry the server's B: refused, not wrong."""
-    cfg = RunConfig(methods=["fedsa"], engine="flower", save_client_adapters=True)
-    assert any("the clients of method 'fedsa' keep B and head" in e for e in cfg.errors())
-    for ok in (cfg.replace(engine="local"), cfg.replace(save_client_adapters=False)):
-        assert not any("save_client_adapters" in e for e in ok.errors())
