@@ -40,6 +40,8 @@ _QUANTIZATIONS = ("nf4", "fp4", "int8")
 _EXPORT_FORMATS = ("adapter", "merged")
 RESUME_SAFE = (
     "rounds",
+    "stop_patience",
+    "stop_at",
     "data_dir",
     "export",
     "export_format",
@@ -296,6 +298,18 @@ class RunConfig:
         10, help="Minimum examples per client", panel=FEDERATION, low=1
     )
     rounds: int = setting(3, help="Federated rounds", panel=FEDERATION, low=1)
+    stop_patience: int | None = setting(
+        help="Stop a method after this many rounds without a new best of the task's primary "
+        "metric (never past --rounds)",
+        panel=FEDERATION,
+        default_text="off",
+        low=1,
+    )
+    stop_at: float | None = setting(
+        help="Stop a method once its primary metric reaches this value (never past --rounds)",
+        panel=FEDERATION,
+        default_text="off",
+    )
     fraction: float = setting(
         1.0,
         help="Fraction of clients per round, rounded half up, at least one",

@@ -155,6 +155,8 @@ def test_privacy_study_reports_accuracy_against_epsilon(tiny_bert_dir, tiny_csv,
         (["--full-test", "--max-test", "5"], "--full-test and --max-test contradict"),
         (["--dp-epsilons", "1,x"], "--dp-epsilons must be a comma list of numbers or inf"),
         (["--dp-epsilons", "0,inf"], "--dp-epsilons must all be > 0"),
+        (["--target-fraction", "0"], "--target-fraction must be in (0, 1], got 0.0"),
+        (["--stop-patience", "0"], "--stop-patience"),
     ],
 )  # fmt: skip
 def test_compare_study_bad_input(args, match, tmp_path):
@@ -203,3 +205,61 @@ def test_privacy_report_by_hand():
     assert "| fedsb − fedex | +0.227 [" in text
     assert "fedsb is ahead in 1, behind in 0, no clear difference in 0" in text
     assert "(3 pairs): fedsb − fedex = +0.2267" in text
+
+
+def test_the_table_gives_rounds_interval_and_bytes_to_target_by_hand():
+    """Two seeds of fedex, fedit and centralized: the target is 0.9 of centralized's mean
+    final accuracy (0.9 x 0.8 = 0.72); bytes to target are summed round by round."""
+    from fedexlora.config import RunConfig
+    from fedexlora.experiments.cells import Cell, Setting
+    from fedexlora.experiments.compare_report import comparison_table
+
+    def rows(method, accs, per_round):
+        return [{"method": method, "round": i, "metrics": {"accuracy": a}, "seconds": 1.0,
+                 "bytes_up": per_round, "bytes_down": per_round, "server_seconds": 0.01,
+                 "deviation": {"mean": 0.0}, "effective_deviation": {"max": 0.0}}
+                for i, a in enumerate(accs, 1)]  # fmt: skip
+
+    s = Setting("iid-3", 3, "iid")
+    cells = {
+        # seed 0: fedex reaches 0.72 in round 2 (2 x 2 x 1000 B), fedit never
+        Cell(s, 4, None, 0): rows("fedex", [0.5, 0.75, 0.7], 1000)
+        + rows("fedit", [0.5, 0.7], 500)
+        + rows("centralized", [0.8], 0),
+        # seed 1: fedex in round 1 (2000 B), fedit in round 3 (3 x 2 x 500 B)
+        Cell(s, 4, None, 1): rows("fedex", [0.72, 0.7, 0.71], 1000)
+        + rows("fedit", [0.6, 0.7, 0.8], 500)
+        + rows("centralized", [0.8], 0),
+    }
+    cfg = RunConfig(methods=["fedex", "fedit", "centralized"], rounds=3, stop_patience=2)
+    md = comparison_table(cells, {c: cfg for c in cells}, 1.0)
+    # final 0.7 and 0.71: mean 0.705, sd 0.00707; t(0.975, 1) = 12.706
+    half = 12.7062 * 0.0070711 / math.sqrt(2)
+    ci = f"[{0.705 - half:.4f}, {0.705 + half:.4f}]"
+    # fedex: 4 kB (seed 0) and 2 kB (seed 1), mean 3 kB; fedit: 3 kB at seed 1 only
+    assert (
+        f"| fedex | 0.7050 ± 0.0071 | {ci} | 0.7350 ± 0.0212 | 3 | 6 kB | 2 kB | 3 kB (2/2) |" in md
+    )
+    assert "| fedit | 0.7500 ± 0.0707 |" in md and "| 2-3 | 2.5 kB |" in md
+    assert "| 3 kB (1/2) |" in md  # fedit's: one seed reached it
+    assert "Target accuracy: 0.7200 (0.9 of centralized's)" in md
+    md = comparison_table(cells, {c: cfg for c in cells}, 1.0, target=0.9)
+    assert "never (0/2)" in md and "Target accuracy: 0.9000;" in md
+
+
+def test_a_cell_whose_methods_all_stopped_is_done(tmp_path):
+    import json
+
+    from fedexlora.config import RunConfig
+    from fedexlora.experiments.compare import _status
+
+    cfg = RunConfig(methods=["fedex", "fedit"], rounds=10, stop_patience=1)
+    (tmp_path / "config.toml").write_text(cfg.resolved().to_toml())
+    rows = [{"method": m, "round": r, "metrics": {"accuracy": a}}
+            for m in ("fedex", "fedit") for r, a in ((1, 0.5), (2, 0.4))]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    assert _status(tmp_path, cfg) == ("resume", "resumed (3 of 20 rows done)")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _status(tmp_path, cfg) == ("done", "")
+    # with more patience the same rows are not done: the cell resumes
+    assert _status(tmp_path, cfg.replace(stop_patience=3))[0] == "resume"

@@ -42,6 +42,20 @@ _STUDIES = {
         lr=5e-3,
         max_test=None,
     ),
+    # Every method to convergence (issue #58): each stops after 3 rounds without a new best
+    # (at most 30 rounds, the same rule and budget for all), the whole test split, and
+    # bytes to reach 0.9 of centralized LoRA's accuracy.
+    "convergence": dict(
+        methods="fedex,fedit,ffa,flora,fedsb,flexlora,fedsvd,lorafair,rolora,hetlora,fedsa,"
+        "frlora,centralized",
+        ranks="4",
+        seeds="0,1,2",
+        settings="iid-3,dir0.5-3,dir0.1-10",
+        rounds=30,
+        stop_patience=3,
+        local_steps="12",
+        max_test=None,
+    ),
     # The private comparison (docs/PRIVACY.md): accuracy against epsilon, 4 methods.
     "privacy": dict(
         methods="fedex,fedit,ffa,fedsb",
@@ -67,8 +81,8 @@ DATA = "Model and data"
 TRAINING = "Training"
 PRIVACY = "Privacy and Fed-SB"
 _CONFIG_PANELS = {
-    DATA: ("model", "task", "max_length", "max_train", "max_test", "min_partition_size"),
-    TRAINING: ("rounds", "batch_size", "lr", "lora_alpha", "weighting"),
+    DATA: ("model", "task", "max_length", "max_train", "max_test", "min_partition_size", "device"),
+    TRAINING: ("rounds", "stop_patience", "stop_at", "batch_size", "lr", "lora_alpha", "weighting"),
     PRIVACY: ("dp_delta", "dp_max_grad_norm", "fedsb_rank", "fedsb_init"),
 }
 """The config fields ``compare`` offers, by panel: their options are the run's
@@ -81,8 +95,9 @@ def _params() -> list[inspect.Parameter]:
 
     return [
         option(
-            "A preset grid: 'exactness' (local steps x heterogeneity x clients) or "
-            "'privacy' (methods x epsilon, docs/PRIVACY.md)",
+            "A preset grid: 'exactness' (local steps x heterogeneity x clients), 'privacy' "
+            "(methods x epsilon, docs/PRIVACY.md) or 'convergence' (every method until it "
+            "stops improving, docs/METHODS.md)",
             "--study",
             panel=STUDY,
         ),
@@ -93,6 +108,22 @@ def _params() -> list[inspect.Parameter]:
             default=Path("runs/compare"),
             default_text="runs/compare",
             kind=Path,
+        ),
+        option(
+            "The primary metric's value whose bytes comparison.md gives per method "
+            "('bytes to target'); default: --target-fraction of centralized's",
+            "--target",
+            panel=STUDY,
+            default_text="0.9 of centralized",
+            kind=float,
+        ),
+        option(
+            "The fraction of centralized's final metric used as the target",
+            "--target-fraction",
+            panel=STUDY,
+            default=0.9,
+            default_text="0.9",
+            kind=float,
         ),
         option(
             "Also write the study report here (with several --local-steps or --dp-epsilons)",
@@ -160,6 +191,9 @@ def compare_cmd(**given) -> None:
     from fedexlora.training.privacy import DPCheckError
 
     study, out, report = given.pop("study"), given.pop("out"), given.pop("report")
+    target, fraction = given.pop("target"), given.pop("target_fraction")
+    if not 0 < fraction <= 1:
+        fail(f"--target-fraction must be in (0, 1], got {fraction}")
     full_test, max_test = given.pop("full_test"), given["max_test"]
     if study is not None and study not in _STUDIES:
         fail(f"--study: unknown study {study!r}; choose from {', '.join(_STUDIES)}")
@@ -224,6 +258,7 @@ def compare_cmd(**given) -> None:
         fail(str(in_flags(ConfigError(errs), typed)))
     _check_paths(cfg, out, report)
     command = ["fedexlora compare"] + [f"--study {study}"] * (study is not None)
+    command += [f"--target {target}"] * (target is not None)
     command += [f"--out {out}"] + [f"--report {report}"] * (report is not None)
     flag = {**FLAGS, **{k: "--" + k.replace("_", "-") for k in given if k not in FLAGS}}
     command += [f"{flag[k]} {v}" for k, v in given.items() if v is not None] + [
@@ -242,6 +277,8 @@ def compare_cmd(**given) -> None:
             epsilons=eps_list,
             report=report,
             console=console,
+            target=target,
+            target_fraction=fraction,
         )
     except (ValueError, DPCheckError) as exc:
         fail(str(exc))

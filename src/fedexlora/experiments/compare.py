@@ -31,6 +31,7 @@ from fedexlora.experiments.compare_report import (
 from fedexlora.experiments.privacy_report import plot_privacy, privacy_report
 from fedexlora.run.layout import RunLayout
 from fedexlora.run.report import read_metrics
+from fedexlora.run.stopping import cell_done, until_stop
 
 __all__ = [
     "DEFAULT_SETTINGS",
@@ -166,6 +167,8 @@ def run_grid(
     command: str | None = None,
     progress: bool = False,
     console=None,
+    target: float | None = None,
+    target_fraction: float = 0.9,
 ) -> Path:
     """Runs every cell of the grid with all of ``base.methods`` and reports.
 
@@ -193,6 +196,9 @@ def run_grid(
         command: The command line, quoted in the study report.
         progress: Progress bars.
         console: A ``rich`` console.
+        target: The primary metric's value for the "bytes to target" column (``None``:
+            ``target_fraction`` of centralized's in the same table).
+        target_fraction: See ``target``.
 
     Returns:
         The path of ``comparison.md``.
@@ -231,9 +237,15 @@ def run_grid(
         if action == "resume":  # a resume keeps the old config.toml: record the rounds run
             RunLayout(d).config.write_text(cfg.to_toml())
     elapsed = time.perf_counter() - t0
-    rows = {cell: read_metrics(RunLayout(out / cell.dirname()).metrics) for cell, _ in plan}
+    # each method's rows up to where this invocation's stopping rule stops it
+    rows = {
+        cell: until_stop(cfg, read_metrics(RunLayout(out / cell.dirname()).metrics))
+        for cell, cfg in plan
+    }
     cfgs = {cell: _saved_config(out / cell.dirname()) for cell, _ in plan}
-    md = comparison_table(rows, cfgs, elapsed, reused=reused)
+    md = comparison_table(
+        rows, cfgs, elapsed, reused=reused, target=target, target_fraction=target_fraction
+    )
     path = out / "comparison.md"
     path.write_text(md)
     plot_comparison(rows, out / "comparison.png")
@@ -269,8 +281,9 @@ def _status(d: Path, cfg: RunConfig) -> tuple[str, str]:
     if changes:
         return "replace", "; ".join(changes)
     metrics = RunLayout(d).metrics
-    n = len(read_metrics(metrics)) if metrics.is_file() else 0
-    if n == len(cfg.methods) * cfg.rounds:
+    rows = read_metrics(metrics) if metrics.is_file() else []
+    n = len(rows)
+    if cell_done(cfg, rows):  # every round of every method, or stopped by the rule
         return "done", ""
     if old.get("rounds") != cfg.rounds:
         return "resume", f"extended from {old.get('rounds')} to {cfg.rounds} rounds"

@@ -58,6 +58,8 @@ def _aggregate(rows: dict) -> dict:
             a["final"].append(vals[-1])
             a["best"].append(best_value(metric, vals))
             a["bytes"].append(sum(x["bytes_up"] + x["bytes_down"] for x in mrs))
+            a["rounds"].append(len(mrs))
+            a["curve"].append(_curve(mrs, metric))
             a["round_bytes"].append(statistics.fmean(x["bytes_up"] + x["bytes_down"] for x in mrs))
             # rows written before server_seconds existed have none
             secs = [x["server_seconds"] for x in mrs if x.get("server_seconds") is not None]
@@ -69,6 +71,49 @@ def _aggregate(rows: dict) -> dict:
             a["deviation"].append(nan if None in devs else statistics.fmean(devs))
             a["effective"].append(nan if None in effs else max(effs))
     return {k: dict(v) for k, v in agg.items()}
+
+
+def _curve(mrs: list[dict], metric: str) -> list[tuple[int, float]]:
+    """Per round: the bytes sent up and down so far, and the metric after it."""
+    out, total = [], 0
+    for x in mrs:
+        total += x["bytes_up"] + x["bytes_down"]
+        out.append((total, x["metrics"][metric]))
+    return out
+
+
+def to_target(curve: list[tuple[int, float]], target: float, higher: bool = True) -> int | None:
+    """Bytes sent until the metric first reached ``target``; ``None`` if it never did."""
+    tol = 1e-9 * max(1.0, abs(target))  # 0.9 x 0.8 is 0.7200000000000001 in floats
+    for sent, value in curve:
+        if (value >= target - tol) if higher else (value <= target + tol):
+            return sent
+    return None
+
+
+def _bytes_to_target(curves: list, target: float | None, higher: bool) -> str:
+    """Mean bytes to the target over the seeds that reached it, and how many did."""
+    if target is None:
+        return "n/a"
+    hits = [b for b in (to_target(c, target, higher) for c in curves) if b is not None]
+    if not hits:
+        return f"never (0/{len(curves)})"
+    return f"{format_bytes(statistics.fmean(hits))} ({len(hits)}/{len(curves)})"
+
+
+def _ci(xs: list[float]) -> str:
+    """The 95% t interval of the mean over seeds."""
+    if len(xs) < 2:
+        return "n/a"
+    from scipy import stats
+
+    half = float(stats.t.ppf(0.975, len(xs) - 1)) * statistics.stdev(xs) / math.sqrt(len(xs))
+    m = statistics.fmean(xs)
+    return f"[{m - half:.4f}, {m + half:.4f}]"
+
+
+def _ms_int(xs: list[int]) -> str:
+    return f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"
 
 
 def _ms(xs: list[float]) -> str:
@@ -130,7 +175,15 @@ def _steps_text(cfg: RunConfig) -> str:
     return f"{rounds} of {cfg.local_epochs:g} local epochs"
 
 
-def comparison_table(rows: dict, cfgs: dict, elapsed: float, reused: int = 0) -> str:
+def comparison_table(
+    rows: dict,
+    cfgs: dict,
+    elapsed: float,
+    reused: int = 0,
+    *,
+    target: float | None = None,
+    target_fraction: float = 0.9,
+) -> str:
     """Markdown: one table per (setting, rank, steps), mean ± std over seeds per method.
 
     Args:
@@ -138,6 +191,10 @@ def comparison_table(rows: dict, cfgs: dict, elapsed: float, reused: int = 0) ->
         cfgs: Per cell, the configuration it ran with (its labels come from there).
         elapsed: Wall seconds of this invocation.
         reused: Cells reused from an earlier invocation.
+        target: The primary metric's value whose bytes each method's row gives
+            ("bytes to target"); ``None``: ``target_fraction`` of centralized's mean final
+            value in the same table (``n/a`` without centralized).
+        target_fraction: See ``target``.
     """
     agg = _aggregate(rows)
     metric = primary_metric(next(iter(rows.values())))
@@ -190,15 +247,19 @@ def comparison_table(rows: dict, cfgs: dict, elapsed: float, reused: int = 0) ->
         head += f"), r={r}" + (f", {_steps_text(cfg)}" if st is not None or ceiling else "")
         if eps is not None:
             head += ", no DP" if math.isinf(eps) else f", DP ε={eps:g} δ={cfg.dp_delta:g}"
+        key = _key(cell, "x").rsplit("|", 1)[0]
+        present = [m for m in methods if f"{key}|{m}" in agg]
+        goal = target
+        if goal is None and f"{key}|centralized" in agg:
+            goal = target_fraction * statistics.fmean(agg[f"{key}|centralized"]["final"])
         lines += [
             head,
             "",
-            f"| method | final {metric} | best {metric} | total bytes | bytes per round "
-            "| server ms per round | mean deviation | max effective deviation |",
-            "|---|---|---|---|---|---|---|---|",
+            f"| method | final {metric} | 95% CI | best {metric} | rounds | total bytes "
+            "| bytes per round | bytes to target | server ms per round | mean deviation "
+            "| max effective deviation |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        key = _key(cell, "x").rsplit("|", 1)[0]
-        present = [m for m in methods if f"{key}|{m}" in agg]
         for m in present:
             a = agg[f"{key}|{m}"]
             dev, eff = statistics.fmean(a["deviation"]), max(a["effective"])
@@ -206,12 +267,22 @@ def comparison_table(rows: dict, cfgs: dict, elapsed: float, reused: int = 0) ->
             srv = statistics.fmean(a["server_seconds"])
             lines.append(
                 f"| {m}{' (personalized)' if personal else ''} | {_ms(a['final'])} | "
-                f"{_ms(a['best'])} | {format_bytes(statistics.fmean(a['bytes']))} | "
+                f"{_ci(a['final'])} | {_ms(a['best'])} | {_ms_int(a['rounds'])} | "
+                f"{format_bytes(statistics.fmean(a['bytes']))} | "
                 f"{format_bytes(statistics.fmean(a['round_bytes']))} | "
+                f"{_bytes_to_target(a['curve'], goal, higher_is_better(metric))} | "
                 + ("n/a | " if math.isnan(srv) else f"{1e3 * srv:.3g} | ")
                 + ("n/a | n/a |" if personal else f"{dev:.3g} | {eff:.2g} |")
             )
         lines.append("")
+        if goal is not None:
+            lines += [
+                f"Target {metric}: {goal:.4f}"
+                + ("" if target is not None else f" ({target_fraction:g} of centralized's)")
+                + "; bytes to target: up and down until a method's first round at or past it, "
+                "mean over the seeds that reached it (how many did).",
+                "",
+            ]
         for ours in (m for m, _ in _BASELINES if m in present):
             for other in present:
                 if other != ours:
@@ -224,7 +295,9 @@ def comparison_table(rows: dict, cfgs: dict, elapsed: float, reused: int = 0) ->
         "ideal update, mean over layers and rounds (what FedIT loses). *effective "
         "deviation*: the same for the update actually applied. *bytes per round*: up and "
         "down, all clients, mean over rounds. *server ms per round*: the server's own work "
-        "in a round (payloads, validation, aggregation), mean over rounds and seeds.",
+        "in a round (payloads, validation, aggregation), mean over rounds and seeds. "
+        "*rounds*: rounds run (fewer than asked where the stopping rule stopped the method). "
+        "*95% CI*: of the mean final value over the seeds (t distribution).",
         "",
         "![final metric per method](comparison.png)",
         "",

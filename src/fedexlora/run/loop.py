@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 from fedexlora.config import RunConfig
 from fedexlora.run.build import Prepared
 from fedexlora.run.rounds import RoundTraffic, close_round
+from fedexlora.run.stopping import stop_reason
 from fedexlora.server.server import Server
 
 if TYPE_CHECKING:
@@ -54,8 +55,13 @@ def run_rounds(
     *,
     history: Iterable[dict] = (),
     after_round: Callable[[dict], None] | None = None,
+    say: Callable[[str], object] | None = None,
 ) -> list[dict]:
     """Runs ``method``'s rounds after ``server.round`` up to ``cfg.rounds``; its new rows.
+
+    A method stops earlier when the study's stopping rule says so
+    (:mod:`fedexlora.run.stopping`: ``stop_patience``, ``stop_at``), read from all its
+    rows, so a resume of a stopped method runs nothing more.
 
     Args:
         cfg: The run configuration.
@@ -66,10 +72,16 @@ def run_rounds(
         transport: The engine's way of carrying a round.
         history: This method's rows before these rounds (a resume).
         after_round: Called with each row once the round is closed (the run records it).
+        say: Where the stop is announced.
     """
     earlier = list(history)
     rows: list[dict] = []
     for rnd in range(server.round + 1, cfg.rounds + 1):
+        reason = stop_reason(cfg, [*earlier, *rows])
+        if reason is not None:
+            if say is not None:
+                say(f"{method}: stopped after round {rnd - 1}: {reason}")
+            break
         traffic = transport.train_round(rnd)
         row = close_round(
             cfg, method, model, server, prep, traffic, earlier=[*earlier, *rows],
@@ -94,6 +106,6 @@ def drive(run: Run, transport_for: Callable[[MethodRun], Transport]) -> list[dic
         run_rounds(
             run.cfg, current.method, current.model, current.server, run.prep,
             transport_for(current), history=current.rows,
-            after_round=lambda row, _m=current: run.record(_m, row),
+            after_round=lambda row, _m=current: run.record(_m, row), say=run.say,
         )  # fmt: skip
     return run.finish()
