@@ -61,6 +61,12 @@ def one(ranks):
 
 def test_trl_on_two_processes_trains_as_one_process(ranks, one):
     assert len(ranks["rounds"]) == len(one) == 2
+    worst = max(
+        _rel(got["trained"][k], w)
+        for got, want in zip(ranks["rounds"], one, strict=True)
+        for k, w in want["trained"].items()
+    )
+    print(f"trl on 2 processes vs one: largest relative error {worst:.2e}")
     for rnd, (got, want) in enumerate(zip(ranks["rounds"], one, strict=True)):
         assert got["steps"] == want["steps"] == 4
         assert set(got["trained"]) == set(want["trained"]) and len(want["trained"]) >= 12
@@ -91,3 +97,41 @@ def test_the_hf_trainer_example_runs_on_two_processes_exactly(ranks):
     assert ranks["stdout"].count("round 1: model vs ideal") == 1  # rank 0 alone prints
     # nothing written by either rank into the Trainers' shared output directory
     assert not [p for p in (ranks["out"] / "hf_trainer").rglob("*") if p.is_file()]
+
+
+def _pad_collate(features: list[list[int]]) -> dict:
+    """Pads to the batch's longest, as TRL's collator does (pad id 0, labels = the ids)."""
+    longest = max(len(f) for f in features)
+    ids = torch.tensor([f + [0] * (longest - len(f)) for f in features])
+    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": (ids != 0).long(), "n": 7}
+
+
+def test_each_rank_keeps_its_rows_of_the_whole_padded_batch():
+    from fedexlora.training.trainer_ranks import rank_share_collator
+
+    features = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [3]]
+    whole = _pad_collate(features)
+    parts = [rank_share_collator(_pad_collate, r, 3)(features) for r in range(3)]
+    assert [len(p["input_ids"]) for p in parts] == [2, 1, 1]  # contiguous, sizes differ by <= 1
+    for key in ("input_ids", "labels", "attention_mask"):  # padded as the whole batch is
+        assert torch.equal(torch.cat([p[key] for p in parts]), whole[key]), key
+    assert all(p["n"] == 7 for p in parts)  # what is not per example passes as it is
+
+
+def test_an_empty_share_trains_a_fully_masked_row():
+    """2 examples on 3 ranks: rank 2 runs the first example (DDP needs its backward) with
+    every label masked, so it adds no token to the global count and no gradient."""
+    from fedexlora.training.trainer_ranks import rank_share_collator
+
+    features = [[1, 2, 3], [4, 5]]
+    stand_in = rank_share_collator(_pad_collate, 2, 3)(features)
+    whole = _pad_collate(features)
+    assert torch.equal(stand_in["input_ids"], whole["input_ids"][:1])
+    assert (stand_in["labels"] == -100).all()
+    assert torch.equal(
+        rank_share_collator(_pad_collate, 1, 3)(features)["labels"], whole["labels"][1:]
+    )
+    with pytest.raises(
+        ValueError, match="leaves rank 2 of 3 nothing, and the batch has no `labels`"
+    ):
+        rank_share_collator(lambda f: {"input_ids": _pad_collate(f)["input_ids"]}, 2, 3)(features)
