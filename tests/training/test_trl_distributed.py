@@ -78,6 +78,11 @@ def test_trl_on_two_processes_trains_as_one_process(ranks, one):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
 
 
+def test_trl_packing_on_two_processes_is_refused_in_one_line(ranks):
+    assert ranks["packing"].startswith("TRL's packing / padding_free flattens a batch into one")
+    assert "\n" not in ranks["packing"]
+
+
 def test_the_hf_trainer_example_runs_on_two_processes_exactly(ranks):
     from test_examples import hand_ideal
 

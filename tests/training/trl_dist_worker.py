@@ -96,12 +96,20 @@ def run(rank: int, world: int, port: int, out: str, bert_dir: str, csv: str) -> 
         D.prepare_model(model)
         D.load_round_state(model, flat if rank == 0 else None)
         rounds = train_rounds(model, tokenizer())
+        try:  # TRL's packing: a batch flattened into one row cannot be split by example
+            from fedexlora.training.sft import train_encoded
+
+            train_encoded(model, tokenizer(), examples(), **TRAIN, packing=True)
+            refused = None
+        except ValueError as e:
+            refused = str(e)
         D.set_context(None)
         example = hf_example(out, bert_dir, csv)
         every = [None] * world
         dist.all_gather_object(every, example.pop("glob"))
         if rank == 0:
-            torch.save(dict(flat=flat, rounds=rounds, example=example, example_globs=every),
+            torch.save(dict(flat=flat, rounds=rounds, example=example, example_globs=every,
+                            packing=refused),
                        os.path.join(out, "result.pt"))  # fmt: skip
     finally:
         dist.destroy_process_group()
