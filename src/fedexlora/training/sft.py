@@ -151,7 +151,7 @@ def train_sft(model: torch.nn.Module, tokenizer, dataset, args) -> TrainResult:
     # adapter must stay as it is: the global factors it was given, in fp32, or the client
     # would start from a rounded global model. The very tensors are put back.
     kept = {n: p.data for n, p in model.named_parameters() if p.requires_grad}
-    ranks = _ranks()
+    ranks = _ranks(args)
     trainer_cls = SFTTrainer if ranks is None else one_process_batches(SFTTrainer)
     try:
         trainer = trainer_cls(
@@ -177,19 +177,22 @@ def train_sft(model: torch.nn.Module, tokenizer, dataset, args) -> TrainResult:
     return TrainResult(loss=loss, steps=int(out.global_step), num_examples=len(dataset))
 
 
-def _ranks():
+def _ranks(args):
     """The client's distributed context (DDP over its ranks), or ``None`` on one process.
 
     Raises:
         ValueError: Under ``fsdp`` (fedex-lora shards the model itself; the Trainer would
-            wrap it in DDP again).
+            wrap it in DDP again), or with packing (before TRL builds anything).
     """
     from fedexlora.training.distributed import check_supported, get_context
+    from fedexlora.training.trainer_ranks import PACKING_REFUSED
 
     ctx = get_context()
     if ctx is None:
         return None
     check_supported(ctx.mode, trainer="trl")
+    if getattr(args, "packing", False) or getattr(args, "padding_free", False):
+        raise ValueError(PACKING_REFUSED)
     return ctx
 
 

@@ -15,9 +15,12 @@ the ranks with ``average_tokens_across_devices``), then DDP averages the ranks'
 gradients, times N. So the trained weights equal one process's up to float
 reassociation, without dropout (each rank draws its own masks).
 
-Needs a model whose forward takes the loss kwargs (transformers' causal LMs, and TRL's
-``SFTTrainer``, which computes its loss so) and no padding-free batches (TRL's packing
-flattens a batch into one row, which cannot be split by example).
+Needs a loss that divides by the token count it is given (``num_items_in_batch``:
+transformers' causal LMs, and TRL's ``SFTTrainer``, which computes its loss so; a
+sequence classifier's mean loss does not) and no padding-free batches (TRL's packing
+flattens a batch into one row, which cannot be split by example:
+:func:`fedexlora.training.sft.train_sft` refuses it, :data:`PACKING_REFUSED`, before TRL
+builds anything).
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ from typing import Any
 import torch
 
 __all__ = ["OneProcessBatches", "one_process_batches", "rank_share_collator"]
+
+PACKING_REFUSED = (
+    "TRL's packing / padding_free flattens a batch into one row, which cannot be split "
+    "across a client's processes; fix: packing=False, or one process"
+)
 
 
 def rank_share_collator(
@@ -79,11 +87,6 @@ class OneProcessBatches:
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return super().get_train_dataloader()
-        if getattr(self.args, "padding_free", False) or getattr(self.args, "packing", False):
-            raise ValueError(
-                "TRL's packing / padding_free flattens a batch into one row, which cannot be "
-                "split across a client's processes; fix: packing=False, or one process"
-            )
         if not self.model_accepts_loss_kwargs or not self.args.average_tokens_across_devices:
             raise ValueError(
                 "this model's loss cannot be weighted by the global batch's tokens across "
