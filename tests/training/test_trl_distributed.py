@@ -26,7 +26,7 @@ import torch
 from fedexlora.training import distributed as D
 from test_distributed_client import _free_port, _rel
 
-pytestmark = pytest.mark.slow(seconds=30)
+pytestmark = pytest.mark.slow(seconds=50)  # spawns 2 ranks that import TRL: CPU-bound
 
 HERE = Path(__file__).parent
 
