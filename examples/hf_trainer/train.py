@@ -5,9 +5,18 @@ applies the server's payload, trains with its own ``Trainer`` and uploads its fa
 the server aggregates them (FedEx-LoRA) and applies the outcome to its model.
 
     python examples/hf_trainer/train.py        # embedded MiniLM on BBC News, 3 clients
+    torchrun --nproc-per-node 2 examples/hf_trainer/train.py   # each client on 2 processes
+
+Under ``torchrun`` (or ``accelerate launch``) every process runs this whole script, and
+each client's ``Trainer`` trains with DDP across them, as transformers does: accelerate
+wraps the model, each process draws its own batches of ``per_device_train_batch_size``
+(the global batch is N times that) and the gradients are averaged, so every process
+holds the same client models, the same server and the same global model. Rank 0 alone
+prints (and would save); nothing else changes.
 """
 
 import argparse
+import os
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -55,7 +64,8 @@ def federate(path, shards, num_labels, rounds=2, steps=10, out="runs/hf_trainer"
         outcome = server.aggregate(uploads)
         deviation = apply_outcome(glob, server, outcome, uploads)
         history.append((outcome, uploads))
-        print(f"round {rnd}: model vs ideal, max deviation {max(deviation.values()):.1e}")
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: one process speaks
+            print(f"round {rnd}: model vs ideal, max deviation {max(deviation.values()):.1e}")
     return glob, server, clients, history
 
 

@@ -649,9 +649,12 @@ class RunConfig:
             )
         if self.client_ranks is not None:
             cannot.append("--client-ranks (the group trains one adapter)")
-        if self.trainer == "trl":
-            cannot.append("--trainer trl (its Trainer draws its own distributed batches)")
         if self.distributed == "fsdp":
+            if self.trainer == "trl":
+                cannot.append(
+                    "--trainer trl under --distributed fsdp (fedex-lora shards the model "
+                    "itself; TRL's Trainer trains under --distributed ddp)"
+                )
             if self.quantization is not None:
                 cannot.append(
                     f"--quantization {self.quantization} under --distributed fsdp "

@@ -21,6 +21,7 @@ from fedexlora.run import workers
         ({"dp_epsilon": 8.0}, r"`nproc_per_client` 2: .*--dp-epsilon"),
         ({"client_ranks": [4, 2, 3], "lora_r": 4}, r"`nproc_per_client` 2: .*--client-ranks"),
         ({"distributed": "fsdp", "dora": True}, r"--dora under --distributed fsdp"),
+        ({"distributed": "fsdp", "trainer": "trl"}, r"--trainer trl under --distributed fsdp"),
         (
             {"distributed": "fsdp", "fp32_side_branch": False},
             r"--fp32-side-branch false under --distributed fsdp",
@@ -44,6 +45,10 @@ def test_what_cannot_work_is_refused_naming_the_flag(tiny_cfg, changes, message)
 def test_ddp_and_fsdp_with_secure_aggregation_are_accepted(tiny_cfg):
     for mode in ("ddp", "fsdp"):
         tiny_cfg.replace(nproc_per_client=2, distributed=mode, secure_aggregation=True).validate()
+
+
+def test_trl_on_two_processes_under_ddp_is_accepted(tiny_cfg):
+    tiny_cfg.replace(nproc_per_client=2, distributed="ddp", trainer="trl").validate()
 
 
 def test_the_cli_refuses_dp_on_two_processes_in_one_line_before_loading(

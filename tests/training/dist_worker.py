@@ -201,11 +201,12 @@ def run(rank: int, world: int, port: int, out: str, modes: str) -> None:
             train_local(model, data("bert"), dp=object(), **TRAIN)
         except ValueError as e:
             refusals["dp"] = str(e)
-        try:
+        try:  # TRL trains under ddp (test_trl_distributed.py), not under fsdp
             from types import SimpleNamespace
 
             from fedexlora.run.client_step import local_update
 
+            D.set_context(D.DistContext(mode="fsdp"))
             cfg = SimpleNamespace(dp=False, trainer="trl", quantization=None, dora=False)
             local_update(cfg, "fedex", model, data("bert"), 1, 0)
         except ValueError as e:

@@ -120,7 +120,7 @@ def test_refusals_in_the_ranks(ranks):
     refused = ranks["refusals"]
     assert refused["dora"].startswith("--distributed fsdp: module ") and "DoRA" in refused["dora"]
     assert refused["dp"].startswith("--distributed ddp cannot train with DP-SGD")
-    assert refused["trl"].startswith("--distributed ddp cannot train with --trainer trl")
+    assert refused["trl"].startswith("--distributed fsdp cannot train with --trainer trl")
 
 
 @pytest.mark.parametrize(

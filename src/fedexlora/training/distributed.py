@@ -30,7 +30,7 @@ Refused, before any training, with one line: DP-SGD under either mode; under ``f
 bitsandbytes base, DoRA, Fed-SB, LoRA on embeddings / convolutions / parameters, a base
 that folds residuals into its weight (an fp32 base needs ``--fp32-side-branch``), tied
 weights, loss penalties and methods that change what trains between rounds (HetLoRA,
-RoLoRA), and TRL's trainer under either mode.
+RoLoRA), and TRL's trainer (which trains under ``ddp``: :mod:`fedexlora.training.sft`).
 """
 
 from __future__ import annotations
@@ -139,9 +139,9 @@ def check_supported(mode: str, *, dp: bool = False, trainer: str = "builtin",
 
     Raises:
         ValueError: DP-SGD under either mode (its per-sample clipping and noise are one
-            process's; the budget would be spent per rank); TRL under either mode (its
-            Trainer draws its own distributed batches); under ``fsdp`` a quantized base,
-            DoRA, or a loss penalty (HetLoRA).
+            process's; the budget would be spent per rank); under ``fsdp`` TRL (its
+            Trainer would wrap the sharded model in DDP), a quantized base, DoRA, or a
+            loss penalty (HetLoRA).
     """
     if mode not in MODES:
         raise ValueError(f"distributed mode {mode!r} is unknown; choose from {MODES}")
@@ -152,13 +152,13 @@ def check_supported(mode: str, *, dp: bool = False, trainer: str = "builtin",
             "the privacy budget are one process's; fix: drop --dp-epsilon or train the "
             "client on one process"
         )
-    if trainer == "trl":
-        raise ValueError(
-            f"{flag} cannot train with --trainer trl (its Trainer draws its own distributed "
-            "batches, not the single-process ones); fix: --trainer builtin"
-        )
     if mode != "fsdp":
         return
+    if trainer == "trl":
+        raise ValueError(
+            f"{flag} cannot train with --trainer trl (fedex-lora shards the model itself, "
+            "and TRL's Trainer would wrap it in DDP); fix: --distributed ddp, or --trainer builtin"
+        )
     if quantization is not None:
         raise ValueError(
             f"{flag} cannot shard a bitsandbytes base (--quantization {quantization}); "

@@ -5,6 +5,12 @@ server's payload before, and makes its upload after (``fedexlora run --trainer t
 FlowerTune-style app and ``examples/trl_sft`` do). TRL does the rest as usual: the
 tokenizer's chat template on conversational data, the loss on the completion only, and
 packing where asked. Nothing here formats a conversation or masks a label by hand.
+
+On a client of several processes (``--nproc-per-client N --distributed ddp``: a
+:class:`~fedexlora.training.distributed.DistContext` is set), each rank's ``SFTTrainer``
+trains under DDP (accelerate wraps the model) on the single process's global batches
+(:class:`~fedexlora.training.trainer_ranks.OneProcessBatches`), so the trained factors
+equal one process's up to float reassociation.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 import torch
 
 from fedexlora.training.local import Encoded, TrainResult
+from fedexlora.training.trainer_ranks import one_process_batches
 
 __all__ = [
     "chat_generate",
@@ -144,8 +151,10 @@ def train_sft(model: torch.nn.Module, tokenizer, dataset, args) -> TrainResult:
     # adapter must stay as it is: the global factors it was given, in fp32, or the client
     # would start from a rounded global model. The very tensors are put back.
     kept = {n: p.data for n, p in model.named_parameters() if p.requires_grad}
+    ranks = _ranks(args)
+    trainer_cls = SFTTrainer if ranks is None else one_process_batches(SFTTrainer)
     try:
-        trainer = SFTTrainer(
+        trainer = trainer_cls(
             model=model, args=args, train_dataset=dataset, processing_class=tokenizer
         )
         for n, p in model.named_parameters():
@@ -155,13 +164,36 @@ def train_sft(model: torch.nn.Module, tokenizer, dataset, args) -> TrainResult:
             trainer.remove_callback(PrinterCallback)
             trainer.remove_callback(ProgressCallback)
         out = trainer.train()
+        del trainer  # and with it accelerate's DDP wrapper of the model
     finally:
         if bars:
             datasets.enable_progress_bars()
     model.train(was_training)
-    return TrainResult(
-        loss=float(out.training_loss), steps=int(out.global_step), num_examples=len(dataset)
-    )
+    loss = float(out.training_loss)
+    if ranks is not None:  # each rank's: its tokens' loss over the global count, times N
+        from fedexlora.training.distributed import all_sum
+
+        loss = all_sum([loss], ranks)[0] / ranks.world_size
+    return TrainResult(loss=loss, steps=int(out.global_step), num_examples=len(dataset))
+
+
+def _ranks(args):
+    """The client's distributed context (DDP over its ranks), or ``None`` on one process.
+
+    Raises:
+        ValueError: Under ``fsdp`` (fedex-lora shards the model itself; the Trainer would
+            wrap it in DDP again), or with packing (before TRL builds anything).
+    """
+    from fedexlora.training.distributed import check_supported, get_context
+    from fedexlora.training.trainer_ranks import PACKING_REFUSED
+
+    ctx = get_context()
+    if ctx is None:
+        return None
+    check_supported(ctx.mode, trainer="trl")
+    if getattr(args, "packing", False) or getattr(args, "padding_free", False):
+        raise ValueError(PACKING_REFUSED)
+    return ctx
 
 
 def train_encoded(
