@@ -192,6 +192,7 @@ def raising_grid(client_app, num_nodes: int):
     """``test_flower``'s in-process grid, a ClientApp's exception answered as Flower's
     runtime answers it (an error reply)."""
     from flwr.app import Error, Message
+
     from test_flower import InProcessGrid
 
     def app(msg, ctx):
