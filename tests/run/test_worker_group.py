@@ -32,10 +32,10 @@ import torch
 from fedexlora.run import workers
 from fedexlora.run.inprocess import run_experiment
 
-# each test starts (or reuses) a worker group: torchrun and two ranks that import torch,
-# transformers and peft; measured on the 2-core dev machine under the load of five
-# sessions (2026-12-06)
-pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow(seconds=350)]
+# four worker groups (torchrun and two ranks that import torch, transformers and peft,
+# each loading the model) for five tests: 176 s on the 2-core dev machine, load about 7
+# (2026-12-06, bytecode cached as scripts/test.sh lets it be)
+pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow(seconds=180)]
 
 STOP_S = 2.5  # a stopped group is gone within this (0.2 s measured; 4.5-8 s before _leave)
 KILL_TIMEOUT_S = 30.0  # a dead rank is noticed well within this (a stale heartbeat alone: 60 s)
