@@ -63,6 +63,11 @@ def test_every_row_splits_its_seconds_and_the_parts_fit_in_the_round(
     assert [r["round"] for r in rows] == [1, 2]
     for row in rows:
         _check_split(row)
+    summary = (tmp_path / "run" / "summary.md").read_text()
+    assert "Where the seconds went" in summary
+    total = sum(r["split_seconds"]["total"] for r in rows)
+    assert f"| fedex | {sum(r['split_seconds']['train'] for r in rows):.1f} | " in summary
+    assert f" | {total:.1f} | " in summary
 
 
 # each step made slow, where it is patched, and the part its seconds must show up in
@@ -158,3 +163,25 @@ def test_a_phase_outside_a_clock_records_nothing_and_nested_phases_count_once():
     assert clock.train_by_client == {3: clock.seconds["train"]}
     with pytest.raises(ValueError, match="unknown part 'trian' of a round's time"):
         clock.add("trian", 1.0)
+
+
+def test_the_summary_table_sums_each_methods_rounds_and_says_what_was_not_measured():
+    from fedexlora.run.report import time_split_table
+
+    def split(train, total, **kw):
+        parts = dict(train=train, train_max=train, setup=0.5, evaluate=1.0, aggregate=0.25,
+                     apply=0.25, checkpoint=0.5, total=total)  # fmt: skip
+        return {**parts, **kw}
+
+    rows = [
+        {"method": "fedex", "round": 1, "split_seconds": split(4.0, 8.0)},
+        {"method": "fedex", "round": 2, "split_seconds": split(2.0, 6.0)},
+        {"method": "fedit", "round": 1, "split_seconds": split(None, 5.0, setup=None)},
+        {"method": "old", "round": 1},  # a row written before the split: no line
+    ]
+    header, cells = time_split_table(rows)
+    assert header[-3:] == ["other", "total", "total / (train + evaluate)"]
+    # fedex: train 6, setup 1, evaluate 2, aggregate 0.5, apply 0.5, checkpoint 1 = 11 of 14
+    assert cells[0] == ["fedex", "6.0", "1.0", "2.0", "0.5", "0.5", "1.0", "3.0", "14.0", "1.75"]
+    assert cells[1] == ["fedit", "n/a", "n/a", "1.0", "0.2", "0.2", "0.5", "3.0", "5.0", "n/a"]
+    assert len(cells) == 2
