@@ -220,13 +220,15 @@ def main(argv=None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--engines", default="local,flower")
     ap.add_argument("--json", default=None, help="Write every figure here")
+    ap.add_argument("--work", default=None, help="The runs' directory (default: a new temp)")
     ap.add_argument("extra", nargs="*", help="More `fedexlora run` options, after --")
     args = ap.parse_args(argv)
     results = []
-    with tempfile.TemporaryDirectory(prefix="round-time-") as tmp:
-        for engine in args.engines.split(","):
-            print(f"running {engine} ...", flush=True)
-            results.append(one_engine(engine, args, Path(tmp)))
+    work = Path(args.work or tempfile.mkdtemp(prefix="round-time-"))
+    work.mkdir(parents=True, exist_ok=True)
+    for engine in args.engines.split(","):
+        print(f"running {engine} in {work / engine} ...", flush=True)
+        results.append(one_engine(engine, args, work))
     print(table(results))
     print()
     print(summary(results))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from fedexlora.run.inprocess import run_experiment
 from fedexlora.run.report import read_metrics
@@ -185,3 +186,20 @@ def test_the_summary_table_sums_each_methods_rounds_and_says_what_was_not_measur
     assert cells[0] == ["fedex", "6.0", "1.0", "2.0", "0.5", "0.5", "1.0", "3.0", "14.0", "1.75"]
     assert cells[1] == ["fedit", "n/a", "n/a", "1.0", "0.2", "0.2", "0.5", "3.0", "5.0", "n/a"]
     assert len(cells) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_frozen_digest_sees_one_flipped_bit_anywhere(dtype):
+    """The apply step's frozen-parameter check, made cheaper, still sees any changed bit."""
+    from fedexlora.bridge.whole import _checksum, _digest
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(3000, generator=g).to(dtype)
+    before = _digest(t)
+    assert _digest(t.clone()) == before
+    for i in (0, 1234, 2999):  # the lowest bit of one element: the smallest change there is
+        bits = t.clone().view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+        bits[i] ^= 1
+        assert _digest(bits.view(dtype)) != before, i
+    # off the CPU it is the checksum, which sees the change too
+    assert _checksum(bits.view(dtype)) != _checksum(t)
