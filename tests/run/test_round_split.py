@@ -203,3 +203,26 @@ def test_the_frozen_digest_sees_one_flipped_bit_anywhere(dtype):
         assert _digest(bits.view(dtype)) != before, i
     # off the CPU it is the checksum, which sees the change too
     assert _checksum(bits.view(dtype)) != _checksum(t)
+
+
+def test_the_round_time_benchmark_reports_the_goals_ratios_from_the_rows():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "round_time.py"
+    spec = importlib.util.spec_from_file_location("bench_round_time", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = dict(round=2, metric=0.5, train=6.0, train_max=3.0, setup=0.5, evaluate=2.0,
+               aggregate=0.25, apply=0.25, checkpoint=0.5, total=10.0)  # fmt: skip
+    assert bench.ratios(row) == {"other": 0.5, "ratio": 1.25, "ratio_max": 2.0}
+    dp = {**row, "train": None, "train_max": None, "setup": None}
+    assert bench.ratios(dp) == {"other": 7.0}
+    mem = {"wall": 1.0, "peak_rss_clients": 0, "peak_rss_by_name": {"fedexlora": 10**9}}
+    local = {"engine": "local", "rows": [row, row], "peak_rss": 10**9, **mem}
+    flower = {**local, "engine": "flower", "rows": [dp], "peak_rss": 4 * 10**9}
+    flower["peak_rss_clients"] = 2 * 10**9
+    assert "| local | 2 | 0.5000 | 6.00 | 3.00 |" in bench.table([local, flower])
+    text = bench.summary([local, flower])
+    assert "round / (train + eval) 1.250, round / (train_max + eval) 2.000" in text
+    assert "(4.00x in-process), its virtual clients 2000 MB (2.00x in-process)" in text
