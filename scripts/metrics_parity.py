@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TIMING = {"seconds", "server_seconds", "aggregate_seconds"}
+TIMING = {"seconds", "server_seconds", "aggregate_seconds", "split_seconds"}
 WORDS = {
     0: ["goal", "match", "league", "coach", "striker", "season"],
     1: ["shares", "market", "profit", "bank", "investor", "economy"],

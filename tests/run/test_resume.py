@@ -64,8 +64,11 @@ def test_sigkill_in_round_3_then_resume_is_identical(tmp_path, tiny_bert_dir, ti
     ckpts = crashed / "checkpoints" / "fedex"
     while time.monotonic() < deadline and proc.poll() is None:
         done = latest_checkpoint(ckpts) if ckpts.is_dir() else None
-        if done is not None and done.name == "round-0002":
-            break  # round 2 fully written: round 3 (45 local steps) starts now
+        # round 2 fully written (its checkpoint, then its row): round 3 (45 local steps)
+        # starts now
+        if done is not None and done.name == "round-0002" and metrics.is_file():
+            if len(metrics.read_text().splitlines()) == 2:
+                break
         time.sleep(0.02)
     time.sleep(0.05)
     assert proc.poll() is None, "the run ended before its kill: " + proc.output()[-2000:]

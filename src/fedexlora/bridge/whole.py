@@ -13,6 +13,7 @@ whole model.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -66,7 +67,20 @@ def extras_deviation(
     return out
 
 
-def _digest(t: torch.Tensor) -> int:
+def _digest(t: torch.Tensor) -> bytes | int:
+    """A digest of ``t``'s bits: BLAKE2b of its bytes on the CPU, else :func:`_checksum`.
+
+    Every round digests every frozen parameter (MiniLM: 21M of them): hashing the bytes
+    in place is about 6x faster than the position-weighted sum on the CPU
+    (``benchmarks/round_time.py``'s ``apply`` part), and a stronger check.
+    """
+    if t.device.type != "cpu" or t.is_quantized:
+        return _checksum(t)
+    data = memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _checksum(t: torch.Tensor) -> int:
     """A checksum of ``t``'s bits: their integer values, weighted by position, summed."""
     flat = t.detach().reshape(-1)
     bits = flat.view(_INT[flat.element_size()]) if flat.element_size() in _INT else flat

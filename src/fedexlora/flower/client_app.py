@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -276,11 +277,24 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
 
     The round is its :class:`fedexlora.run.client.Client`'s (the in-process engine's
     too): apply, refuse a spent DP budget, train, keep, reply in the clear or masked.
+    A reply in the clear without DP-SGD also says where the client's seconds went
+    (``seconds-train``: its training steps; ``seconds-setup``: the rest of its handling
+    of the message, its model restored, the payload applied, the upload read back), timed
+    by its own clock (:mod:`fedexlora.run.timing`); under DP-SGD or secure aggregation
+    no such figure leaves the client (its training time follows its data).
 
     Raises:
         ValueError: If the client's configuration or partition does not match the
             server's, or it does not hold the base version the payload builds on.
     """
+    from fedexlora.run.timing import RoundClock, running
+
+    started, clock = time.perf_counter(), RoundClock()
+    with running(clock):  # its own clock, never the server's (a grid in one thread)
+        return _train_step(msg, context, defaults, started, clock)
+
+
+def _train_step(msg: Message, context: Context, defaults, started: float, clock) -> Message:
     from fedexlora.core.messages import Payload
     from fedexlora.training.privacy import DPCheckError
 
@@ -336,6 +350,9 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
             metrics["num-examples"] = int(up.num_examples)
             if client.budget is None:  # under DP no loss is sent (outside DP-SGD's guarantee)
                 metrics["train-loss"] = float(up.train_loss)
+                train = clock.seconds["train"]
+                metrics["seconds-train"] = train
+                metrics["seconds-setup"] = max(time.perf_counter() - started - train, 0.0)
     content["metrics"] = MetricRecord(metrics)
     return Message(content, reply_to=msg)
 

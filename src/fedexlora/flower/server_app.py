@@ -150,7 +150,13 @@ class FlowerRounds:
         self.strategy.summary()
 
     def train_round(self, rnd: int) -> RoundTraffic:
-        """Round ``rnd`` over the grid, and what it measured."""
+        """Round ``rnd`` over the grid, and what it measured.
+
+        The clients' seconds (training steps, set-up) are what their replies say
+        (:func:`fedexlora.flower.client_app.train_step`), summed into the round's clock.
+        """
+        from fedexlora.run.timing import RoundClock
+
         rec = self.strategy.train_round(self.grid, self.settings.round_timeout)
         if rec.round != rnd:
             raise RuntimeError(f"{self.method}: loop round {rnd}, server round {rec.round}")
@@ -163,7 +169,14 @@ class FlowerRounds:
                 self.cfg.dp_epsilon, self.cfg.dp_delta, self.strategy.dp_reports, rec.refused,
                 kept=self.cfg.secure_aggregation,  # then the clients reported no figures
             )  # fmt: skip
-        return rec.traffic(privacy)
+        traffic = rec.traffic(privacy)
+        traffic.clock = clock = RoundClock()
+        # under DP-SGD or secure aggregation the clients send no seconds: not measured
+        clock.clients_measured = not (self.cfg.dp or self.cfg.secure_aggregation)
+        for c, seconds in sorted(rec.client_seconds.items()):
+            clock.add("train", seconds.get("train", 0.0), c)
+            clock.add("setup", seconds.get("setup", 0.0))
+        return traffic
 
     def evaluate_clients(self, clients: list[int]) -> dict[int, tuple[dict[str, float], int]]:
         """Each client evaluates its own model (a personalized method) and replies."""

@@ -88,6 +88,8 @@ class RoundRecord:
         secure: The round's secure aggregation (:class:`fedexlora.secagg.rounds.SecureRound`),
             with secure aggregation on.
         secure_error: Why the round could not be aggregated securely, if it could not.
+        client_seconds: Partition -> the seconds its reply says it spent
+            (``{"train": ..., "setup": ...}``; none under DP-SGD or secure aggregation).
     """
 
     round: int
@@ -105,6 +107,7 @@ class RoundRecord:
     refused: list[int] = field(default_factory=list)
     secure: Any = None
     secure_error: str | None = None
+    client_seconds: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def traffic(self, privacy: dict | None = None):
         """The round as every engine's loop reads it (:class:`fedexlora.run.rounds.RoundTraffic`).
@@ -533,6 +536,7 @@ class FedExLoRA(FedAvg):
                 continue
             if up.client_id in rec.sent and up.client_id not in uploads:
                 uploads[up.client_id] = up
+                rec.client_seconds[up.client_id] = _client_seconds(msg.content["metrics"])
         ups = [uploads[c] for c in sorted(uploads)]  # the in-process engine's order
         rec.uploads = ups
         rec.bytes_up = sum(u.nbytes for u in ups)
@@ -568,3 +572,13 @@ class FedExLoRA(FedAvg):
             }
         )
         return to_array_record(self.server.state.to_flat()), metrics
+
+
+def _client_seconds(metrics) -> dict[str, float]:
+    """A reply's ``seconds-*`` figures (training steps, set-up), as sent; bad ones dropped."""
+    out = {}
+    for part in ("train", "setup"):
+        value = metrics.get(f"seconds-{part}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+            out[part] = float(value)
+    return out

@@ -54,6 +54,7 @@ from fedexlora.core.state import AdapterState
 from fedexlora.run.client_step import local_update, save_client_adapter
 from fedexlora.run.client_store import ClientStore
 from fedexlora.run.secure_client import SecureClient, rounding_seed
+from fedexlora.run.timing import phase
 
 __all__ = ["Client", "Holder", "OwnModel", "SharedModel", "client_view"]
 
@@ -206,7 +207,8 @@ class Client:
 
     def apply(self, payload: Payload, since: int = -1) -> None:
         """Brings its model to the global model of ``payload`` (built on base ``since``)."""
-        self.holder.apply(self.client, payload, lambda: self.store.load(self.client, since))
+        with phase("setup"):
+            self.holder.apply(self.client, payload, lambda: self.store.load(self.client, since))
 
     @property
     def want(self) -> int:
@@ -227,29 +229,32 @@ class Client:
             DPCheckError: If DP-SGD's first step did not train what it must.
         """
         self.round = rnd
-        if self.budget is not None:
-            from fedexlora.training.privacy import check_model
+        with phase("setup"):  # its view and checks; the steps themselves are "train"
+            if self.budget is not None:
+                from fedexlora.training.privacy import check_model
 
-            check_model(self.model)
-        tokenizer = None if self.prep is None else self.prep.tokenizer
-        with self.holder.view(self.client):
-            up = self.update(
-                self.cfg, self.method, self.model, self.data, rnd, self.client, steps=self.steps,
-                progress=self.progress, dp=self.budget, tokenizer=tokenizer,
-            )  # fmt: skip
-        if self.budget is not None:  # its own accounting, kept where it keeps its state
-            self.budget.steps += self.want
-            self.store.save_dp_record(self.client, self.budget.record())
+                check_model(self.model)
+            tokenizer = None if self.prep is None else self.prep.tokenizer
+            with self.holder.view(self.client), phase("train", self.client):
+                up = self.update(
+                    self.cfg, self.method, self.model, self.data, rnd, self.client,
+                    steps=self.steps, progress=self.progress, dp=self.budget,
+                    tokenizer=tokenizer,
+                )  # fmt: skip
+            if self.budget is not None:  # its own accounting, kept where it keeps its state
+                self.budget.steps += self.want
+                self.store.save_dp_record(self.client, self.budget.record())
         return up
 
     def keep(self, version: int, keep: bool = True) -> None:
         """Keeps its state after base ``version`` for its next round (or forgets it)."""
-        if not keep:
-            self.store.forget(self.client)
-            return
-        flat = self.holder.state()
-        if flat is not None:
-            self.store.save(self.client, version, flat)
+        with phase("setup"):
+            if not keep:
+                self.store.forget(self.client)
+                return
+            flat = self.holder.state()
+            if flat is not None:
+                self.store.save(self.client, version, flat)
 
     def reply(
         self,
@@ -280,16 +285,18 @@ class Client:
         """Its own model (the global parts of ``state``, its kept parts) on its test split."""
         from fedexlora.run.rounds import evaluate_personal
 
-        own = None
-        if self.holder.shared:  # the shared model holds no client's own parts
-            own = AdapterState.from_flat(self.store.load(self.client, -1))
-        return evaluate_personal(
-            self.cfg, self.method, self.model, self.prep, self.client, state, own
-        )
+        with phase("evaluate"):
+            own = None
+            if self.holder.shared:  # the shared model holds no client's own parts
+                own = AdapterState.from_flat(self.store.load(self.client, -1))
+            return evaluate_personal(
+                self.cfg, self.method, self.model, self.prep, self.client, state, own
+            )
 
     def save_adapter(self, out_dir: Path, rnd: int, num_examples: int) -> Path:
         """Writes its adapter as trained (``save_client_adapters``)."""
-        return save_client_adapter(self.model, Path(out_dir), rnd, self.client, num_examples)
+        with phase("checkpoint"):
+            return save_client_adapter(self.model, Path(out_dir), rnd, self.client, num_examples)
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from fedexlora.config import RunConfig
 from fedexlora.core.messages import ClientUpload
 from fedexlora.core.methods import get_method
 from fedexlora.run.build import autocast_dtype
+from fedexlora.run.timing import phase
 from fedexlora.training.local import Encoded, train_local
 
 __all__ = ["client_seed", "local_update", "save_client_adapter", "trained_upload"]
@@ -74,10 +75,11 @@ def local_update(
     spec = get_method(method)
     sharded = _distributed_checks(cfg)  # a client on several processes, if any
     plan = spec.plan(rnd)  # what this round trains, uploads and keeps
-    handle = LoraHandle(model)
-    hooks = spec.local_hooks(handle, rnd)  # HetLoRA's penalty and pruning
-    # after the hooks: the plan alone says what trains (FFA-LoRA's frozen A, RoLoRA's factor)
-    handle.set_trainable(plan.train_A, plan.train_B, plan.train_extra)
+    with phase("setup"):  # the steps are the caller's "train"; this is set-up
+        handle = LoraHandle(model)
+        hooks = spec.local_hooks(handle, rnd)  # HetLoRA's penalty and pruning
+        # after the hooks: the plan alone says what trains (FFA-LoRA's frozen A, RoLoRA's)
+        handle.set_trainable(plan.train_A, plan.train_B, plan.train_extra)
     steps = cfg.local_steps if steps is None else steps
     seed, device = client_seed(cfg.seed, rnd, client), next(model.parameters()).device
     if cfg.trainer == "trl":  # TRL's SFTTrainer: the same steps, batch, schedule and seed
@@ -115,9 +117,10 @@ def local_update(
         )
     if hooks.after is not None:
         hooks.after()
-    return trained_upload(
-        method, model, rnd, client, res.num_examples, res.loss, dp=dp, reader=sharded
-    )
+    with phase("setup"):  # the upload read back from the model
+        return trained_upload(
+            method, model, rnd, client, res.num_examples, res.loss, dp=dp, reader=sharded
+        )
 
 
 def trained_upload(

@@ -32,6 +32,7 @@ from fedexlora.run.lifecycle import Run
 from fedexlora.run.loop import drive, run_rounds
 from fedexlora.run.rounds import RoundTraffic
 from fedexlora.run.secure_round import SecureRun
+from fedexlora.run.timing import RoundClock, running
 from fedexlora.run.workers import update_for
 from fedexlora.server.server import Server
 
@@ -234,7 +235,18 @@ class InProcess:
         )  # fmt: skip
 
     def train_round(self, rnd: int) -> RoundTraffic:
-        """Round ``rnd``: the sampled clients trained in turn, their uploads aggregated."""
+        """Round ``rnd``: the sampled clients trained in turn, their uploads aggregated.
+
+        Its clients' seconds (training steps, set-up) go to the round's clock
+        (:mod:`fedexlora.run.timing`), which the round's row reads.
+        """
+        clock = RoundClock()
+        with running(clock):
+            traffic = self._train_round(rnd)
+        traffic.clock = clock
+        return traffic
+
+    def _train_round(self, rnd: int) -> RoundTraffic:
         cfg, method, server = self.cfg, self.method, self.server
         t0 = time.perf_counter()
         sampled = server.sample(rnd)

@@ -230,11 +230,23 @@ class Run:
             del current, model, server
 
     def record(self, current: MethodRun, row: dict) -> None:
-        """After a round: the row appended and fsynced, logged, and the checkpoint written."""
+        """After a round: the checkpoint written, the row appended and fsynced, and logged.
+
+        The checkpoint's seconds go into the row's ``split_seconds`` (``checkpoint``, and
+        ``total``: the round's wall time up to here), so the row is written after it
+        (the checkpoint's own copy of the row, which a resume writes back, holds the split
+        without them). A round that fails the
+        exactness check (:meth:`_check_exact`) still writes its row, and no checkpoint.
+        """
+        t0 = time.perf_counter()
         current.rows.append(row)
-        append_row(self.layout.metrics, row)
-        self.trackers.log_row(row)
-        self._check_exact(current.method, row)
+        try:
+            self._check_exact(current.method, row)
+        except RunError:
+            append_row(self.layout.metrics, row)  # the evidence is kept
+            self.trackers.log_row(row)
+            raise
+        t1 = time.perf_counter()
         save_checkpoint(
             self.layout.checkpoints(current.method),
             current.server,
@@ -248,6 +260,13 @@ class Run:
             base=base_deltas(current.model),
             clients=current.clients.to_flat(),
         )
+        split = row.get("split_seconds")
+        if split is not None:
+            now = time.perf_counter()
+            split["checkpoint"] += now - t1
+            split["total"] = row["seconds"] + (now - t0)
+        append_row(self.layout.metrics, row)
+        self.trackers.log_row(row)
 
     def _check_exact(self, method: str, row: dict) -> None:
         """Fails the run when a method declared exact is over ``EXACT_BOUND`` from the ideal.

@@ -20,6 +20,7 @@ __all__ = [
     "primary_metric",
     "read_metrics",
     "summary_table",
+    "time_split_table",
     "write_summary",
 ]
 
@@ -228,6 +229,40 @@ def _no_clients(rows: list[dict]) -> str:
     )
 
 
+SPLIT_PARTS = ("train", "setup", "evaluate", "aggregate", "apply", "checkpoint")
+"""The parts of ``split_seconds`` that add up (``train_max`` is one client's share)."""
+
+
+def time_split_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """Where each method's seconds went, summed over its rounds (``split_seconds``).
+
+    One line per method whose rows hold a split; ``other`` is what no part holds (under
+    Flower: the messages and the clients' waiting). A part not measured (a Flower client
+    under DP-SGD or secure aggregation sends no seconds) is ``n/a``, and so is the ratio
+    of the round to its clients' training steps plus its evaluation.
+    """
+    header = ["method", *SPLIT_PARTS, "other", "total", "total / (train + evaluate)"]
+    by_method: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        if isinstance(r.get("split_seconds"), dict):
+            by_method[r["method"]].append(r["split_seconds"])
+    cells = []
+    for method, splits in by_method.items():
+        sums = {
+            p: None if any(s.get(p) is None for s in splits) else sum(s[p] for s in splits)
+            for p in (*SPLIT_PARTS, "total")
+        }
+        other = sums["total"] - sum(sums[p] or 0.0 for p in SPLIT_PARTS)
+        base = None if sums["train"] is None else sums["train"] + sums["evaluate"]
+        cells.append(
+            [method]
+            + ["n/a" if sums[p] is None else f"{sums[p]:.1f}" for p in SPLIT_PARTS]
+            + [f"{other:.1f}", f"{sums['total']:.1f}"]
+            + [f"{sums['total'] / base:.2f}" if base else "n/a"]
+        )
+    return header, cells
+
+
 def _markdown(header: list[str], cells: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(c) + " |" for c in cells]
@@ -349,6 +384,16 @@ def write_summary(
     for method, rnd, rej in rejected:
         for cid, why in rej.items():
             parts.append(f"- {method}, round {rnd}: rejected client {cid}: {why}")
+    split_header, split_cells = time_split_table(rows)
+    if split_cells:
+        parts += [
+            "",
+            "Where the seconds went, summed over each method's rounds (`split_seconds` in "
+            "`metrics.jsonl`, timed around the calls that do the work; `other`: what no "
+            "part holds, under Flower the messages and the clients' waiting):",
+            "",
+            _markdown(split_header, split_cells),
+        ]
     if extra:
         parts += ["", extra]
     parts += ["", f"![metric per round]({layout.metrics_plot.name})"]

@@ -26,6 +26,7 @@ from fedexlora.config import RunConfig
 from fedexlora.core.messages import ClientUpload, RoundOutcome, example_count
 from fedexlora.core.methods import get_method
 from fedexlora.run.build import Prepared, autocast_dtype
+from fedexlora.run.timing import RoundClock, phase, running
 from fedexlora.server.server import Server
 from fedexlora.training.local import Encoded, evaluate
 
@@ -66,6 +67,9 @@ class RoundTraffic:
         bytes_up_protocol: Bytes of the clients' SecAgg+ keys and shares (stages 0, 1
             and 3; :func:`fedexlora.secagg.traffic.protocol_nbytes`), apart from
             ``bytes_up``.
+        clock: Where the round's seconds went so far (:class:`fedexlora.run.timing.RoundClock`:
+            the clients' training and set-up); :func:`close_round` goes on timing into it
+            and writes its split into the row (``None``: a new clock there).
     """
 
     round: int
@@ -80,6 +84,7 @@ class RoundTraffic:
     refused: list[int] = field(default_factory=list)
     privacy: dict | None = None
     bytes_up_protocol: int = 0
+    clock: RoundClock | None = None
 
 
 def lossy(cfg: RunConfig, server: Server) -> bool:
@@ -131,24 +136,31 @@ def close_round(
     """
     spec = get_method(method)
     rnd, outcome = traffic.round, traffic.outcome
-    metrics, measured = apply_round(cfg, method, rnd, model, server, outcome, prep, traffic.uploads)
-    per_client = None
-    if spec.personalized:  # no global model: each client's own, on its own test split
-        if evaluate_clients is None:
-            raise ValueError(f"method {method!r} is personalized: pass evaluate_clients")
-        trained = {c for row in earlier for c in row.get("accepted", [])}
-        per_client = evaluate_clients(sorted(trained | set(outcome.accepted)))
-        metrics = personal_metrics(per_client)
-    if save_uploads is not None:
-        save_uploads()
+    clock = traffic.clock if traffic.clock is not None else RoundClock()
+    with running(clock):
+        metrics, measured = apply_round(
+            cfg, method, rnd, model, server, outcome, prep, traffic.uploads
+        )
+        per_client = None
+        if spec.personalized:  # no global model: each client's own, on its own test split
+            if evaluate_clients is None:
+                raise ValueError(f"method {method!r} is personalized: pass evaluate_clients")
+            trained = {c for row in earlier for c in row.get("accepted", [])}
+            with phase("evaluate"):
+                per_client = evaluate_clients(sorted(trained | set(outcome.accepted)))
+            metrics = personal_metrics(per_client)
+        if save_uploads is not None:
+            with phase("checkpoint"):
+                save_uploads()
     federated = spec.federated
+    seconds = time.perf_counter() - traffic.started
     row = round_row(
         method,
         rnd,
         metrics,
         outcome,
         traffic.uploads,
-        seconds=time.perf_counter() - traffic.started,
+        seconds=seconds,
         bytes_up=traffic.bytes_up if federated else 0,
         bytes_down=traffic.bytes_down if federated else 0,
         approximate=federated and lossy(cfg, server),
@@ -161,6 +173,9 @@ def close_round(
         server_seconds=server.last_round_seconds,
         personalized=per_client,
     )
+    # where the seconds went: the checkpoint's are added when it is written
+    # (fedexlora.run.lifecycle.Run.record), and with them the round's whole wall time
+    row["split_seconds"] = clock.split(aggregate=server.last_round_seconds, total=seconds)
     if federated and cfg.side_branch and (cfg.low_precision or cfg.side_budget is not None):
         from fedexlora.bridge.fold import side_nbytes
 
@@ -344,9 +359,10 @@ def apply_round(
         deviation of the model from the ideal average of the clients' models.
     """
     personal = get_method(method).personalized
-    measured = {} if personal else apply_outcome(model, server, outcome, uploads)
-    if personal:
-        set_state(model, server.state)
+    with phase("apply"):
+        measured = {} if personal else apply_outcome(model, server, outcome, uploads)
+        if personal:
+            set_state(model, server.state)
     for cid, why in outcome.rejected.items():
         warnings.warn(f"{method} round {rnd}: rejected client {cid}: {why}", stacklevel=2)
     if uploads and not outcome.accepted:
@@ -356,7 +372,8 @@ def apply_round(
         )
     if personal:
         return {}, measured
-    return _test_metrics(cfg, model, prep, prep.test), measured
+    with phase("evaluate"):
+        return _test_metrics(cfg, model, prep, prep.test), measured
 
 
 def _test_metrics(cfg: RunConfig, model, prep: Prepared, data: Encoded) -> dict[str, float]:
