@@ -16,20 +16,15 @@ import pytest
 
 from fedexlora.run import workers
 from fedexlora.run.inprocess import run_experiment
-from test_worker_group import _verify, final_weights, model_vs_ideal
+from test_worker_group import (  # the module fixture: its groups in a folder of its own
+    _own_workers_dir,  # noqa: F401
+    _verify,
+    final_weights,
+    model_vs_ideal,
+)
 
 # a worker group per launcher: two ranks that import torch, transformers, peft and TRL
 pytestmark = [pytest.mark.integration, pytest.mark.multiprocess, pytest.mark.slow(seconds=240)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _own_workers_dir(tmp_path_factory):
-    """The module's groups live in a folder of its own, and are stopped at its end."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("FEDEXLORA_WORKERS_DIR", str(tmp_path_factory.mktemp("workers")))
-    yield
-    workers.stop_groups()
-    mp.undo()
 
 
 def _cfg(model: str, task: str, **kw):
