@@ -2,6 +2,9 @@
 
 ``flower-superlink`` and two ``flower-supernode`` processes with TLS and SuperNode
 authentication, self-signed credentials made here; every process is stopped by PID.
+One federation serves two jobs: the crash scenario (the SuperLink, then a SuperNode
+killed), then a job whose clients each train on two processes (a worker group, DDP on
+gloo; the tests marked ``multiprocess``, left out of scripts/test.sh's default run).
 """
 
 import contextlib
