@@ -151,19 +151,6 @@ def _stop(procs: list[subprocess.Popen], sig=signal.SIGTERM, wait: float = 15.0)
             pass
 
 
-# `flower-supernode` itself, announcing a heartbeat interval of 10 s (Flower's least) instead
-# of its fixed 30: the SuperLink takes a node for gone when its heartbeat is late by
-# HEARTBEAT_PATIENCE (2) intervals, so a killed SuperNode's pending message gets its error
-# reply after about 20 s instead of 60 (flwr 1.42 has no option for it). Only the node's
-# heartbeat to the SuperLink changes (the ClientApps' own heartbeats keep their constant).
-SUPERNODE_10S_HEARTBEAT = (
-    "import sys; import flwr.supernode.fleet_http_connection as f, flwr.supercore.heartbeat as h; "
-    "f.HEARTBEAT_DEFAULT_INTERVAL = h.HEARTBEAT_DEFAULT_INTERVAL = 10; "
-    "from flwr.supernode.cli import flower_supernode; "
-    "sys.argv[0] = 'flower-supernode'; sys.exit(flower_supernode())"
-)
-
-
 class Federation:
     """``flower-superlink`` (TLS, SuperNode auth) and SuperNodes on 127.0.0.1, by PID."""
 
@@ -250,12 +237,12 @@ class Federation:
             time.sleep(0.5)
 
     def start_supernode(self, i: int) -> None:
-        """``flower-supernode`` for partition ``i``, its heartbeat every 4 s (see below)."""
+        """``flower-supernode`` for partition ``i``."""
         c = self.creds
         self.supernodes[i] = self._spawn(
             f"supernode-{i}",
             [
-                str(VENV_BIN / "python"), "-c", SUPERNODE_10S_HEARTBEAT,
+                str(VENV_BIN / "flower-supernode"),
                 "--superlink", f"127.0.0.1:{self.port}",
                 "--root-certificates", str(c / "ca.crt"),
                 "--auth-supernode-private-key", str(c / f"supernode-{i}"),
