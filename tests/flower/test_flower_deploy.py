@@ -2,13 +2,18 @@
 
 ``flower-superlink`` and two ``flower-supernode`` processes with TLS and SuperNode
 authentication, self-signed credentials made here; every process is stopped by PID.
+One federation serves two jobs: the crash scenario (the SuperLink, then a SuperNode
+killed), then a job whose clients each train on two processes (a worker group, DDP on
+gloo; the tests marked ``multiprocess``).
 """
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -231,6 +236,21 @@ class Federation:
             assert time.monotonic() < deadline, "SuperLink did not start\n" + self.log(name)
             time.sleep(0.5)
 
+    def start_supernode(self, i: int) -> None:
+        """``flower-supernode`` for partition ``i``."""
+        c = self.creds
+        self.supernodes[i] = self._spawn(
+            f"supernode-{i}",
+            [
+                str(VENV_BIN / "flower-supernode"),
+                "--superlink", f"127.0.0.1:{self.port}",
+                "--root-certificates", str(c / "ca.crt"),
+                "--auth-supernode-private-key", str(c / f"supernode-{i}"),
+                "--node-config", f"partition-id={i} num-partitions={self.num_nodes}",
+                "--port", str(_free_port()),
+            ],
+        )  # fmt: skip
+
     def start(self) -> "Federation":
         c = self.creds
         self.start_superlink()
@@ -238,17 +258,7 @@ class Federation:
             res = self.flwr("supernode", "register", str(c / f"supernode-{i}.pub"))
             assert res.returncode == 0, res.stdout + res.stderr
         for i in range(self.num_nodes):
-            self.supernodes[i] = self._spawn(
-                f"supernode-{i}",
-                [
-                    str(VENV_BIN / "flower-supernode"),
-                    "--superlink", f"127.0.0.1:{self.port}",
-                    "--root-certificates", str(c / "ca.crt"),
-                    "--auth-supernode-private-key", str(c / f"supernode-{i}"),
-                    "--node-config", f"partition-id={i} num-partitions={self.num_nodes}",
-                    "--port", str(_free_port()),
-                ],
-            )  # fmt: skip
+            self.start_supernode(i)
         return self
 
     def run(self, cfg, run_dir: Path, name: str = "flwr-run", **settings) -> subprocess.Popen:
@@ -313,7 +323,34 @@ def _rows(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def deployed(tiny_bert_dir, tiny_csv, tmp_path_factory):
+def federation(tmp_path_factory):
+    """A SuperLink (its state in a database) and two SuperNodes on 127.0.0.1, by PID.
+
+    The flwr-clientapp (one per message) and flwr-serverapp processes Flower starts are
+    forked from one that imported torch and peft once (tests/warm.py): the rest of the
+    deployment runs as a user's would. The SuperNodes' worker groups live in a folder of
+    the module's own. Everything is stopped at the module's end, and checked gone.
+    """
+    from warm import WarmServer
+
+    root = tmp_path_factory.mktemp("deployment")
+    fed = Federation(root / "federation", database=root / "superlink.db")
+    fed.env["FEDEXLORA_WORKERS_DIR"] = str(root / "workers")
+    warm = WarmServer(root / "warm", python=str(VENV_BIN / "python"), env=fed.env)
+    fed.env = warm.env(fed.env)
+    try:
+        warm.wait_ready()
+        fed.start()
+        yield fed, warm, root
+    finally:
+        fed.stop()
+        warm.stop()
+    started = [fed.superlink, *fed.supernodes.values(), *fed.others]
+    assert all(p is None or p.poll() is not None for p in started)  # all stopped, by PID
+
+
+@pytest.fixture(scope="module")
+def deployed(federation, tiny_bert_dir, tiny_csv):
     """One deployment, three rounds, two crashes: the SuperLink, then a SuperNode.
 
     A SuperLink with its state in a database and two SuperNodes. ``flwr run`` starts the
@@ -333,72 +370,57 @@ def deployed(tiny_bert_dir, tiny_csv, tmp_path_factory):
     from fedexlora.run.build import new_model, new_server, prepare
     from fedexlora.run.checkpoint import latest_checkpoint
     from fedexlora.run.inprocess import run_method
-    from warm import WarmServer
 
-    root = tmp_path_factory.mktemp("deployment")
+    fed, _warm, root = federation
     cfg = _deploy_cfg(tiny_bert_dir, tiny_csv)
     run_dir = root / "run"
-    fed = Federation(root / "federation", database=root / "superlink.db")
-    # The flwr-clientapp (one per message) and flwr-serverapp processes Flower starts are
-    # forked from one that imported torch and peft once (tests/warm.py): the rest of the
-    # deployment runs as a user's would
-    warm = WarmServer(root / "warm", python=str(VENV_BIN / "python"), env=fed.env)
-    fed.env = warm.env(fed.env)
+    t0 = time.perf_counter()
+    proc = fed.run(cfg, run_dir)
+    deadline = time.monotonic() + 600
+    ckpts = run_dir / "checkpoints" / "fedex"
+    while True:
+        done = latest_checkpoint(ckpts) if ckpts.is_dir() else None
+        if done is not None and done.name == "round-0001":
+            break
+        assert proc.poll() is None, "flwr run ended early\n" + fed.log("flwr-run")
+        assert time.monotonic() < deadline, "no round 1 in time\n" + fed.log("flwr-run")
+        time.sleep(0.1)
+    one_round = time.perf_counter() - t0
+    _stop([fed.superlink], sig=signal.SIGKILL, wait=5)  # with the ServerApp it started
+    _stop([proc], wait=10)
+    rows_when_killed = len(_rows(run_dir / "metrics.jsonl"))
+
+    fed.start_superlink("superlink-restarted")
+    again = fed.run(cfg, run_dir, name="flwr-run-resumed", resume=str(run_dir))
+    while len(_rows(run_dir / "metrics.jsonl")) < 2:
+        assert again.poll() is None, "resumed run ended early\n" + fed.log("flwr-run-resumed")
+        assert time.monotonic() < deadline, "no round 2 in time\n" + fed.log("flwr-run-resumed")
+        time.sleep(0.25)
+    fed.kill_supernode(1)
+
+    task = load_task_for(cfg)
+    model, tok = new_model(cfg, task, "fedex")
+    prep = prepare(cfg, tok, task)
+    server = new_server(cfg, "fedex", model)
+    sample = server.sample
+    server.sample = lambda rnd: [c for c in sample(rnd) if (rnd, c) != (3, 1)]
+    snapshots = {}
+
+    def snapshot(row, _srv, mdl):
+        snapshots[row["round"]] = {k: v.detach().clone() for k, v in mdl.state_dict().items()}
+
+    ref_rows, ref_model, _ = run_method(
+        cfg, "fedex", prep, model=model, server=server, progress=False, after_round=snapshot
+    )
     try:
-        warm.wait_ready()
-        fed.start()
-        t0 = time.perf_counter()
-        proc = fed.run(cfg, run_dir)
-        deadline = time.monotonic() + 600
-        ckpts = run_dir / "checkpoints" / "fedex"
-        while True:
-            done = latest_checkpoint(ckpts) if ckpts.is_dir() else None
-            if done is not None and done.name == "round-0001":
-                break
-            assert proc.poll() is None, "flwr run ended early\n" + fed.log("flwr-run")
-            assert time.monotonic() < deadline, "no round 1 in time\n" + fed.log("flwr-run")
-            time.sleep(0.1)
-        one_round = time.perf_counter() - t0
-        _stop([fed.superlink], sig=signal.SIGKILL, wait=5)  # with the ServerApp it started
-        _stop([proc], wait=10)
-        rows_when_killed = len(_rows(run_dir / "metrics.jsonl"))
-
-        fed.start_superlink("superlink-restarted")
-        again = fed.run(cfg, run_dir, name="flwr-run-resumed", resume=str(run_dir))
-        while len(_rows(run_dir / "metrics.jsonl")) < 2:
-            assert again.poll() is None, "resumed run ended early\n" + fed.log("flwr-run-resumed")
-            assert time.monotonic() < deadline, "no round 2 in time\n" + fed.log("flwr-run-resumed")
-            time.sleep(0.25)
-        fed.kill_supernode(1)
-
-        task = load_task_for(cfg)
-        model, tok = new_model(cfg, task, "fedex")
-        prep = prepare(cfg, tok, task)
-        server = new_server(cfg, "fedex", model)
-        sample = server.sample
-        server.sample = lambda rnd: [c for c in sample(rnd) if (rnd, c) != (3, 1)]
-        snapshots = {}
-
-        def snapshot(row, _srv, mdl):
-            snapshots[row["round"]] = {k: v.detach().clone() for k, v in mdl.state_dict().items()}
-
-        ref_rows, ref_model, _ = run_method(
-            cfg, "fedex", prep, model=model, server=server, progress=False, after_round=snapshot
-        )
-        try:
-            again.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            pytest.fail("resumed run did not finish\n" + fed.log("flwr-run-resumed"))
-        total = time.perf_counter() - t0
-        assert again.returncode == 0, fed.log("flwr-run-resumed")
-        deadline = time.monotonic() + 300
-        while len(_rows(run_dir / "metrics.jsonl")) < 3 and time.monotonic() < deadline:
-            time.sleep(0.5)  # --stream returns when the run ends; the file is written by then
-    finally:
-        fed.stop()
-        warm.stop()
-    started = [fed.superlink, *fed.supernodes.values(), *fed.others]
-    assert all(p is None or p.poll() is not None for p in started)  # all stopped, by PID
+        again.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        pytest.fail("resumed run did not finish\n" + fed.log("flwr-run-resumed"))
+    total = time.perf_counter() - t0
+    assert again.returncode == 0, fed.log("flwr-run-resumed")
+    deadline = time.monotonic() + 300
+    while len(_rows(run_dir / "metrics.jsonl")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.5)  # --stream returns when the run ends; the file is written by then
     yield {
         "cfg": cfg,
         "run_dir": run_dir,
@@ -470,3 +492,161 @@ def test_supernode_killed_mid_round(deployed):
         f"max relative difference vs in-process {diff:.2e}"
     )
     assert diff < 1e-5
+
+
+# -- a client on two processes (DDP, gloo) in each SuperNode ----------------------------
+def _group_pids(group_dir: Path) -> tuple:
+    """``(launcher pid, rank pids)`` of a worker group, as its files say (``()``: none yet)."""
+    try:
+        launcher = json.loads((group_dir / "group.json").read_text())["launcher_pid"]
+        ranks = sorted(int(p.read_text()) for p in group_dir.glob("rank-*.pid"))
+    except (OSError, ValueError, KeyError):
+        return ()
+    return (launcher, tuple(ranks)) if len(ranks) == 2 else ()
+
+
+def _effective_weights(cfg, run_dir: Path) -> dict:
+    """The final global model's adapted layers, their effective weights (its checkpoint)."""
+    from fedexlora.bridge.adapters import lora_layers
+    from fedexlora.bridge.fold import effective_weight
+    from fedexlora.run.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(run_dir / "checkpoints" / "fedex")
+    model = restore_model(cfg, load_task_for(cfg), "fedex", ckpt, None)[0]
+    return {n: effective_weight(layer) for n, layer in lora_layers(model).items()}
+
+
+@pytest.fixture(scope="module")
+def two_process_run(federation, tiny_bert_dir, tiny_csv):
+    """The module's federation again, each SuperNode's client on two processes (DDP, gloo).
+
+    A second job on the same SuperLink and SuperNodes (a deployment's start is most of its
+    cost): ``nproc-per-client = 2``, two rounds, the client adapters saved. SuperNode 1,
+    killed by :func:`deployed`, is started again first. While the run goes, a thread
+    notes the pids of the node's worker group whenever a job is handed to it. Then the
+    SuperNodes and the processes that started the ClientApps (the group's owner: here the
+    warm server) are stopped, and whatever of the group is left is looked for.
+    """
+    from fedexlora.config import load_config
+
+    fed, warm, root = federation
+    for i, node in fed.supernodes.items():
+        if node.poll() is not None:
+            fed.start_supernode(i)
+    cfg = _deploy_cfg(tiny_bert_dir, tiny_csv).replace(
+        rounds=2, keep_checkpoints=1, lr=2e-2, save_client_adapters=True, nproc_per_client=2
+    )
+    run_dir = root / "run-2proc"
+    workers = root / "workers"
+    seen: dict[int, tuple] = {}  # job number -> the group's pids when it was handed over
+    samples: set[tuple] = set()  # every (launcher, ranks) seen while the run went
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            for group in workers.glob("*/"):
+                pids = _group_pids(group)
+                if pids:
+                    samples.add(pids)
+                    for job in group.glob("jobs/*.json"):
+                        seen.setdefault(int(job.stem), pids)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    t0 = time.perf_counter()
+    proc = fed.run(cfg, run_dir, name="flwr-run-2proc")
+    try:
+        proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the two-process run did not finish\n" + fed.log("flwr-run-2proc"))
+    finally:
+        done.set()
+        watcher.join()
+    seconds = time.perf_counter() - t0
+    assert proc.returncode == 0, fed.log("flwr-run-2proc")
+    groups = sorted(workers.glob("*/"))
+    pids = [_group_pids(g) for g in groups]
+    # the group ends with its owner: stop the SuperNodes and the ClientApps' parent
+    _stop(list(fed.supernodes.values()))
+    warm.stop()
+    everyone = [p for launcher_ranks in pids if launcher_ranks for p in
+                (launcher_ranks[0], *launcher_ranks[1])]  # fmt: skip
+    t_stop, deadline = time.monotonic(), time.monotonic() + 30
+    while any(_alive(p) for p in everyone) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in everyone if _alive(p)]
+    gone_after = time.monotonic() - t_stop
+    for p in left:  # a failing check leaves nothing behind either
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    return {
+        "cfg": load_config(run_dir / "config.toml"),
+        "run_dir": run_dir,
+        "rows": _rows(run_dir / "metrics.jsonl"),
+        "groups": groups,
+        "seen": seen,
+        "samples": samples,
+        "left": left,
+        "gone_after_s": gone_after,
+        "seconds": seconds,
+        "log": fed.log("flwr-run-2proc"),
+    }
+
+
+def _alive(pid: int) -> bool:
+    from fedexlora.run.workers import _alive as alive
+
+    return alive(pid)
+
+
+@pytest.mark.integration
+@pytest.mark.multiprocess
+def test_two_process_clients_deployment_is_exact(two_process_run):
+    """The global model equals the fp64 ideal of the saved client adapters within 1e-5."""
+    import importlib.util
+
+    cfg, run_dir, rows = two_process_run["cfg"], two_process_run["run_dir"], two_process_run["rows"]
+    assert cfg.nproc_per_client == 2 and cfg.distributed == "ddp"
+    assert [r["round"] for r in rows] == [1, 2], two_process_run["log"]
+    assert all(r["accepted"] == [0, 1] and r["dropped"] == [] for r in rows)
+    spec = importlib.util.spec_from_file_location(
+        "verify_export", ROOT / "benchmarks" / "verify_export.py"
+    )
+    verify = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(verify)
+    ideal, w0 = verify.ideal_from_client_adapters(run_dir, cfg)
+    err = verify.rel(_effective_weights(cfg, run_dir), ideal, w0)
+    print(
+        f"\ntwo processes per client: run {two_process_run['seconds']:.1f}s; global model "
+        f"vs the fp64 ideal of the saved adapters {err:.2e} of the update"
+    )
+    assert err <= 1e-5
+
+
+@pytest.mark.integration
+@pytest.mark.multiprocess
+def test_two_process_group_started_once_and_kept_across_rounds(two_process_run):
+    """One group served all four jobs (two clients, two rounds); each rank loaded once."""
+    groups, seen = two_process_run["groups"], two_process_run["seen"]
+    assert len(groups) == 1  # the two SuperNodes of one machine share their group
+    # its jobs (a fresh group starts a fresh folder): both clients of both rounds
+    files = sorted(groups[0].glob("jobs/*.json"), key=lambda p: int(p.stem))
+    assert [p.name for p in files] == ["1.json", "2.json", "3.json", "4.json"]
+    jobs = [json.loads(p.read_text()) for p in files]
+    assert sorted((j["round"], j["client"]) for j in jobs) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert sorted(seen) == [1, 2, 3, 4]
+    assert len(set(seen.values())) == 1, seen  # the same launcher and ranks for every job
+    assert len(two_process_run["samples"]) == 1, two_process_run["samples"]
+    launcher, ranks = seen[1]
+    loads = [json.loads(x) for x in (groups[0] / "loads.log").read_text().splitlines()]
+    assert sorted((x["rank"], x["pid"]) for x in loads) == list(enumerate(ranks))
+
+
+@pytest.mark.integration
+@pytest.mark.multiprocess
+def test_two_process_group_outlives_no_deployment(two_process_run):
+    """The group ends with its owner (the ClientApps' parent) once the SuperNodes stop."""
+    print(f"\nworker group gone {two_process_run['gone_after_s']:.1f}s after its owner")
+    assert two_process_run["samples"]  # there was a group to watch
+    assert two_process_run["left"] == []
