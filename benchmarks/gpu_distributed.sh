@@ -30,3 +30,18 @@ echo "== the same with a rank-64 side branch (a few rounds' worth) =="
 python benchmarks/distributed_client.py --device cuda --nprocs "$NS" --blocks "$BLOCKS" \
   --side 64 --tokens 512 --batch 8 --steps 5 --json "$OUT/distributed_r64.json" \
   | tee "$OUT/r64.md"
+# Exactness of a client on two GPUs, end to end, where the CPU machine cannot check it:
+# a 4-bit (nf4, bitsandbytes) and a bf16 base under DDP (NCCL), MiniLM on BBC News,
+# 2 clients x 2 processes, 2 rounds; verify_export.py rebuilds the ideal from the saved
+# client adapters in fp64 and exits 1 when the export is not exact.
+if [ "$GPUS" -ge 2 ]; then
+  for prec in "--quantization nf4" "--dtype bf16"; do
+    tag=$(echo "$prec" | tr -d ' -')
+    echo "== exactness, 2 processes per client (DDP, NCCL), $prec =="
+    # shellcheck disable=SC2086
+    fedexlora run --method fedex --num-clients 2 --rounds 2 --local-steps 4 --max-train 400 \
+      --max-test 100 $prec --device cuda --nproc-per-client 2 --distributed ddp \
+      --save-client-adapters --export "$OUT/export-$tag" --out "$OUT/run-$tag" --no-progress
+    python benchmarks/verify_export.py "$OUT/run-$tag" "$OUT/export-$tag" | tee "$OUT/exact-$tag.txt"
+  done
+fi
