@@ -218,7 +218,8 @@ def test_compare_best_of_a_loss_is_its_minimum():
     }  # fmt: skip
     cfg = RunConfig(methods=["fedex", "fedit"], rounds=3)
     md = comparison_table(rows, {c: cfg for c in rows}, 5.0)
-    assert "| fedex | 1.7000 ± 0.0000 | 1.5000 ± 0.0000 |" in md and "best loss" in md
+    assert "| fedex | 1.7000 ± 0.0000 | [1.7000, 1.7000] | 1.5000 ± 0.0000 | 3 |" in md
+    assert "best loss" in md
     # a lower loss is ahead: seed 0 (1.7 vs 1.8) ahead, seed 1 (1.7 vs 1.6) behind
     assert "(1 ahead, 0 tied, 1 behind)" in md
 

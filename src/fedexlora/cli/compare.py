@@ -111,10 +111,10 @@ def _params() -> list[inspect.Parameter]:
         ),
         option(
             "The primary metric's value whose bytes comparison.md gives per method "
-            "('bytes to target'); default: --target-fraction of centralized's",
+            "('bytes to target')",
             "--target",
             panel=STUDY,
-            default_text="0.9 of centralized",
+            default_text="--target-fraction of centralized's",
             kind=float,
         ),
         option(
