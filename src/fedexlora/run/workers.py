@@ -292,8 +292,11 @@ class WorkerGroup:
         if self.proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=10)
+        # SIGKILL is delivered, not yet acted on, when kill() returns: wait until the
+        # launcher and every rank are gone (a zombie counts as gone)
+        gone = [*pids, *([launcher] if launcher is not None else [])]
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(_alive(p) for p in gone) and time.monotonic() < deadline:
             time.sleep(POLL_S)
 
     def _fail(self, why: str):
