@@ -171,6 +171,16 @@ def test_clients_that_keep_parts_save_their_own_adapters_under_flower(
     assert not torch.equal(b_of[0][key], b_of[1][key])  # each its own B, not the server's
 
 
+def test_the_stopping_rule_stops_both_engines_at_the_same_round(tiny_cfg, tmp_path, task_identity):
+    """``stop_at`` is read by the one round loop: under Flower too, each method stops
+    after the round that reached it, with the in-process engine's rows."""
+    cfg = tiny_cfg.replace(methods=["fedex", "fedit"], rounds=3, stop_at=0.0)
+    local = run_experiment(cfg, tmp_path / "local", progress=False)
+    flower, _ = _flower(cfg, tmp_path / "flower")
+    assert [(r["method"], r["round"]) for r in flower] == [("fedex", 1), ("fedit", 1)]
+    _close(flower, local)
+
+
 def test_nf4_base_with_side_branch_matches_the_local_engine(tiny_cfg, tmp_path, task_identity):
     pytest.importorskip("bitsandbytes")
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=2, quantization="nf4")
