@@ -11,13 +11,17 @@ Flower, the messages, Ray and the clients' waiting), the round's wall time, and 
 ratios the issue's goal names:
 
 - ``round / (train + eval)``: the round's wall time over its clients' training steps
-  (summed: clients one after another) plus its evaluation (goal: <= 1.15 in-process,
-  <= 1.3 under Flower); under Flower also over the longest client's steps
-  (``round / (train_max + eval)``, what bounds clients that train in parallel);
-- the peak resident memory of each engine's whole process tree, sampled every 0.2 s
-  from ``/proc``, and under Flower that of its virtual clients (Ray's ClientApp actors:
-  processes named ``ray::ClientAppActor``) and of the rest by process name, against the
-  in-process engine's (goal: <= 1.5x).
+  (summed: clients one after another) plus its evaluation;
+- ``round / (train_wall + eval)``: the same over the wall seconds in which at least one
+  client trained (clients training in parallel, as Flower's virtual clients do, count
+  once; in-process it is the sum): the goal's ratio (<= 1.15 in-process, <= 1.3 under
+  Flower);
+- the peak memory of each engine's whole process tree, sampled every 0.2 s from
+  ``/proc`` (``proc_memory.py``): PSS, each shared page counted once (what the machine
+  holds), and RSS summed over processes (a shared page once per process), and under
+  Flower that of its virtual clients (Ray's ClientApp actors: processes named
+  ``ray::ClientAppActor``) and of the rest by process name, against the in-process
+  engine's (goal: <= 1.5x).
 
 Rounds after the first are the steady state (the first loads the clients' models under
 Flower); the summary line gives their medians.
@@ -37,88 +41,32 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-PARTS = ("train", "train_max", "setup", "evaluate", "aggregate", "apply", "checkpoint")
+sys.path.insert(0, str(Path(__file__).parent))
+from proc_memory import run_sampled  # noqa: E402
+
+PARTS = ("train", "train_max", "train_wall", "setup", "evaluate", "aggregate", "apply", "checkpoint")
 SUMMED = ("train", "setup", "evaluate", "aggregate", "apply", "checkpoint")
 CLIENT_ACTOR = "ray::ClientAppActor"
 
 
-def _procs() -> dict[int, tuple[int, int, str]]:
-    """pid -> (parent pid, resident bytes, name: the first word of its command line)."""
-    out = {}
-    page = os.sysconf("SC_PAGE_SIZE")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        name = argv[0].decode(errors="replace") if argv and argv[0] else "?"
-        if not name.startswith("ray::"):
-            name = Path(name.split()[0]).name if name.strip() else "?"
-            if name.startswith("python") and len(argv) > 2:  # python -m X / python X
-                name = (argv[2] if argv[1] == b"-m" else argv[1]).decode(errors="replace")
-                name = Path(name).name
-        out[int(entry)] = (int(fields[1]), int(fields[21]) * page, name)
-    return out
-
-
-def _tree(pid: int) -> dict[str, int]:
-    """Resident bytes of ``pid`` and its descendants, summed by process name."""
-    procs = _procs()
-    children: dict[int, list[int]] = {}
-    for p, (ppid, _, _) in procs.items():
-        children.setdefault(ppid, []).append(p)
-    by_name: dict[str, int] = {}
-    stack = [pid]
-    while stack:
-        p = stack.pop()
-        if p in procs:
-            _, rss, name = procs[p]
-            by_name[name] = by_name.get(name, 0) + rss
-        stack.extend(children.get(p, []))
-    return by_name
-
-
 def run_measured(cmd: list[str], env: dict, log: Path) -> dict:
-    """Runs ``cmd``; its wall seconds, peak tree RSS, and peak RSS by process name."""
+    """Runs ``cmd``; its wall seconds and peak memory (RSS and PSS: tree, virtual clients)."""
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-        peak, by_name, done = [0, 0], {}, threading.Event()
-
-        def sample():
-            while not done.is_set():
-                tree = _tree(proc.pid)
-                total = sum(tree.values())
-                clients = sum(v for k, v in tree.items() if k.startswith(CLIENT_ACTOR))
-                peak[0], peak[1] = max(peak[0], total), max(peak[1], clients)
-                for k, v in tree.items():
-                    by_name[k] = max(by_name.get(k, 0), v)
-                time.sleep(0.2)
-
-        t = threading.Thread(target=sample, daemon=True)
-        t0 = time.perf_counter()
-        t.start()
-        proc.wait()
-        done.set()
-        t.join()
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}); see {log}")
+        done, peaks, wall = run_sampled(cmd, env, stdout=out, group=CLIENT_ACTOR)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}); see {log}")
     return {
-        "wall": time.perf_counter() - t0,
-        "peak_rss": peak[0],
-        "peak_rss_clients": peak[1],
-        "peak_rss_by_name": by_name,
+        "wall": wall,
+        "peak_rss": peaks.rss,
+        "peak_pss": peaks.pss,
+        "peak_rss_clients": peaks.group_rss,
+        "peak_pss_clients": peaks.group_pss,
+        "peak_rss_by_name": peaks.by_name_rss,
+        "peak_pss_by_name": peaks.by_name_pss,
     }
 
 
@@ -158,23 +106,24 @@ def ratios(row: dict) -> dict:
     out = {"other": total - known}
     if row["train"] is not None:
         out["ratio"] = total / (row["train"] + row["evaluate"])
-        out["ratio_max"] = total / (row["train_max"] + row["evaluate"])
+        wall = row.get("train_wall", row["train"])  # rows from before it: the sum
+        out["ratio_wall"] = total / (wall + row["evaluate"])
     return out
 
 
 def table(results: list[dict]) -> str:
     """A markdown table: one line per engine and round, then each engine's summary."""
     head = "| engine | round | metric | " + " | ".join(PARTS) + " | other | total | "
-    head += "round / (train + eval) | round / (train_max + eval) |"
+    head += "round / (train + eval) | round / (train_wall + eval) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for res in results:
         for row in res["rows"]:
             r = ratios(row)
             cells = [res["engine"], str(row["round"]), f"{row['metric']:.4f}"]
-            cells += ["n/a" if row[p] is None else f"{row[p]:.2f}" for p in PARTS]
+            cells += ["n/a" if row.get(p) is None else f"{row[p]:.2f}" for p in PARTS]
             cells += [f"{r['other']:.2f}", f"{row['total']:.2f}"]
             cells += [f"{r['ratio']:.3f}" if "ratio" in r else "n/a"]
-            cells += [f"{r['ratio_max']:.3f}" if "ratio_max" in r else "n/a"]
+            cells += [f"{r['ratio_wall']:.3f}" if "ratio_wall" in r else "n/a"]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -189,20 +138,37 @@ def summary(results: list[dict]) -> str:
         line = f"{res['engine']}: median over rounds {[r['round'] for r in steady]}: "
         if all("ratio" in r for r in rs):
             line += f"round / (train + eval) {statistics.median(r['ratio'] for r in rs):.3f}, "
-            line += "round / (train_max + eval) "
-            line += f"{statistics.median(r['ratio_max'] for r in rs):.3f}; "
-        line += f"wall {res['wall']:.0f} s; peak RSS {res['peak_rss'] / 1e6:.0f} MB"
-        if local is not None and res is not local:
-            line += f" ({res['peak_rss'] / local['peak_rss']:.2f}x in-process)"
-            if res["peak_rss_clients"]:
-                line += (
-                    f", its virtual clients {res['peak_rss_clients'] / 1e6:.0f} MB "
-                    f"({res['peak_rss_clients'] / local['peak_rss']:.2f}x in-process)"
-                )
+            line += "round / (train_wall + eval) "
+            line += f"{statistics.median(r['ratio_wall'] for r in rs):.3f}; "
+        line += f"wall {res['wall']:.0f} s; " + _memory(res, local)
         out.append(line)
-        big = sorted(res["peak_rss_by_name"].items(), key=lambda kv: -kv[1])[:8]
-        out.append("  peak RSS by process: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in big))
+        for kind in ("pss", "rss"):
+            big = sorted(res.get(f"peak_{kind}_by_name", {}).items(), key=lambda kv: -kv[1])[:8]
+            if big and any(v for _, v in big):
+                out.append(
+                    f"  peak {kind.upper()} by process: "
+                    + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in big)
+                )
     return "\n".join(out)
+
+
+def _memory(res: dict, local: dict | None) -> str:
+    """Peak memory, PSS (each shared page once: what the machine holds) then RSS summed."""
+    parts = []
+    for kind in ("pss", "rss"):
+        total = res.get(f"peak_{kind}", 0)
+        if not total:
+            continue
+        text = f"peak {kind.upper()} {total / 1e6:.0f} MB"
+        ref = local.get(f"peak_{kind}") if local is not None and res is not local else None
+        if ref:
+            text += f" ({total / ref:.2f}x in-process)"
+            clients = res.get(f"peak_{kind}_clients", 0)
+            if clients:
+                text += f", its virtual clients {clients / 1e6:.0f} MB"
+                text += f" ({clients / ref:.2f}x in-process)"
+        parts.append(text)
+    return "; ".join(parts)
 
 
 def main(argv=None) -> None:

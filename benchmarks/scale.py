@@ -34,11 +34,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+from proc_memory import run_sampled  # noqa: E402
 
 
 def tiny_model(dest: Path) -> str:
@@ -207,49 +207,12 @@ def _median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and all its descendants (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            ppid, pages = int(fields[1]), int(fields[21])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-        rss[int(entry)] = pages * os.sysconf("SC_PAGE_SIZE")
-    total, stack = 0, [pid]
-    while stack:
-        p = stack.pop()
-        total += rss.get(p, 0)
-        stack.extend(children.get(p, []))
-    return total
-
-
 def run_measured(cmd: list[str], env: dict) -> tuple[int, str, float]:
     """Runs ``cmd``; returns (peak tree RSS bytes, stdout, wall seconds)."""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    peak = [0]
-    done = threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], tree_rss(proc.pid))
-            time.sleep(0.2)
-
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    t0 = time.perf_counter()
-    out, _ = proc.communicate()
-    done.set()
-    t.join()
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
-    return peak[0], out, time.perf_counter() - t0
+    done, peaks, wall = run_sampled(cmd, env, stdout=subprocess.PIPE)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed with exit code {done.returncode}")
+    return peaks.rss, done.stdout, wall
 
 
 def flower_run(args, clients: int, fraction: float, env: dict) -> dict:

@@ -361,6 +361,36 @@ def test_ray_cpus_caps_the_simulation_and_bad_values_are_named(tiny_cfg, monkeyp
             simulation_backend(tiny_cfg)
 
 
+def test_by_default_one_client_app_at_a_time_per_device(tiny_cfg, monkeypatch):
+    """Each concurrent ClientApp holds a model and a training working set of its own (the
+    in-process engine's whole memory, docs/BENCHMARKS.md): by default one per device."""
+    import torch
+
+    from fedexlora.flower import simulation
+
+    for var in ("FEDEXLORA_CLIENT_CPUS", "FEDEXLORA_CLIENT_GPUS", "FEDEXLORA_RAY_CPUS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(simulation.os, "cpu_count", lambda: 8)
+    cfg = tiny_cfg.replace(num_clients=10)
+    # CPU: one actor with every CPU (its threads), whatever the number of clients
+    assert simulation.client_resources(cfg) == {"num_cpus": 8, "num_gpus": 0.0}
+    monkeypatch.setenv("FEDEXLORA_RAY_CPUS", "3")  # Ray capped: one actor with all of it
+    assert simulation.simulation_backend(cfg) == {
+        "client_resources": {"num_cpus": 3, "num_gpus": 0.0},
+        "init_args": {"num_cpus": 3},
+    }
+    monkeypatch.setenv("FEDEXLORA_CLIENT_CPUS", "1")  # asked for: 3 clients at once
+    assert simulation.client_resources(cfg) == {"num_cpus": 1, "num_gpus": 0.0}
+    monkeypatch.delenv("FEDEXLORA_CLIENT_CPUS")
+    monkeypatch.delenv("FEDEXLORA_RAY_CPUS")
+    # CUDA: one actor per GPU, the CPUs shared among them
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    gpu = cfg.replace(device="cuda")
+    monkeypatch.setattr("fedexlora.run.build.resolve_device", lambda d: torch.device(d))
+    assert simulation.client_resources(gpu) == {"num_cpus": 4, "num_gpus": 1.0}
+    assert simulation.client_resources(gpu, client_gpus=0.5)["num_gpus"] == 0.5
+
+
 def test_a_client_app_gets_the_users_home_back(monkeypatch):
     import os
 

@@ -20,7 +20,8 @@ from fedexlora.run.inprocess import run_experiment
 from fedexlora.run.report import read_metrics
 from test_flower import InProcessGrid
 
-PARTS = {"total", "train", "train_max", "setup", "evaluate", "aggregate", "apply", "checkpoint"}
+PARTS = {"total", "train", "train_max", "train_wall", "setup", "evaluate", "aggregate", "apply",
+         "checkpoint"}  # fmt: skip
 SUMMED = ("train", "setup", "evaluate", "aggregate", "apply", "checkpoint")
 
 
@@ -48,6 +49,8 @@ def _check_split(row):
     assert all(isinstance(v, float) and v >= 0 for v in split.values()), split
     assert split["train"] > 0 and split["evaluate"] > 0 and split["checkpoint"] > 0, split
     assert split["train_max"] <= split["train"] + 1e-9, split
+    # clients one after another: the wall seconds in which one trained are their sum
+    assert split["train_wall"] == pytest.approx(split["train"], rel=1e-3, abs=1e-3), split
     assert split["total"] >= row["seconds"], split
     # the clients train in turn here (in-process; the grid runs them one after another):
     # each second counted once, so the parts fit in the wall time
@@ -106,6 +109,7 @@ def _slowed(monkeypatch) -> dict[str, list]:
         seen[target] = [float(2**i), 0]
         monkeypatch.setattr(owner, name, _slow(getattr(owner, name), seen[target], now))
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(time, "time", lambda: now[0])  # the clients' training spans
     return seen
 
 
@@ -136,6 +140,23 @@ def test_each_part_is_timed_around_its_own_calls_and_no_other(
     assert split["total"] == pytest.approx(sum(want.values()), abs=1e-9)
     # each client's own training: the longest holds one client's delay, not three
     assert split["train_max"] == pytest.approx(seen["fedexlora.run.client_step.train_local"][0])
+    # one after another (a Flower client's span from its reply): the wall holds all three
+    assert split["train_wall"] == pytest.approx(want["train"], abs=1e-9)
+
+
+def test_clients_training_in_parallel_count_their_common_seconds_once():
+    from fedexlora.run.timing import RoundClock
+
+    clock = RoundClock()
+    for span in [(10.0, 12.0), (11.0, 13.0), (15.0, 16.0), (15.25, 15.75)]:
+        clock.add_span(*span)  # two clients at once, then one alone (and one inside it)
+    for c, s in enumerate([2.0, 2.0, 1.0, 0.5]):
+        clock.add("train", s, c)
+    split = clock.split(aggregate=0.0, total=7.0)
+    assert split["train_wall"] == pytest.approx(4.0) and split["train"] == pytest.approx(5.5)
+    assert clock.train_span() == (10.0, 16.0)
+    with pytest.raises(ValueError, match="must run forward in time"):
+        clock.add_span(3.0, 2.0)
 
 
 def test_flower_clients_under_dp_send_no_seconds_and_the_row_says_not_measured():
@@ -145,6 +166,7 @@ def test_flower_clients_under_dp_send_no_seconds_and_the_row_says_not_measured()
     clock.clients_measured = False
     split = clock.split(aggregate=0.1, total=1.0)
     assert split["train"] is None and split["train_max"] is None and split["setup"] is None
+    assert split["train_wall"] is None
     assert split["total"] == 1.0 and split["aggregate"] == 0.1
 
 
@@ -179,13 +201,16 @@ def test_the_summary_table_sums_each_methods_rounds_and_says_what_was_not_measur
         {"method": "fedex", "round": 2, "split_seconds": split(2.0, 6.0)},
         {"method": "fedit", "round": 1, "split_seconds": split(None, 5.0, setup=None)},
         {"method": "old", "round": 1},  # a row written before the split: no line
+        # clients in parallel: 4 s of steps in 2 s of the round's wall time
+        {"method": "par", "round": 1, "split_seconds": split(4.0, 6.0, train_wall=2.0)},
     ]
     header, cells = time_split_table(rows)
-    assert header[-3:] == ["other", "total", "total / (train + evaluate)"]
+    assert header[-3:] == ["other", "total", "total / (training + evaluate)"]
     # fedex: train 6, setup 1, evaluate 2, aggregate 0.5, apply 0.5, checkpoint 1 = 11 of 14
     assert cells[0] == ["fedex", "6.0", "1.0", "2.0", "0.5", "0.5", "1.0", "3.0", "14.0", "1.75"]
     assert cells[1] == ["fedit", "n/a", "n/a", "1.0", "0.2", "0.2", "0.5", "3.0", "5.0", "n/a"]
-    assert len(cells) == 2
+    assert cells[2][-1] == "2.00"  # 6 / (2 + 1): the round over its training's wall seconds
+    assert len(cells) == 3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -215,14 +240,16 @@ def test_the_round_time_benchmark_reports_the_goals_ratios_from_the_rows():
     spec.loader.exec_module(bench)
     row = dict(round=2, metric=0.5, train=6.0, train_max=3.0, setup=0.5, evaluate=2.0,
                aggregate=0.25, apply=0.25, checkpoint=0.5, total=10.0)  # fmt: skip
-    assert bench.ratios(row) == {"other": 0.5, "ratio": 1.25, "ratio_max": 2.0}
+    assert bench.ratios(row) == {"other": 0.5, "ratio": 1.25, "ratio_wall": 1.25}
+    assert bench.ratios({**row, "train_wall": 3.0})["ratio_wall"] == 2.0
     dp = {**row, "train": None, "train_max": None, "setup": None}
     assert bench.ratios(dp) == {"other": 7.0}
     mem = {"wall": 1.0, "peak_rss_clients": 0, "peak_rss_by_name": {"fedexlora": 10**9}}
-    local = {"engine": "local", "rows": [row, row], "peak_rss": 10**9, **mem}
+    local = {"engine": "local", "rows": [row, row], "peak_rss": 10**9, "peak_pss": 10**9, **mem}
     flower = {**local, "engine": "flower", "rows": [dp], "peak_rss": 4 * 10**9}
-    flower["peak_rss_clients"] = 2 * 10**9
+    flower.update(peak_rss_clients=2 * 10**9, peak_pss=3 * 10**9, peak_pss_clients=10**9)
     assert "| local | 2 | 0.5000 | 6.00 | 3.00 |" in bench.table([local, flower])
     text = bench.summary([local, flower])
-    assert "round / (train + eval) 1.250, round / (train_max + eval) 2.000" in text
-    assert "(4.00x in-process), its virtual clients 2000 MB (2.00x in-process)" in text
+    assert "round / (train + eval) 1.250, round / (train_wall + eval) 1.250" in text
+    assert "peak PSS 3000 MB (3.00x in-process), its virtual clients 1000 MB (1.00x" in text
+    assert "peak RSS 4000 MB (4.00x in-process), its virtual clients 2000 MB (2.00x" in text

@@ -56,10 +56,17 @@ if TYPE_CHECKING:
 __all__ = ["app", "make_client_app"]
 
 _DATA: dict[str, tuple] = {}  # config fingerprint -> (task, Prepared), one entry
-_MODELS: OrderedDict[tuple, tuple] = OrderedDict()  # (run, partition) -> (token, model); spares
-# Models kept per process (FEDEXLORA_CLIENT_MODEL_CACHE; 0 rebuilds every round from the
-# Context, as a deployment's fresh ClientApp process does).
-_MAX_MODELS = int(os.environ.get("FEDEXLORA_CLIENT_MODEL_CACHE", "4"))
+# The process's models: (run, partition) -> (token, model, method, fingerprint) for a
+# client's model as it left it, (run, "spare", method, fingerprint, partition) -> (None,
+# model, method, fingerprint) for a model of a client that kept nothing. A client without
+# its own entry takes any model of its run, method and configuration (the oldest) and
+# restores its state into it, as the in-process engine's clients share one model; so a
+# ClientApp actor holds one model whichever partitions it serves.
+_MODELS: OrderedDict[tuple, tuple] = OrderedDict()
+# Models kept per process (FEDEXLORA_CLIENT_MODEL_CACHE, default 1; 0 rebuilds every
+# round from the Context, as a deployment's fresh ClientApp process does). More than one
+# saves a partition that comes back to the same process the restore of its state.
+_MAX_MODELS = int(os.environ.get("FEDEXLORA_CLIENT_MODEL_CACHE", "1"))
 
 
 def _allows_seeded_dp(context: Context) -> bool:
@@ -130,36 +137,55 @@ def _task_and_data(cfg, fingerprint: str, method: str):
 def _client_model(cfg, task, method, context, pid: int, since: int, spare, store, fingerprint):
     """The client's model holding base version ``since`` (``-1``: the pretrained W0).
 
-    From the process cache, else restored from its store (its Context, else its state
-    directory).
+    Its own from the process cache, else any model of the run (a spare, another
+    partition's, a new one) with its state restored from its store (its Context, else its
+    state directory).
     """
     from fedexlora.run.build import new_model
     from fedexlora.run.client import OwnModel
 
     adapter = client_adapter_name(cfg, method, pid)
+    cached = _MODELS.pop((context.run_id, pid), None)  # taken: a failed round drops it
+    if cached is not None and (cached[2], cached[3]) != (method, fingerprint):
+        cached = None  # another method's or configuration's model: never reused
+    if since >= 0 and cached is not None and store.held() == since and cached[0] == store.token:
+        return cached[1]
+    model = spare if spare is not None else cached[1] if cached is not None else None
+    if model is None:
+        model = _reusable(context.run_id, method, fingerprint)
     if since < 0:  # a new (or re-synced) client starts from the pretrained weights:
         # any model of the run will do, since the reset payload drops what it folded
-        model = spare if spare is not None else _spare_model(context.run_id, method, fingerprint)
-        if model is None:
-            model = new_model(cfg, task, method)[0]
+        model = model if model is not None else new_model(cfg, task, method)[0]
         _activate(model, adapter)
         return model
-    held = store.held()
-    if held == since:
-        cached = _MODELS.pop((context.run_id, pid), None)  # taken: a failed round drops it
-        if cached is not None and cached[0] == store.token:
-            return cached[1]
     flat = store.load(pid, since)
     if flat is None:
+        if model is not None:  # still a model of the run: the next client's
+            _spare(context, model, method, pid, fingerprint)
         raise ValueError(
-            f"partition {pid} holds base version {held} for {method}, but the payload "
-            f"is relative to version {since}; the server re-syncs this client from W0 "
-            "next time it is sampled"
+            f"partition {pid} holds base version {store.held()} for {method}, but the "
+            f"payload is relative to version {since}; the server re-syncs this client from "
+            "W0 next time it is sampled"
         )
-    model = spare if spare is not None else new_model(cfg, task, method)[0]
+    model = model if model is not None else new_model(cfg, task, method)[0]
     _activate(model, adapter)
+    # every folded layer rebuilt from W0, the adapter and head set: the client's model,
+    # whichever client this model held before (load_side_state)
     OwnModel(model, adapter, cfg).restore(flat)
     return model
+
+
+def _reusable(run_id, method: str, fingerprint: str):
+    """Any cached model of this run, method and configuration, the oldest, or ``None``.
+
+    It is taken out of the cache. A spare or another partition's model will do: a reset
+    payload drops what it folded, and a restore rebuilds every folded layer from W0 and
+    sets every trained parameter (:func:`fedexlora.bridge.steps.load_client_state`).
+    """
+    for key, held in list(_MODELS.items()):
+        if key[0] == run_id and (held[2], held[3]) == (method, fingerprint):
+            return _MODELS.pop(key)[1]
+    return None
 
 
 def _activate(model, adapter: str) -> None:
@@ -179,34 +205,26 @@ def client_adapter_name(cfg, method: str, pid: int) -> str:
     return client_adapter(cfg, method, pid) or "default"
 
 
-def _cache(context, model, pid: int, store: ContextStore) -> None:
+def _cache(context, model, pid: int, store: ContextStore, method: str, fingerprint: str) -> None:
     """Keeps the model in the process cache, under the token of the state it just kept."""
     key = (context.run_id, pid)
-    _MODELS[key] = (store.token, model)
-    _MODELS.move_to_end(key)
-    while len(_MODELS) > max(_MAX_MODELS, 0):
-        _MODELS.popitem(last=False)
+    _MODELS[key] = (store.token, model, method, fingerprint)
+    _trim(key)
 
 
 def _spare(context, model, method: str, pid: int, fingerprint: str) -> None:
     """A client that kept nothing: its model stays cached as a spare."""
     _MODELS.pop((context.run_id, pid), None)
     # a spare serves only this configuration (another may adapt other modules)
-    _MODELS[(context.run_id, "spare", method, fingerprint, pid)] = (None, model)
+    key = (context.run_id, "spare", method, fingerprint, pid)
+    _MODELS[key] = (None, model, method, fingerprint)
+    _trim(key)
+
+
+def _trim(newest: tuple) -> None:
+    _MODELS.move_to_end(newest)
     while len(_MODELS) > max(_MAX_MODELS, 0):
         _MODELS.popitem(last=False)
-
-
-def _spare_model(run_id, method: str, fingerprint: str):
-    """A spare model of this run, method and configuration (:func:`_spare`), or ``None``.
-
-    It is taken out of the cache (:func:`_spare`). A client that starts from W0 can use
-    it: its reset payload drops what the model folded, and sets every trained parameter.
-    """
-    for key in list(_MODELS):
-        if key[:4] == (run_id, "spare", method, fingerprint):
-            return _MODELS.pop(key)[1]
-    return None
 
 
 @dataclass
@@ -279,8 +297,10 @@ def train_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -> M
     too): apply, refuse a spent DP budget, train, keep, reply in the clear or masked.
     A reply in the clear without DP-SGD also says where the client's seconds went
     (``seconds-train``: its training steps; ``seconds-setup``: the rest of its handling
-    of the message, its model restored, the payload applied, the upload read back), timed
-    by its own clock (:mod:`fedexlora.run.timing`); under DP-SGD or secure aggregation
+    of the message, its model restored, the payload applied, the upload read back;
+    ``seconds-train-began`` / ``-ended``: when its steps ran, on its machine's wall clock,
+    which a simulation's server compares with its other clients'), timed by its own clock
+    (:mod:`fedexlora.run.timing`); under DP-SGD or secure aggregation
     no such figure leaves the client (its training time follows its data).
 
     Raises:
@@ -325,7 +345,7 @@ def _train_step(msg: Message, context: Context, defaults, started: float, clock)
             return _answer(msg, pid, rnd, method, str(exc))
     if bool(conf.get("keep-state", True)):
         client.keep(version)
-        _cache(context, client.model, pid, req.store)
+        _cache(context, client.model, pid, req.store, method, req.fingerprint)
     else:  # the server will reset this client next time: keep nothing of it
         client.keep(version, keep=False)
         _spare(context, client.model, method, pid, req.fingerprint)
@@ -353,6 +373,9 @@ def _train_step(msg: Message, context: Context, defaults, started: float, clock)
                 train = clock.seconds["train"]
                 metrics["seconds-train"] = train
                 metrics["seconds-setup"] = max(time.perf_counter() - started - train, 0.0)
+                span = clock.train_span()
+                if span is not None:  # when it trained, on this machine's clock
+                    metrics["seconds-train-began"], metrics["seconds-train-ended"] = span
     content["metrics"] = MetricRecord(metrics)
     return Message(content, reply_to=msg)
 
@@ -444,8 +467,8 @@ def evaluate_step(msg: Message, context: Context, defaults: Mapping[str, Any]) -
     req = _client_for(msg, context, defaults)
     client, pid = req.client, req.client.client
     metrics, n = client.evaluate(AdapterState.from_flat(from_array_record(msg.content["arrays"])))
-    if _MAX_MODELS > 0 and req.store.token is not None:  # back in the cache: only A
-        _MODELS[(context.run_id, pid)] = (req.store.token, client.model)  # payloads set A
+    if req.store.token is not None:  # back in the cache: only A changed, payloads set A
+        _cache(context, client.model, pid, req.store, req.method, req.fingerprint)
     reply = {"partition-id": pid, "metrics": json.dumps(metrics), "test-examples": n}
     return Message(RecordDict({"config": ConfigRecord(reply)}), reply_to=msg)
 

@@ -176,6 +176,9 @@ class FlowerRounds:
         for c, seconds in sorted(rec.client_seconds.items()):
             clock.add("train", seconds.get("train", 0.0), c)
             clock.add("setup", seconds.get("setup", 0.0))
+            began, ended = seconds.get("train-began"), seconds.get("train-ended")
+            if began is not None and ended is not None and ended >= began:
+                clock.add_span(began, ended)
         return traffic
 
     def evaluate_clients(self, clients: list[int]) -> dict[int, tuple[dict[str, float], int]]:

@@ -15,7 +15,8 @@ float rounding) and writes the same run directory.
 Client resources on Ray come from ``client_cpus`` / ``client_gpus`` (or the environment
 variables ``FEDEXLORA_CLIENT_CPUS`` / ``FEDEXLORA_CLIENT_GPUS``): Ray runs as many
 ClientApp actors at once as the machine's CPUs and GPUs allow at that size, or as
-``FEDEXLORA_RAY_CPUS`` (Ray's total CPUs) allows.
+``FEDEXLORA_RAY_CPUS`` (Ray's total CPUs) allows. By default one at a time per device
+(:func:`client_resources`), each actor holding one model for the clients it serves.
 
 Nothing leaves the machine (:data:`RAY_ENV`, :data:`FLOWER_ENV`, where the environment
 does not already say otherwise): Ray binds to 127.0.0.1
@@ -404,8 +405,14 @@ def client_resources(
 ) -> dict[str, float]:
     """Ray resources of one ClientApp actor.
 
-    Defaults: the machine's CPUs shared among the clients (at least one each); on CUDA
-    (``device`` cuda, or auto with a GPU) the GPUs shared among the clients, else none.
+    Defaults: one ClientApp at a time per device, as the in-process engine trains its
+    clients: on CPU one actor with every CPU Ray has (``FEDEXLORA_RAY_CPUS``, else the
+    machine's), training with that many threads; on CUDA (``device`` cuda, or auto with a
+    GPU) one actor per GPU, with the CPUs shared among the GPUs. Each concurrent actor
+    holds its own model and training working set, about the in-process engine's whole
+    memory (docs/BENCHMARKS.md, "Where a round's time goes"): give a smaller share
+    (``client_cpus``, ``FEDEXLORA_CLIENT_CPUS``; ``client_gpus``,
+    ``FEDEXLORA_CLIENT_GPUS``) to train several clients at once.
     """
     import torch
 
@@ -413,14 +420,32 @@ def client_resources(
 
     cpus = client_cpus if client_cpus is not None else _env_float("FEDEXLORA_CLIENT_CPUS")
     gpus = client_gpus if client_gpus is not None else _env_float("FEDEXLORA_CLIENT_GPUS")
-    if cpus is None:
-        cpus = max(1, (os.cpu_count() or 1) // cfg.num_clients)
+    cuda = resolve_device(cfg.device).type == "cuda"
     if gpus is None:
-        cuda = resolve_device(cfg.device).type == "cuda"
-        gpus = min(1.0, torch.cuda.device_count() / cfg.num_clients) if cuda else 0.0
+        gpus = 1.0 if cuda and torch.cuda.device_count() > 0 else 0.0
+    if cpus is None:
+        total = _ray_cpus() or os.cpu_count() or 1
+        cpus = max(1, total // max(1, torch.cuda.device_count())) if gpus > 0 else total
     if cpus <= 0:
         raise ValueError(f"client CPUs must be > 0, got {cpus}")
     return {"num_cpus": cpus, "num_gpus": gpus}
+
+
+def _ray_cpus() -> int | None:
+    """``FEDEXLORA_RAY_CPUS``: the CPUs Ray may use (``None``: not set).
+
+    Raises:
+        ValueError: If it is not a whole number >= 1.
+    """
+    raw = os.environ.get("FEDEXLORA_RAY_CPUS", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(
+            f"environment variable FEDEXLORA_RAY_CPUS must be a whole number >= 1 "
+            f"(the CPUs Ray may use), got {raw!r}"
+        )
+    return int(raw)
 
 
 def simulation_backend(
@@ -436,14 +461,9 @@ def simulation_backend(
         ValueError: If ``FEDEXLORA_RAY_CPUS`` is not a whole number >= 1.
     """
     backend: dict[str, dict] = {"client_resources": client_resources(cfg, client_cpus, client_gpus)}
-    raw = os.environ.get("FEDEXLORA_RAY_CPUS", "").strip()
-    if raw:
-        if not raw.isdigit() or int(raw) < 1:
-            raise ValueError(
-                f"environment variable FEDEXLORA_RAY_CPUS must be a whole number >= 1 "
-                f"(the CPUs Ray may use), got {raw!r}"
-            )
-        backend["init_args"] = {"num_cpus": int(raw)}
+    ray_cpus = _ray_cpus()
+    if ray_cpus is not None:
+        backend["init_args"] = {"num_cpus": ray_cpus}
     return backend
 
 

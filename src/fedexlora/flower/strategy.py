@@ -575,9 +575,9 @@ class FedExLoRA(FedAvg):
 
 
 def _client_seconds(metrics) -> dict[str, float]:
-    """A reply's ``seconds-*`` figures (training steps, set-up), as sent; bad ones dropped."""
+    """A reply's ``seconds-*`` figures (training steps, set-up, when), bad ones dropped."""
     out = {}
-    for part in ("train", "setup"):
+    for part in ("train", "setup", "train-began", "train-ended"):
         value = metrics.get(f"seconds-{part}")
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
             out[part] = float(value)

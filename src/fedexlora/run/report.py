@@ -239,9 +239,11 @@ def time_split_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     One line per method whose rows hold a split; ``other`` is what no part holds (under
     Flower: the messages and the clients' waiting). A part not measured (a Flower client
     under DP-SGD or secure aggregation sends no seconds) is ``n/a``, and so is the ratio
-    of the round to its clients' training steps plus its evaluation.
+    of the round to its clients' training steps plus its evaluation. The steps count by
+    the wall seconds in which a client trained (``train_wall``: clients training in
+    parallel count once), ``train`` in rows written before it.
     """
-    header = ["method", *SPLIT_PARTS, "other", "total", "total / (train + evaluate)"]
+    header = ["method", *SPLIT_PARTS, "other", "total", "total / (training + evaluate)"]
     by_method: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
         if isinstance(r.get("split_seconds"), dict):
@@ -253,7 +255,12 @@ def time_split_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             for p in (*SPLIT_PARTS, "total")
         }
         other = sums["total"] - sum(sums[p] or 0.0 for p in SPLIT_PARTS)
-        base = None if sums["train"] is None else sums["train"] + sums["evaluate"]
+        # the wall seconds in which a client trained (clients in parallel count once)
+        wall = None if any(s.get("train_wall") is None for s in splits) else sum(
+            s["train_wall"] for s in splits
+        )
+        training = sums["train"] if wall is None else wall
+        base = None if training is None else training + sums["evaluate"]
         cells.append(
             [method]
             + ["n/a" if sums[p] is None else f"{sums[p]:.1f}" for p in SPLIT_PARTS]
@@ -390,7 +397,9 @@ def write_summary(
             "",
             "Where the seconds went, summed over each method's rounds (`split_seconds` in "
             "`metrics.jsonl`, timed around the calls that do the work; `other`: what no "
-            "part holds, under Flower the messages and the clients' waiting):",
+            "part holds, under Flower the messages and the clients' waiting; `training` in "
+            "the ratio: the wall seconds in which a client trained, clients training in "
+            "parallel counted once):",
             "",
             _markdown(split_header, split_cells),
         ]
