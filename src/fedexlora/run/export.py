@@ -28,6 +28,7 @@ import torch
 from fedexlora.bridge import layer_kinds
 from fedexlora.bridge.dora import dora_weight_of, is_dora
 from fedexlora.bridge.fold import _side, effective_weight, folded_delta
+from fedexlora.bridge.latent import is_latent
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.masters import master, read_extra
 from fedexlora.bridge.models import portable_reference
@@ -367,7 +368,13 @@ def save_adapter(
             mine = layer_kinds.adapter_tensors(layer, name, A_new, B_new)
         except ValueError as e:
             raise RunError(str(e)) from None
-        if any(k not in tensors for k in mine):
+        if is_latent(layer):  # Fed-SB: peft saved lora_B's basis and core, not B = basis @ core
+            parts = [k for k in tensors if k.startswith(f"{name}.lora_B.")]
+            if len(parts) != 2:  # lora_B.default.basis.weight and lora_B.default.core.weight
+                raise RunError(f"peft saved no Fed-SB factors for {name!r}; cannot export it")
+            for k in parts:
+                del tensors[k]
+        elif any(k not in tensors for k in mine):
             raise RunError(f"peft saved no factors for {name!r}; cannot export an adapter")
         tensors.update({k: v.contiguous() for k, v in mine.items()})
         saved_base = f"{name}.base_layer.weight"  # peft saves a targeted embedding's weight
