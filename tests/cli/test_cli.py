@@ -134,7 +134,7 @@ def test_config_file_and_flags_override(tiny_bert_dir, tiny_csv, tmp_path):
     "args,match",
     [
         (["--settings", ","], "--settings is empty"),
-        (["--settings", "dir-3"], "--settings: cannot parse 'dir-3'; use iid-K or dirA-K"),
+        (["--settings", "dir-3"], "--settings: cannot parse 'dir-3'; use iid-K, dirA-K or group-K"),
         (["--settings", "ring-3"], "--settings: cannot parse 'ring-3'"),
         (["--ranks", "1,x"], "--ranks must be a comma list of integers, got '1,x'"),
         (["--seeds", ""], "--seeds is empty"),

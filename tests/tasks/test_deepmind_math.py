@@ -1,5 +1,6 @@
 """deepmind-math: DeepMind's generated mathematics questions, by module, scored exactly."""
 
+import json
 import random
 import sys
 from types import SimpleNamespace
@@ -251,29 +252,34 @@ def test_the_cli_refuses_bad_input_in_one_line(args, match, tmp_path, model_neve
     assert match in " ".join(res.output.split()) and "Traceback" not in res.output
 
 
-def test_a_federated_run_by_module(tiny_llama_dir, tmp_path):
-    """One round, two clients, each with whole modules, scored by exact match."""
-    from fedexlora.config import RunConfig
-    from fedexlora.run.inprocess import run_experiment
+def test_the_llm_study_by_module(tiny_llama_dir, tmp_path):
+    """``compare --study llm`` on a tiny Llama (its task, its group-K clients), one round:
+    two clients, each with whole modules, scored by exact match."""
+    from fedexlora.cli import app
+    from fedexlora.cli.compare import LLM_MODULES
 
-    cfg = RunConfig(
-        model=tiny_llama_dir, task=CHEAP, partition="group", methods=["fedex"],
-        num_clients=2, min_partition_size=4, rounds=1, local_steps=2, batch_size=4,
-        max_length=48, lora_r=2, lora_dropout=0.0, max_new_tokens=4, max_train=16,
-        max_test=8,
-    )  # fmt: skip
-    rows = run_experiment(cfg, tmp_path, progress=False)
-    table = (tmp_path / "partitions.txt").read_text()
+    out = tmp_path / "g"
+    res = CliRunner().invoke(app, [
+        "compare", "--study", "llm", "--out", str(out), "--model", tiny_llama_dir,
+        "--method", "fedex", "--seeds", "0", "--settings", "group-2", "--ranks", "2",
+        "--rounds", "1", "--local-steps", "2", "--batch-size", "4", "--max-length", "48",
+        "--max-new-tokens", "4", "--max-train", "16", "--max-test", "8",
+        "--min-partition-size", "4",
+    ], env={"COLUMNS": "300"})  # fmt: skip
+    assert res.exit_code == 0, res.output
+    cell = out / "group-2_r2_seed0"
+    saved = (cell / "config.toml").read_text()
+    assert "max_new_tokens = 4" in saved and 'partition = "group"' in saved
+    table = (cell / "partitions.txt").read_text()
     assert "note:" not in table  # partitioned as asked
     lines = table.splitlines()
     header = lines[0].split()
-    assert header[:2] == ["client", "size"] and sorted(header[2:]) == sorted(
-        CHEAP.partition(":")[2].split(",")
-    )
-    # client 0: the 1st and 3rd modules (sorted), 4 rows each; client 1: the others
+    assert header[:2] == ["client", "size"] and header[2:] == sorted(LLM_MODULES)
+    # the 8 modules sorted, dealt round-robin: client 0 the 1st, 3rd..., 2 rows each
     counts = {int(ln.split()[0]): [int(x) for x in ln.split()[2:]] for ln in lines[1:3]}
-    assert counts == {0: [4, 0, 4, 0], 1: [0, 4, 0, 4]}
-    (row,) = rows
+    assert counts == {0: [2, 0] * 4, 1: [0, 2] * 4}
+    assert "## group-2 (2 clients, group), r=2" in (out / "comparison.md").read_text()
+    (row,) = [json.loads(x) for x in (cell / "metrics.jsonl").read_text().splitlines()]
     assert list(row["metrics"])[:3] == ["exact_match", "loss", "perplexity"]
     assert 0.0 <= row["metrics"]["exact_match"] <= 1.0
     assert row["effective_deviation"]["max"] < 1e-5

@@ -28,6 +28,17 @@ _COMPARE_DEFAULTS = dict(
     max_test=200,
     min_partition_size=10,
 )
+LLM_MODULES = (
+    "arithmetic__add_or_sub",
+    "arithmetic__mul",
+    "comparison__pair",
+    "comparison__kth_biggest",
+    "numbers__gcd",
+    "numbers__is_prime",
+    "numbers__round_number",
+    "numbers__place_value",
+)
+"""``--study llm``'s modules: 8 with short exact answers, two per client at ``group-4``."""
 # The "when exactness matters" study (docs/WHEN_EXACTNESS_MATTERS.md): local steps per
 # round x heterogeneity x clients at a fixed total of local steps per client.
 _STUDIES = {
@@ -56,6 +67,28 @@ _STUDIES = {
         local_steps="12",
         max_test=None,
     ),
+    # The LLM study (issue #58 item 3): SmolLM2-135M on DeepMind's mathematics questions,
+    # clients by module (non-IID by topic), LoRA on every attention and MLP projection,
+    # exact match on a held-out set of its own seed; the convergence study's stopping rule.
+    "llm": dict(
+        model="smollm2-135m",
+        task="deepmind-math:" + ",".join(LLM_MODULES),
+        methods="fedex,fedit,ffa,flora,fedsvd,frlora,fedsb,centralized",
+        ranks="8",
+        seeds="0,1,2",
+        settings="group-4",
+        rounds=30,
+        stop_patience=3,
+        local_steps="8",
+        batch_size=8,
+        lr=1e-3,
+        lora_alpha=16.0,
+        max_length=96,
+        max_train=400,
+        max_test=80,
+        max_new_tokens=12,
+        min_partition_size=8,
+    ),
     # The private comparison (docs/PRIVACY.md): accuracy against epsilon, 4 methods.
     "privacy": dict(
         methods="fedex,fedit,ffa,fedsb",
@@ -81,7 +114,16 @@ DATA = "Model and data"
 TRAINING = "Training"
 PRIVACY = "Privacy and Fed-SB"
 _CONFIG_PANELS = {
-    DATA: ("model", "task", "max_length", "max_train", "max_test", "min_partition_size", "device"),
+    DATA: (
+        "model",
+        "task",
+        "max_length",
+        "max_train",
+        "max_test",
+        "max_new_tokens",
+        "min_partition_size",
+        "device",
+    ),
     TRAINING: ("rounds", "stop_patience", "stop_at", "batch_size", "lr", "lora_alpha", "weighting"),
     PRIVACY: ("dp_delta", "dp_max_grad_norm", "fedsb_rank", "fedsb_init"),
 }
@@ -96,8 +138,9 @@ def _params() -> list[inspect.Parameter]:
     return [
         option(
             "A preset grid: 'exactness' (local steps x heterogeneity x clients), 'privacy' "
-            "(methods x epsilon, docs/PRIVACY.md) or 'convergence' (every method until it "
-            "stops improving, docs/METHODS.md)",
+            "(methods x epsilon, docs/PRIVACY.md), 'convergence' (every method until it "
+            "stops improving, docs/METHODS.md) or 'llm' (SmolLM2-135M on deepmind-math, "
+            "clients by module, docs/LARGE_MODELS.md)",
             "--study",
             panel=STUDY,
         ),
@@ -222,12 +265,17 @@ def compare_cmd(**given) -> None:
         try:
             if kind == "iid":
                 parsed.append(Setting(s, int(k), "iid"))
+            elif kind == "group":
+                parsed.append(Setting(s, int(k), "group"))
             elif kind.startswith("dir"):
                 parsed.append(Setting(s, int(k), "dirichlet", float(kind[3:])))
             else:
                 raise ValueError(s)
         except ValueError:
-            fail(f"--settings: cannot parse {s!r}; use iid-K or dirA-K, e.g. iid-3,dir0.1-5")
+            fail(
+                f"--settings: cannot parse {s!r}; use iid-K, dirA-K or group-K (K clients, "
+                "Dirichlet alpha A, whole groups per client), e.g. iid-3,dir0.1-5"
+            )
     rank_list = ints("--ranks", opts["ranks"])
     seed_list = ints("--seeds", opts["seeds"])
     steps_list = ints("--local-steps", opts["local_steps"])

@@ -14,7 +14,7 @@ class Setting:
     Attributes:
         name: Label used in tables, e.g. ``iid-3``.
         num_clients: Clients.
-        partition: ``iid`` or ``dirichlet``.
+        partition: ``iid``, ``dirichlet`` or ``group`` (whole groups per client).
         alpha: Dirichlet concentration.
     """
 

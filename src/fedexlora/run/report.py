@@ -256,8 +256,10 @@ def time_split_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
         }
         other = sums["total"] - sum(sums[p] or 0.0 for p in SPLIT_PARTS)
         # the wall seconds in which a client trained (clients in parallel count once)
-        wall = None if any(s.get("train_wall") is None for s in splits) else sum(
-            s["train_wall"] for s in splits
+        wall = (
+            None
+            if any(s.get("train_wall") is None for s in splits)
+            else sum(s["train_wall"] for s in splits)
         )
         training = sums["train"] if wall is None else wall
         base = None if training is None else training + sums["evaluate"]
