@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import math
 import re
 import sys
@@ -20,8 +19,8 @@ else:  # pragma: no cover
 
 import tomli_w
 
-from fedexlora.core.methods import REGISTRY, MethodSpec, method_names
-from fedexlora.core.sampling import sample_size
+from fedexlora.config_checks import QUANTIZATIONS, cross_field_errors, model_name_error
+from fedexlora.core.methods import REGISTRY, MethodSpec
 
 __all__ = [
     "FLAGS",
@@ -36,7 +35,6 @@ __all__ = [
 ]
 
 _DTYPES = ("fp32", "bf16", "fp16")
-_QUANTIZATIONS = ("nf4", "fp4", "int8")
 _EXPORT_FORMATS = ("adapter", "merged")
 RESUME_SAFE = (
     "rounds",
@@ -59,37 +57,6 @@ RESUME_SAFE = (
 A resume may change them, the checkpoint fingerprint leaves them out, and ``compare``
 reuses a cell that differs only in them.
 """
-_REPORTERS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}  # name -> module it needs
-_MODEL_ALIASES = ("minilm", "smollm2-135m")  # fedexlora.bridge.models.ALIASES (which loads torch)
-# huggingface_hub's rule for a repo id ("name" or "org/name"), checked here without the network
-_HUB_NAME = re.compile(r"^(\b[\w\-.]+\b/)?\b[\w\-.]{1,96}\b$")
-
-
-def model_name_error(name: str) -> str | None:
-    """Why ``name`` cannot be a model, or ``None`` when it may be one.
-
-    An alias, an existing directory (``~`` expanded) and anything shaped like a hub name
-    pass; the hub itself is not asked. Anything else is a local path that is not there,
-    which loading would only report as a malformed hub name.
-
-    Args:
-        name: The ``model`` setting.
-
-    Returns:
-        The problem, starting with the quoted name, or ``None``.
-    """
-    if name in _MODEL_ALIASES:
-        return None
-    path = Path(name).expanduser()
-    if name.strip() and path.is_dir():
-        return None
-    if _HUB_NAME.match(name) and "--" not in name and ".." not in name:
-        return None
-    what = "not a directory" if name.strip() and path.exists() else "no such local directory"
-    return (
-        f"{name!r}: {what} (give minilm, smollm2-135m, a hub name such as org/name, "
-        "or an existing directory)"
-    )
 
 
 class ConfigError(ValueError):
@@ -419,7 +386,7 @@ class RunConfig:
         help="nf4, fp4 or int8: quantize the base with bitsandbytes",
         panel=PRECISION,
         default_text="none",
-        choices=_QUANTIZATIONS,
+        choices=QUANTIZATIONS,
     )
     double_quant: bool = setting(False, help="Quantize the 4-bit block scales too", panel=PRECISION)
     side_rank: int | None = setting(
@@ -519,7 +486,7 @@ class RunConfig:
             return self.fp32_side_branch
         if self.low_precision or self.dp:
             return False
-        return bool(self._methods_where(lambda s: s.exact))
+        return bool(self.methods_where(lambda s: s.exact))
 
     def resolved(self, ran: RunConfig | None = None) -> RunConfig:
         """A copy with every default that depends on other fields written out.
@@ -558,7 +525,7 @@ class RunConfig:
         # a side branch (fp32 ones too) would be rounded into a merged fp32 model
         return self.export_format or ("adapter" if self.side_branch else "merged")
 
-    def _methods_where(
+    def methods_where(
         self, test: Callable[[MethodSpec], bool], *, unknown: bool = False, unique: bool = True
     ) -> list[str]:
         """The names in ``methods`` whose registered spec passes ``test``, in order.
@@ -575,104 +542,6 @@ class RunConfig:
                 out.append(m)
         return out
 
-    def _secure_errors(self, errs: list[str]) -> None:
-        """What ``secure_aggregation`` cannot be combined with, appended to ``errs``."""
-        from fedexlora.core.secure import MIN_SURVIVORS, secure_refusal
-
-        for m in self.methods:
-            why = secure_refusal(REGISTRY[m]) if m in REGISTRY else None
-            if why:
-                errs.append(f"`secure_aggregation`: {why}")
-        if sample_size(self.num_clients, self.fraction) < MIN_SURVIVORS:
-            errs.append(
-                f"`secure_aggregation` needs at least {MIN_SURVIVORS} clients per round "
-                "(of two, each learns the other's upload from the sum); got "
-                f"{self.num_clients} clients at fraction {self.fraction}"
-            )
-        for key, why in (
-            ("client_ranks", "heterogeneous ranks need each client's own factors"),
-            ("max_update_norm", "the server cannot check an upload it cannot see"),
-            ("residual_rank", "the residual is rebuilt from the sums and kept exact"),
-            ("side_rank", "the residual is rebuilt from the sums and kept exact"),
-            ("side_budget", "the residual is rebuilt from the sums and kept exact"),
-        ):
-            if getattr(self, key) is not None:
-                errs.append(f"`secure_aggregation` cannot be combined with `{key}`: {why}")
-        if importlib.util.find_spec("flwr") is None:
-            errs.append(
-                "`secure_aggregation` uses Flower's SecAgg+, and flwr is not installed; fix: "
-                "pip install 'fedex-lora[flower]'"
-            )
-
-    def _dora_errors(self, errs: list[str]) -> None:
-        """What ``dora`` cannot be combined with, appended to ``errs`` (one line each)."""
-        other = self._methods_where(lambda spec: not spec.dora)
-        exact = [m for m, spec in REGISTRY.items() if spec.dora]
-        if other:
-            errs.append(
-                f"`dora`: method {other[0]!r} does not aggregate DoRA exactly; fix: "
-                f"--methods {','.join(exact)}, or drop --dora"
-            )
-        if self.dtype != "fp32" or self.quantization is not None:
-            errs.append(
-                "`dora` is exact only on an fp32, unquantized model (peft's DoRA norm reads "
-                "the base weight, which cannot hold an fp32 update); fix: --dtype fp32 "
-                "without --quantization, or drop --dora"
-            )
-        for key in ("secure_aggregation", "client_ranks"):
-            if getattr(self, key):
-                errs.append(
-                    f"`dora` cannot be combined with `{key}` (the server needs each client's "
-                    "row scale and factors); fix: drop one of them"
-                )
-
-    def _worker_errors(self, errs: list[str]) -> None:
-        """A client on several processes (``nproc_per_client``): what cannot work with it."""
-        if self.accelerate_config is not None:
-            if self.launcher != "accelerate":
-                errs.append(
-                    "`accelerate_config` is read by `accelerate launch` only; fix: add "
-                    "--launcher accelerate, or drop --accelerate-config"
-                )
-            elif not Path(self.accelerate_config).expanduser().is_file():
-                errs.append(
-                    f"`accelerate_config` {self.accelerate_config!r} is not a file; fix: "
-                    "write one with `accelerate config`, or drop --accelerate-config"
-                )
-        if self.nproc_per_client == 1:
-            return
-        n = self.nproc_per_client
-        cannot = []
-        if self.dp:
-            cannot.append(
-                "--dp-epsilon (DP-SGD's per-sample gradients and accounting run in one process)"
-            )
-        if self.client_ranks is not None:
-            cannot.append("--client-ranks (the group trains one adapter)")
-        if self.distributed == "fsdp":
-            if self.trainer == "trl":
-                cannot.append(
-                    "--trainer trl under --distributed fsdp (fedex-lora shards the model "
-                    "itself; TRL's Trainer trains under --distributed ddp)"
-                )
-            if self.quantization is not None:
-                cannot.append(
-                    f"--quantization {self.quantization} under --distributed fsdp "
-                    "(bitsandbytes' weights cannot be sharded; --distributed ddp can)"
-                )
-            if self.dora:
-                cannot.append("--dora under --distributed fsdp (--distributed ddp can)")
-            if not self.side_branch and self._methods_where(lambda s: s.keeps_residual):
-                cannot.append(
-                    "--fp32-side-branch false under --distributed fsdp (a sharded fp32 base "
-                    "cannot take the residuals folded in; the side branch is sharded)"
-                )
-        if cannot:
-            errs.append(
-                f"`nproc_per_client` {n}: a client on several processes cannot be combined "
-                "with " + "; ".join(cannot) + "; fix: drop them, or --nproc-per-client 1"
-            )
-
     def errors(self) -> list[str]:
         """Every problem with the values, as one message each (empty when valid)."""
         errs: list[str] = []
@@ -681,169 +550,11 @@ class RunConfig:
         if errs:
             return errs
 
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                errs.append(msg)
-
         for f in fields(self):  # each setting's own check (its Option)
             problem = f.metadata["option"].problem(f.name, getattr(self, f.name))
             if problem:
                 errs.append(problem)
-        model_error = model_name_error(self.model)
-        need(model_error is None, f"`model` {model_error}")
-        unknown = [m for m in self.methods if m not in REGISTRY]
-        need(not unknown, f"`methods`: unknown {unknown}; choose from {list(REGISTRY)}")
-        need(len(self.methods) > 0, "`methods` must name at least one method")
-        if self.trainer == "trl":
-            need(
-                importlib.util.find_spec("trl") is not None,
-                "`trainer` 'trl' needs TRL, which is not installed; fix: pip install "
-                "'fedex-lora[trl]'",
-            )
-            need(not self.dp, "`trainer` 'trl' cannot train with DP-SGD; fix: drop --dp-epsilon "
-                 "(DP-SGD runs on the builtin trainer)")  # fmt: skip
-            need(
-                not (self.dtype == "fp16" and self.device == "cpu"),
-                "`trainer` 'trl' cannot train in fp16 on a CPU (transformers' Trainer mixes "
-                "fp16 on a GPU only); fix: --dtype bf16 or fp32, or --device cuda",
-            )
-        need(
-            self.quantization not in _QUANTIZATIONS
-            or importlib.util.find_spec("bitsandbytes") is not None,
-            f"`quantization` {self.quantization!r} needs bitsandbytes, which is not "
-            "installed; fix: pip install 'fedex-lora[quantization]'",
-        )
-        if self.dora:
-            self._dora_errors(errs)
-        for name in self.report_to or []:
-            if name not in _REPORTERS:
-                errs.append(f"`report_to`: unknown {name!r}; choose from {', '.join(_REPORTERS)}")
-            elif importlib.util.find_spec(_REPORTERS[name]) is None:
-                errs.append(
-                    f"`report_to` {name!r} needs {_REPORTERS[name]}, which is not installed; "
-                    f"fix: pip install 'fedex-lora[{name}]'"
-                )
-        need(
-            not self.double_quant or self.quantization in ("nf4", "fp4"),
-            "`double_quant` applies to 4-bit quantization only; add --quantization nf4 "
-            "(or fp4), or drop --double-quant",
-        )
-        plain = self._methods_where(lambda s: s.keeps_residual, unknown=True)
-        if not plain:  # FedIT-like methods only: no residual, nothing beside the base
-            for key in ("side_rank", "side_budget", "fp32_side_branch"):
-                if getattr(self, key) not in (None, False):
-                    errs.append(
-                        f"`{key}` bounds or holds the residuals kept beside the base, and "
-                        f"methods {self.methods} keep none (their update is the averaged "
-                        f"factors' product, with no residual and no error feedback); fix: "
-                        f"drop {FLAGS[key]}, or add an exact method such as fedex"
-                    )
-        need(
-            not plain or self.side_rank is None or self.side_branch,
-            "`side_rank` caps the side branch, which only bf16/fp16 and quantized bases "
-            "have (or fp32 ones with --fp32-side-branch, the default with an exact method); "
-            "fix: add --dtype bf16, "
-            "--quantization nf4 or --fp32-side-branch, or drop --side-rank",
-        )
-        need(
-            not plain or self.side_budget is None or self.side_branch,
-            "`side_budget` bounds the side branch, which only bf16/fp16 and quantized bases "
-            "have (or fp32 ones with --fp32-side-branch, the default with an exact method); "
-            "fix: add --dtype bf16, --quantization nf4 or --fp32-side-branch, or drop "
-            "--side-budget",
-        )
-        need(
-            self.export_dtype == "fp32"
-            or self.resolved_export_format != "merged"
-            or self.allow_inexact,
-            f"`export_dtype` {self.export_dtype!r}: a merged model in {self.export_dtype} "
-            "rounds the federated update away, so it cannot be exact; fix: keep "
-            "--export-dtype fp32, use --export-format adapter, or confirm with "
-            "--allow-inexact",
-        )
-        need(
-            self.dp or not self.dp_reproducible,
-            "`dp_reproducible` applies only with `dp_epsilon` (it seeds DP-SGD's noise); "
-            "fix: drop --dp-reproducible, or set --dp-epsilon",
-        )
-        if self.dp:
-            cannot = []  # what the methods cannot run with, each method says (`check`)
-            if self.gradient_checkpointing:
-                cannot.append("--gradient-checkpointing (per-sample gradients need the hooks)")
-            if self.low_precision:
-                cannot.append(
-                    "a bf16/fp16 or quantized base (per-sample gradients are checked in fp32 only)"
-                )
-            elif self.fp32_side_branch:
-                cannot.append(
-                    "--fp32-side-branch (the DP-SGD checks are made for layers without one)"
-                )
-            if cannot:
-                errs.append("`dp_epsilon`: DP-SGD cannot be combined with " + "; ".join(cannot))
-            need(
-                importlib.util.find_spec("opacus") is not None,
-                "`dp_epsilon` needs opacus, which is not installed; fix: pip install "
-                "'fedex-lora[privacy]'",
-            )
-        if self.secure_aggregation:
-            self._secure_errors(errs)
-        self._worker_errors(errs)
-        if self.client_ranks is not None:
-            need(
-                len(self.client_ranks) == self.num_clients,
-                f"`client_ranks` needs one rank per client ({self.num_clients}), got "
-                f"{len(self.client_ranks)}",
-            )
-            need(
-                all(r >= 1 for r in self.client_ranks),
-                f"`client_ranks` must all be >= 1, got {self.client_ranks}",
-            )
-            need(
-                max(self.client_ranks, default=0) == self.lora_r,
-                f"`lora_r` is the global adapter's rank and must equal max(client_ranks) = "
-                f"{max(self.client_ranks, default=0)}, got {self.lora_r}",
-            )
-            # a method without clients trains one adapter at lora_r: client_ranks is moot
-            other = self._methods_where(
-                lambda s: s.federated and not s.hetero_ranks, unknown=True, unique=False
-            )
-            exact = " and ".join(method_names(hetero_ranks=True, exact=True))
-            inexact = " and ".join(method_names(hetero_ranks=True, exact=False))
-            need(
-                not other,
-                f"`client_ranks` works with {exact} (exact) and {inexact} (not exact; "
-                f"`fedexlora methods`), on both engines; it cannot be combined with methods "
-                f"{other}",
-            )
-        if self.engine == "flower":
-            for m in self._methods_where(lambda s: not s.flower):
-                errs.append(
-                    f"method {m!r} has no clients to federate and runs in-process only; "
-                    "use --engine local for it (or drop it from the methods of a Flower run)"
-                )
-        lossy = [
-            k for k in ("residual_rank", "side_rank", "side_budget") if getattr(self, k) is not None
-        ]
-        if len(lossy) > 1:
-            errs.append(f"`{lossy[0]}` and `{lossy[1]}` are two lossy modes; choose one")
-        if self.residual_rank is not None:
-            lossless = self._methods_where(
-                lambda s: not s.residual_rank, unknown=True, unique=False
-            )
-            need(
-                not lossless,
-                f"`residual_rank` applies to {' and '.join(method_names(residual_rank=True))} "
-                f"only; it cannot be combined with methods {lossless}",
-            )
-        for m in self._methods_where(lambda s: s.check is not None):
-            errs.extend(REGISTRY[m].check(self))  # each method's own (MethodSpec.check)
-        if self.num_clients >= 1 and self.max_train is not None:
-            need(
-                self.max_train >= self.num_clients * self.min_partition_size,
-                f"`max_train` {self.max_train} is too small for {self.num_clients} clients "
-                f"of at least `min_partition_size` {self.min_partition_size} examples",
-            )
-        return errs
+        return errs + cross_field_errors(self)
 
     def validate(self) -> RunConfig:
         """Returns ``self`` or raises :class:`ConfigError` listing every problem."""

@@ -473,7 +473,7 @@ def test_a_missing_local_model_says_so_before_training(model, tmp_path):
 
 def test_model_names_that_may_be_models_pass_without_the_network(tmp_path):
     from fedexlora.bridge.models import ALIASES, resolve_model
-    from fedexlora.config import _MODEL_ALIASES, model_name_error
+    from fedexlora.config_checks import _MODEL_ALIASES, model_name_error
 
     assert _MODEL_ALIASES == ALIASES
     (tmp_path / "m").mkdir()
