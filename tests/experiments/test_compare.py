@@ -77,6 +77,12 @@ def test_compare_reuses_only_a_matching_cell(tiny_bert_dir, tiny_csv, tmp_path):
     assert "rounds = 2" in (cell / "config.toml").read_text()
     rows = (cell / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 4 and not (out / "iid-2_r2_seed0.replaced-2").exists()
+    # the extended cell's config.toml is as it ran (fedex's side branch resolved): the
+    # same grid again reuses it
+    assert "fp32_side_branch = true" in (cell / "config.toml").read_text()
+    res = _grid(tiny_bert_dir, tiny_csv, out, "--lr", "2e-3", "--rounds", "2")
+    assert res.exit_code == 0 and "(done)" in res.output, res.output
+    assert (cell / "metrics.jsonl").read_text().splitlines() == rows
     # fewer rounds than the cell ran: rerun
     res = _grid(tiny_bert_dir, tiny_csv, out, "--lr", "2e-3", "--rounds", "1")
     assert res.exit_code == 0 and "rounds: 2 → 1" in " ".join(res.output.split())

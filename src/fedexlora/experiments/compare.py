@@ -235,7 +235,8 @@ def run_grid(
             say(label)
         run_experiment(cfg, d, resume=action == "resume", progress=progress, console=console)
         if action == "resume":  # a resume keeps the old config.toml: record the rounds run
-            RunLayout(d).config.write_text(cfg.to_toml())
+            ran = _saved_config(d)  # and, as it ran, the defaults resolved from it
+            RunLayout(d).config.write_text(cfg.resolved(ran).to_toml())
     elapsed = time.perf_counter() - t0
     # each method's rows up to where this invocation's stopping rule stops it
     rows = {
