@@ -138,6 +138,21 @@ def test_a_default_first_run_is_exact_on_fp32_and_writes_how_it_ran(tiny_cfg, tm
     assert "rounding" not in printed.out + printed.err
     assert "fp32 rounding" not in (tmp_path / "summary.md").read_text()
     assert load_run_config(tmp_path / "config.toml").fp32_side_branch is True
+    # what every client holds beside its fp32 base, in each row: the last round's is the
+    # restored global model's side branches
+    from fedexlora.bridge.fold import side_nbytes
+    from fedexlora.run.checkpoint import latest_checkpoint
+    from fedexlora.run.restore import load_task_for, restore_model
+
+    model = restore_model(
+        cfg,
+        load_task_for(cfg),
+        "fedex",
+        latest_checkpoint(tmp_path / "checkpoints" / "fedex"),
+        None,
+    )[0]
+    assert [r["side_bytes"] > 0 for r in rows] == [True] * len(rows)
+    assert rows[-1]["side_bytes"] == side_nbytes(model)
 
 
 @pytest.mark.parametrize("beside", [False, True])

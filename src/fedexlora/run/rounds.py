@@ -176,11 +176,11 @@ def close_round(
     # where the seconds went: the checkpoint's are added when it is written
     # (fedexlora.run.lifecycle.Run.record), and with them the round's whole wall time
     row["split_seconds"] = clock.split(aggregate=server.last_round_seconds, total=seconds)
-    if federated and cfg.side_branch and (cfg.low_precision or cfg.side_budget is not None):
+    if federated and cfg.side_branch:
         from fedexlora.bridge.fold import side_nbytes
 
-        # what every client holds beside its half-precision or quantized base (and the
-        # budget it was given), from the side branches' tensors
+        # what every client holds beside its base (fp32, half-precision or quantized) for
+        # the residuals, from the side branches' tensors (and the budget it was given)
         row["side_bytes"] = side_nbytes(model)
         if cfg.side_budget is not None:
             row["side_budget"] = cfg.side_budget
