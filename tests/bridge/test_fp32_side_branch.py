@@ -153,6 +153,13 @@ def test_a_default_first_run_is_exact_on_fp32_and_writes_how_it_ran(tiny_cfg, tm
     )[0]
     assert [r["side_bytes"] > 0 for r in rows] == [True] * len(rows)
     assert rows[-1]["side_bytes"] == side_nbytes(model)
+    # beside it, the adapter's own bytes: r (in + out) fp32 numbers per adapted layer
+    from fedexlora.bridge.layers import lora_layers
+
+    shapes = [layer.base_layer.weight.shape for layer in lora_layers(model).values()]
+    assert shapes and all(
+        r["adapter_bytes"] == 4 * cfg.lora_r * sum(map(sum, shapes)) for r in rows
+    )
 
 
 @pytest.mark.parametrize("beside", [False, True])

@@ -171,6 +171,23 @@ def test_compare_grid_writes_comparison(tiny_bert_dir, tiny_csv, tmp_path):
     assert (out / "comparison.png").is_file()
     cell = out / "iid-2_r2_seed1" / "metrics.jsonl"
     assert cell.is_file()
+    # each method's adapter and side branch (fedex's default on fp32), read from its rows
+    import json
+    import statistics
+
+    from fedexlora.core.units import format_bytes
+
+    def held(m):
+        last = [[r for r in map(json.loads, (out / f"iid-2_r2_seed{s}" / "metrics.jsonl")
+                 .read_text().splitlines()) if r["method"] == m][-1] for s in (0, 1)]  # fmt: skip
+        return " + side branch ".join(
+            format_bytes(statistics.fmean(r[k] for r in last))
+            for k in ("adapter_bytes", "side_bytes")
+        )
+
+    line = next(x for x in md.splitlines() if x.startswith("Held by each client"))
+    assert f"fedex adapter {held('fedex')}; fedit adapter {held('fedit')}." in line
+    assert "centralized" not in line and "side branch 0 B" in line  # fedit keeps none
     # a finished grid is reused, not recomputed
     before = cell.read_text()
     res = _run(*args)

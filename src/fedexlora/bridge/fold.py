@@ -28,6 +28,7 @@ from fedexlora.core.aggregation import Residual, residuals_from_flat, residuals_
 from fedexlora.core.side import Accumulator, SideBranch, rank_cap
 
 __all__ = [
+    "adapter_nbytes",
     "base_nbytes",
     "base_weight",
     "effective_weight",
@@ -265,6 +266,20 @@ def load_side_state(model: torch.nn.Module, flat: Mapping[str, torch.Tensor]) ->
 def side_nbytes(model: torch.nn.Module) -> int:
     """Bytes held by all side branches."""
     return sum(s.nbytes for s in (_side(x) for x in lora_layers(model).values()) if s)
+
+
+def adapter_nbytes(model: torch.nn.Module) -> int:
+    """Bytes of the LoRA layers' own parameters: the adapter.
+
+    ``lora_A``, ``lora_B`` (a Fed-SB layer's basis and core), without the base weights or
+    any side branch.
+    """
+    return sum(
+        p.numel() * p.element_size()
+        for layer in lora_layers(model).values()
+        for name, p in layer.named_parameters()
+        if name.startswith(("lora_", "lora_embedding_"))
+    )
 
 
 @torch.no_grad()

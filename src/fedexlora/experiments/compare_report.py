@@ -70,6 +70,9 @@ def _aggregate(rows: dict) -> dict:
             nan = float("nan")
             a["deviation"].append(nan if None in devs else statistics.fmean(devs))
             a["effective"].append(nan if None in effs else max(effs))
+            # what a client holds beside its base after the last round (side-branch runs)
+            a["side_bytes"].append(mrs[-1].get("side_bytes"))
+            a["adapter_bytes"].append(mrs[-1].get("adapter_bytes"))
     return {k: dict(v) for k, v in agg.items()}
 
 
@@ -275,6 +278,22 @@ def comparison_table(
                 + ("n/a | n/a |" if personal else f"{dev:.3g} | {eff:.2g} |")
             )
         lines.append("")
+        held = [m for m in present if None not in agg[f"{key}|{m}"]["side_bytes"]]
+        if held:
+
+            def mean_bytes(m: str, what: str, key: str = key) -> str:
+                return format_bytes(statistics.fmean(agg[f"{key}|{m}"][what]))
+
+            lines += [
+                "Held by each client beside its base after the last round (mean over seeds): "
+                + "; ".join(
+                    f"{m} adapter {mean_bytes(m, 'adapter_bytes')} + side branch "
+                    f"{mean_bytes(m, 'side_bytes')}"
+                    for m in held
+                )
+                + ".",
+                "",
+            ]
         if goal is not None:
             lines += [
                 f"Target {metric}: {goal:.4f}"

@@ -177,11 +177,13 @@ def close_round(
     # (fedexlora.run.lifecycle.Run.record), and with them the round's whole wall time
     row["split_seconds"] = clock.split(aggregate=server.last_round_seconds, total=seconds)
     if federated and cfg.side_branch:
-        from fedexlora.bridge.fold import side_nbytes
+        from fedexlora.bridge.fold import adapter_nbytes, side_nbytes
 
         # what every client holds beside its base (fp32, half-precision or quantized) for
-        # the residuals, from the side branches' tensors (and the budget it was given)
+        # the residuals, from the side branches' tensors (and the budget it was given),
+        # and its adapter's own bytes beside them
         row["side_bytes"] = side_nbytes(model)
+        row["adapter_bytes"] = adapter_nbytes(model)
         if cfg.side_budget is not None:
             row["side_budget"] = cfg.side_budget
     if federated and cfg.secure_aggregation:
