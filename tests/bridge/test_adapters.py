@@ -297,3 +297,23 @@ def test_set_trainable_applies_a_round_plan_to_factors_and_head():
         assert grads(".modules_to_save.default.") == {train_extra}
         assert grads("original_module") == {False}  # the head's base copy never trains
     assert {n for n, p in model.named_parameters() if not p.requires_grad} == frozen_before
+
+
+def test_adapter_nbytes_counts_one_adapter_and_nothing_else(tiny_bert_dir):
+    """r (in + out) fp32 numbers per adapted layer, for the adapter asked for only: not a
+    second adapter (``client_ranks`` adds one per rank), the head or the base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    from fedexlora.bridge.fold import adapter_nbytes
+
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_bert_dir)
+    targets = ["query", "value"]
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=targets, task_type="SEQ_CLS"))
+    model.add_adapter("rank2", LoraConfig(r=2, target_modules=targets, task_type="SEQ_CLS"))
+    shapes = [m.weight.shape for n, m in base.named_modules() if n.endswith(("query", "value"))
+              and hasattr(m, "weight")]  # fmt: skip
+    sides = sum(sum(s) for s in shapes)
+    assert len(shapes) == 4  # 2 layers x query, value
+    assert adapter_nbytes(model) == 4 * 4 * sides
+    assert adapter_nbytes(model, "rank2") == 4 * 2 * sides

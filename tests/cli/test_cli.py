@@ -186,7 +186,7 @@ def test_compare_grid_writes_comparison(tiny_bert_dir, tiny_csv, tmp_path):
         )
 
     line = next(x for x in md.splitlines() if x.startswith("Held by each client"))
-    assert f"fedex adapter {held('fedex')}; fedit adapter {held('fedit')}." in line
+    assert f"fedex LoRA factors {held('fedex')}; fedit LoRA factors {held('fedit')}." in line
     assert "centralized" not in line and "side branch 0 B" in line  # fedit keeps none
     # a finished grid is reused, not recomputed
     before = cell.read_text()

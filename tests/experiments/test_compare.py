@@ -251,6 +251,27 @@ def test_the_table_gives_rounds_interval_and_bytes_to_target_by_hand():
     assert "Target accuracy: 0.7200 (0.9 of centralized's)" in md
     md = comparison_table(cells, {c: cfg for c in cells}, 1.0, target=0.9)
     assert "never (0/2)" in md and "Target accuracy: 0.9000;" in md
+    assert "Held by each client" not in md  # no side branch in these rows
+
+    # what each client holds: fedex's last rows (seed 0: 1000 + 3000 B; seed 1: 1000 +
+    # 5000 B), fedit's (none beside); a row from before adapter_bytes existed (a bf16 run's
+    # side_bytes alone) leaves its method out instead of failing the report
+    for cell, rs in cells.items():
+        side = 3000 if cell.seed == 0 else 5000
+        for r in rs:
+            if r["method"] == "fedex":
+                r.update(side_bytes=side, adapter_bytes=1000)
+            elif r["method"] == "fedit":
+                r.update(side_bytes=0, adapter_bytes=1000)
+    md = comparison_table(cells, {c: cfg for c in cells}, 1.0)
+    held = "fedex LoRA factors 1 kB + side branch 4 kB; fedit LoRA factors 1 kB + side branch 0 B."
+    assert (
+        f"Held by each client beside its base after the last round (mean over seeds): {held}" in md
+    )
+    for r in cells[Cell(s, 4, None, 1)]:
+        r.pop("adapter_bytes", None)
+    md = comparison_table(cells, {c: cfg for c in cells}, 1.0)
+    assert "Held by each client" not in md
 
 
 def test_a_cell_whose_methods_all_stopped_is_done(tmp_path):

@@ -268,17 +268,19 @@ def side_nbytes(model: torch.nn.Module) -> int:
     return sum(s.nbytes for s in (_side(x) for x in lora_layers(model).values()) if s)
 
 
-def adapter_nbytes(model: torch.nn.Module) -> int:
-    """Bytes of the LoRA layers' own parameters: the adapter.
+def adapter_nbytes(model: torch.nn.Module, adapter: str = "default") -> int:
+    """Bytes of one adapter's LoRA factors in ``model``.
 
-    ``lora_A``, ``lora_B`` (a Fed-SB layer's basis and core), without the base weights or
-    any side branch.
+    ``lora_A`` and ``lora_B`` (a Fed-SB layer's basis and core, an embedding's
+    ``lora_embedding_*``, DoRA's magnitudes) of ``adapter`` only: not the other adapters
+    of a model with several (``client_ranks``), the base weights, a side branch, or a
+    trained head (``modules_to_save``).
     """
     return sum(
         p.numel() * p.element_size()
-        for layer in lora_layers(model).values()
+        for layer in lora_layers(model, adapter).values()
         for name, p in layer.named_parameters()
-        if name.startswith(("lora_", "lora_embedding_"))
+        if name.startswith("lora_") and adapter in name.split(".")
     )
 
 

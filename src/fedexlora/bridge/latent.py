@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from fedexlora.bridge import layer_kinds
 from fedexlora.bridge.layers import lora_layers
 
 __all__ = ["LatentB", "install", "is_latent"]
@@ -112,6 +113,11 @@ def install(
         raise ValueError("Fed-SB's gradient initialisation needs training examples")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + 17)
     for name, layer in layers.items():
+        if layer_kinds.kind(layer) != "linear":
+            raise ValueError(
+                f"module {name!r} is a LoRA {layer_kinds.kind(layer)} layer; Fed-SB adapts "
+                "linear layers only: leave it out of --target-modules, or use another method"
+            )
         A_mod = layer.lora_A[adapter]
         r, n = A_mod.weight.shape
         d = layer.lora_B[adapter].weight.shape[0]

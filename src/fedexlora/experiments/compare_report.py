@@ -278,7 +278,11 @@ def comparison_table(
                 + ("n/a | n/a |" if personal else f"{dev:.3g} | {eff:.2g} |")
             )
         lines.append("")
-        held = [m for m in present if None not in agg[f"{key}|{m}"]["side_bytes"]]
+        held = [  # rows from before adapter_bytes existed have side_bytes alone
+            m
+            for m in present
+            if None not in agg[f"{key}|{m}"]["side_bytes"] + agg[f"{key}|{m}"]["adapter_bytes"]
+        ]
         if held:
 
             def mean_bytes(m: str, what: str, key: str = key) -> str:
@@ -287,7 +291,7 @@ def comparison_table(
             lines += [
                 "Held by each client beside its base after the last round (mean over seeds): "
                 + "; ".join(
-                    f"{m} adapter {mean_bytes(m, 'adapter_bytes')} + side branch "
+                    f"{m} LoRA factors {mean_bytes(m, 'adapter_bytes')} + side branch "
                     f"{mean_bytes(m, 'side_bytes')}"
                     for m in held
                 )

@@ -120,3 +120,29 @@ def test_fedsb_refusals(tiny_cfg):
         tiny_cfg.replace(methods=["fedsb"], fedsb_init="svd").validate()
     assert tiny_cfg.replace(dp_epsilon=3.0).fedsb_init_resolved == "random"
     assert tiny_cfg.fedsb_init_resolved == "gradient"
+
+
+def test_fedsb_on_an_embedding_layer_is_one_clear_line_before_anything_is_written(
+    tiny_bert_dir, tiny_csv, tmp_path
+):
+    """Fed-SB's core sits between two linear factors: a targeted embedding is refused by
+    name (it was a bare ``KeyError: 'default'``), and the run directory is not made."""
+    from typer.testing import CliRunner
+
+    from fedexlora.cli import app
+
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, [
+        "run", "--model", tiny_bert_dir, "--task", tiny_csv, "--method", "fedsb",
+        "--fedsb-rank", "4", "--target-modules", "query,word_embeddings", "--clients", "2",
+        "--rounds", "1", "--local-steps", "1", "--max-length", "16",
+        "--min-partition-size", "5", "--out", str(out), "--no-progress",
+    ], env={"COLUMNS": "300"})  # fmt: skip
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.split())
+    assert (
+        "module 'base_model.model.bert.embeddings.word_embeddings' is a LoRA embedding layer"
+        in text
+    )
+    assert "Fed-SB adapts linear layers only" in text and "Traceback" not in res.output
+    assert not out.exists()
