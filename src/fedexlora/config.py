@@ -40,6 +40,7 @@ RESUME_SAFE = (
     "rounds",
     "stop_patience",
     "stop_at",
+    "stop_metric",
     "data_dir",
     "export",
     "export_format",
@@ -276,6 +277,12 @@ class RunConfig:
         help="Stop a method once its primary metric reaches this value (never past --rounds)",
         panel=FEDERATION,
         default_text="off",
+    )
+    stop_metric: str | None = setting(
+        help="The metric --stop-patience and --stop-at read: one of the task's (accuracy, "
+        "exact_match, loss...; lower is better for a loss or perplexity)",
+        panel=FEDERATION,
+        default_text="the task's primary metric",
     )
     fraction: float = setting(
         1.0,

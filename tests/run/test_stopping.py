@@ -73,3 +73,32 @@ def test_a_run_stops_each_method_by_the_rule_and_a_resume_runs_no_more(tiny_cfg,
 def test_bad_stopping_values_are_named(field, value):
     errs = RunConfig(**{field: value}).errors()
     assert any(field in e for e in errs), errs
+
+
+def test_the_rule_reads_the_stop_metric_when_one_is_given():
+    """A noisy primary metric (exact match) against the loss beside it: with
+    ``stop_metric="loss"`` the falling loss goes on where exact match would have stopped."""
+    rows = [
+        {"method": "fedex", "round": i, "metrics": {"exact_match": em, "loss": loss}}
+        for i, (em, loss) in enumerate([(0.2, 1.4), (0.3, 1.3), (0.2, 1.2), (0.25, 1.1)], 1)
+    ]
+    primary = RunConfig(rounds=30, stop_patience=2)
+    assert "exact_match not better than round 2's 0.3" in stop_reason(primary, rows)
+    by_loss = primary.replace(stop_metric="loss")
+    assert stop_reason(by_loss, rows) is None and not method_done(by_loss, rows)
+    assert "loss not better than round 2's 1.3" in stop_reason(
+        by_loss, [*rows[:2], *({**r, "metrics": {"loss": 1.35}} for r in rows[2:])]
+    )
+    assert until_stop(by_loss, rows) == rows
+
+
+def test_a_stop_metric_the_task_lacks_is_refused_before_anything_is_written(
+    tiny_cfg, tmp_path, model_never_loads
+):
+    from fedexlora.run.layout import RunError
+    from fedexlora.run.preflight import check_inputs
+
+    with pytest.raises(RunError, match="--stop-metric 'exact_match' is not a metric of task"):
+        check_inputs(tiny_cfg.replace(stop_metric="exact_match"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    check_inputs(tiny_cfg.replace(stop_metric="f1_macro"), tmp_path / "out")  # the task's own

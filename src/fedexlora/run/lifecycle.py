@@ -39,6 +39,7 @@ from fedexlora.run.layout import RunError, RunLayout, append_row, write_atomic, 
 from fedexlora.run.recipes import get_recipe, paper_section, recipe_section
 from fedexlora.run.report import read_metrics, write_summary
 from fedexlora.run.restore import base_deltas, load_task_for, restore_run
+from fedexlora.run.stopping import stop_metric_error
 from fedexlora.run.trackers import open_trackers
 
 __all__ = ["MethodRun", "Run", "run_tasks"]
@@ -173,6 +174,9 @@ class Run:
             )
         # the task, the model and the partitions first: a bad input leaves nothing behind
         task = load_task_for(cfg)
+        problem = stop_metric_error(cfg, task.metric_names)
+        if problem is not None:
+            raise RunError(problem)
         first_model, tokenizer = new_model(cfg, task, cfg.methods[0])
         prep = prepare(cfg, tokenizer, task)
         if cfg.dp:  # each client checks its own too; this names the problem before round 1

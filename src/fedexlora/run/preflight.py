@@ -134,11 +134,12 @@ def _max_length_error(cfg: RunConfig) -> str | None:
 
 def _task_error(cfg: RunConfig) -> str | None:
     """Why ``cfg.task`` cannot be loaded, or ``None``; a hub task's name only is checked."""
+    from fedexlora.run.stopping import stop_metric_error
     from fedexlora.tasks.data import hub_task
 
     try:
         if not hub_task(cfg.task):  # a file, an embedded task or an unknown name: quick
-            load_task_for(cfg)
+            return stop_metric_error(cfg, load_task_for(cfg).metric_names)
     except ValueError as exc:
         return str(exc)
-    return None
+    return None  # a hub task's metrics are checked once it loads (Run.start)

@@ -1,11 +1,12 @@
 """When a method stops before its last round: the study's stopping rule.
 
 ``stop_patience`` P: a method stops once P rounds in a row have not improved the best
-value of the task's primary metric (the first metric of its rows: accuracy, exact match,
-... ; lower is better for a loss or perplexity). ``stop_at`` X: it stops once the metric
-reaches X. Either way it never runs past ``rounds``, so every method of a run has the
-same budget and the same rule. The rule reads only the method's rows, so a resumed run
-stops where a straight one did, and ``fedexlora compare`` knows a stopped cell is done.
+value of the metric the rule reads: ``stop_metric``, or else the task's primary metric
+(the first metric of its rows: accuracy, exact match, ...; lower is better for a loss or
+perplexity). ``stop_at`` X: it stops once that metric reaches X. Either way it never runs
+past ``rounds``, so every method of a run has the same budget and the same rule. The rule
+reads only the method's rows, so a resumed run stops where a straight one did, and
+``fedexlora compare`` knows a stopped cell is done.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from fedexlora.config import RunConfig
 from fedexlora.run.report import higher_is_better, primary_metric
 
-__all__ = ["cell_done", "method_done", "stop_reason", "until_stop"]
+__all__ = ["cell_done", "method_done", "stop_metric_error", "stop_reason", "until_stop"]
 
 
 def stop_reason(cfg: RunConfig, rows: list[dict]) -> str | None:
@@ -24,7 +25,7 @@ def stop_reason(cfg: RunConfig, rows: list[dict]) -> str | None:
     """
     if not rows or (cfg.stop_patience is None and cfg.stop_at is None):
         return None
-    metric = primary_metric(rows)
+    metric = cfg.stop_metric or primary_metric(rows)
     values = [r["metrics"][metric] for r in rows if metric in r.get("metrics", {})]
     if not values:
         return None
@@ -41,6 +42,19 @@ def stop_reason(cfg: RunConfig, rows: list[dict]) -> str | None:
                 f"{values[best_at]:.4g} for {since} rounds (stop_patience {cfg.stop_patience})"
             )
     return None
+
+
+def stop_metric_error(cfg: RunConfig, metric_names: list[str]) -> str | None:
+    """Why ``cfg.stop_metric`` is not one of the task's ``metric_names``, or ``None``.
+
+    A metric the rows never hold would never stop a method, so it is refused up front.
+    """
+    if cfg.stop_metric is None or cfg.stop_metric in metric_names:
+        return None
+    return (
+        f"--stop-metric {cfg.stop_metric!r} is not a metric of task {cfg.task!r}; "
+        f"choose from {', '.join(metric_names)}"
+    )
 
 
 def method_done(cfg: RunConfig, rows: list[dict]) -> bool:
