@@ -61,11 +61,17 @@ from pathlib import Path
 import torch
 
 from fedexlora.bridge.adapters import get_state, set_state
-from fedexlora.bridge.fold import base_nbytes, load_side_state, side_state, use_side_branch
+from fedexlora.bridge.fold import (
+    adapter_nbytes,
+    base_nbytes,
+    load_side_state,
+    side_nbytes,
+    side_state,
+    use_side_branch,
+)
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.steps import apply_outcome
 from fedexlora.core.messages import ClientUpload, Payload
-from fedexlora.core.side import SideBranch
 from fedexlora.core.state import AdapterState
 from fedexlora.server.server import Server
 
@@ -165,18 +171,6 @@ def load_block(path: Path, precision: str, r: int, alpha: float, *, seed: int = 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the tensors' elements (``numel * element_size``)."""
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def side_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every side branch's buffers (``U``, ``V``, ``dense``) in ``model``."""
-    return tensor_bytes(
-        b for m in model.modules() if isinstance(m, SideBranch) for b in m.buffers()
-    )
-
-
-def adapter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the LoRA factors (``lora_A`` and ``lora_B``)."""
-    return tensor_bytes(p for n, p in model.named_parameters() if ".lora_" in n)
 
 
 def base_bytes(model: torch.nn.Module) -> int:
@@ -406,8 +400,8 @@ def simulate(
             r=r,
             round=rnd,
             side_rank=side_ranks(drive["fedex"]),
-            side_bytes=side_bytes(drive["fedex"]),
-            adapter_bytes=adapter_bytes(drive["fedex"]),
+            side_bytes=side_nbytes(drive["fedex"]),
+            adapter_bytes=adapter_nbytes(drive["fedex"]),
             down_fedex=[(payload_bytes(p), seen[c]) for p, c in zip(payloads["fedex"], sampled)],
             down_fedit=[(payload_bytes(p), seen[c]) for p, c in zip(payloads["fedit"], sampled)],
             up_bytes=[tensor_bytes(u.to_flat().values()) for u in uploads],

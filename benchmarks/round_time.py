@@ -48,7 +48,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from proc_memory import run_sampled  # noqa: E402
 
-PARTS = ("train", "train_max", "train_wall", "setup", "evaluate", "aggregate", "apply", "checkpoint")
+PARTS = (
+    "train",
+    "train_max",
+    "train_wall",
+    "setup",
+    "evaluate",
+    "aggregate",
+    "apply",
+    "checkpoint",
+)
 SUMMED = ("train", "setup", "evaluate", "aggregate", "apply", "checkpoint")
 CLIENT_ACTOR = "ray::ClientAppActor"
 
