@@ -290,3 +290,70 @@ def test_a_cell_whose_methods_all_stopped_is_done(tmp_path):
     assert _status(tmp_path, cfg) == ("done", "")
     # with more patience the same rows are not done: the cell resumes
     assert _status(tmp_path, cfg.replace(stop_patience=3))[0] == "resume"
+
+
+def _cell(model, task, out, methods, rounds="1"):
+    return _run("compare", "--out", str(out), "--model", model, "--task", task,
+                "--method", methods, "--ranks", "2", "--seeds", "0", "--settings", "iid-2",
+                "--rounds", rounds, "--local-steps", "1", "--max-length", "16",
+                "--max-test", "20", "--min-partition-size", "5", "--lr", "2e-3")  # fmt: skip
+
+
+def _by_method(path):
+    import json
+
+    rows = {}
+    for line in path.read_text().splitlines():
+        rows.setdefault(json.loads(line)["method"], []).append(line)
+    return rows
+
+
+def _results(line):
+    """What a row says of the model: its metrics, deviation and bytes (not its seconds)."""
+    import json
+
+    r = json.loads(line)
+    return (r["round"], r["metrics"], r.get("effective_deviation"), r.get("bytes_up"))
+
+
+def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
+    tiny_bert_dir, tiny_csv, tmp_path
+):
+    import shutil
+
+    out, cell = tmp_path / "g", tmp_path / "g" / "iid-2_r2_seed0"
+    res = _cell(tiny_bert_dir, tiny_csv, out, "fedex,fedit")
+    assert res.exit_code == 0, res.output
+    first = _by_method(cell / "metrics.jsonl")
+    # kept as a study keeps it (config.toml and metrics.jsonl): still a finished cell
+    shutil.rmtree(cell / "checkpoints")
+    res = _cell(tiny_bert_dir, tiny_csv, out, "fedex,fedit")
+    assert res.exit_code == 0 and "(done)" in res.output, res.output
+
+    # a method more: only it runs; the others' rows are kept as they were
+    res = _cell(tiny_bert_dir, tiny_csv, out, "fedex,fedit,ffa")
+    assert res.exit_code == 0 and "gains ffa" in res.output, res.output
+    rows = _by_method(cell / "metrics.jsonl")
+    assert rows["fedex"] == first["fedex"] and rows["fedit"] == first["fedit"]
+    assert len(rows["ffa"]) == 1 and not list(out.glob("*.replaced-*"))
+    assert "ffa" in (cell / "config.toml").read_text()
+    # a grid of fewer methods reads its own from the larger cell
+    res = _cell(tiny_bert_dir, tiny_csv, out, "fedit")
+    assert res.exit_code == 0 and "(done)" in res.output, res.output
+    md = (out / "comparison.md").read_text()
+    assert "fedit" in md.lower() and "ffa" not in md.lower()
+
+    # a method's rows do not depend on the others beside it: ffa alone gives the same
+    alone = tmp_path / "alone"
+    res = _cell(tiny_bert_dir, tiny_csv, alone, "ffa")
+    assert res.exit_code == 0, res.output
+    ffa = _by_method(alone / "iid-2_r2_seed0" / "metrics.jsonl")["ffa"]
+    assert [_results(x) for x in ffa] == [_results(x) for x in rows["ffa"]]
+    # ... and its checkpoint resumes under another list of methods (more rounds, fedex too)
+    res = _cell(tiny_bert_dir, tiny_csv, alone, "fedex,ffa", rounds="2")
+    assert res.exit_code == 0, res.output
+    assert "gains fedex; extended from 1 to 2 rounds" in " ".join(res.output.split())
+    assert "resuming ffa after round 1" in res.output
+    grown = _by_method(alone / "iid-2_r2_seed0" / "metrics.jsonl")
+    assert _results(grown["ffa"][0]) == _results(ffa[0])
+    assert len(grown["ffa"]) == 2 and len(grown["fedex"]) == 2

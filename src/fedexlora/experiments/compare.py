@@ -49,8 +49,11 @@ DEFAULT_SETTINGS = (
 
 
 # A cell that differs only in settings that never change results is reused; ``rounds``
-# is handled apart (a shorter finished cell is extended by a resume).
-_NOT_RESULTS = set(RESUME_SAFE)
+# is handled apart (a shorter finished cell is extended by a resume), and so is
+# ``methods``: a method's rows do not depend on the others beside it (each starts from
+# the seed's model, partitions and data order), so a cell gains a method by a resume that
+# runs only that one, and a grid of fewer methods reads its own from a larger cell.
+_NOT_RESULTS = set(RESUME_SAFE) | {"methods"}
 
 
 def cell_changes(old: dict, new: RunConfig) -> list[str]:
@@ -233,17 +236,21 @@ def run_grid(
             say(f"{label}: {why}")
         else:
             say(label)
-        run_experiment(cfg, d, resume=action == "resume", progress=progress, console=console)
+        run_cfg = cfg
+        if action == "resume":  # the cell's methods first, then those it gains
+            ran = _saved_config(d)
+            run_cfg = cfg.replace(methods=list(dict.fromkeys([*ran.methods, *cfg.methods])))
+        run_experiment(run_cfg, d, resume=action == "resume", progress=progress, console=console)
         if action == "resume":  # a resume keeps the old config.toml: record the rounds run
             ran = _saved_config(d)  # and, as it ran, the defaults resolved from it
-            RunLayout(d).config.write_text(cfg.resolved(ran).to_toml())
+            RunLayout(d).config.write_text(run_cfg.resolved(ran).to_toml())
     elapsed = time.perf_counter() - t0
     # each method's rows up to where this invocation's stopping rule stops it
-    rows = {
-        cell: until_stop(cfg, read_metrics(RunLayout(out / cell.dirname()).metrics))
-        for cell, cfg in plan
+    rows = {cell: until_stop(cfg, _rows_of(cfg, out / cell.dirname())) for cell, cfg in plan}
+    # as each cell ran, with this grid's methods (a cell may hold more)
+    cfgs = {
+        cell: _saved_config(out / cell.dirname()).replace(methods=cfg.methods) for cell, cfg in plan
     }
-    cfgs = {cell: _saved_config(out / cell.dirname()) for cell, _ in plan}
     md = comparison_table(
         rows, cfgs, elapsed, reused=reused, target=target, target_fraction=target_fraction
     )
@@ -265,6 +272,11 @@ def run_grid(
     return path
 
 
+def _rows_of(cfg: RunConfig, d: Path) -> list[dict]:
+    """The cell's rows of ``cfg``'s methods (the cell may hold more)."""
+    return [r for r in read_metrics(RunLayout(d).metrics) if r["method"] in cfg.methods]
+
+
 def _saved_config(d: Path) -> RunConfig:
     return load_run_config(RunLayout(d).config)  # a cell from before: as it ran
 
@@ -278,14 +290,26 @@ def _status(d: Path, cfg: RunConfig) -> tuple[str, str]:
         old = tomllib.loads(toml.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         return "replace", f"its config.toml is unreadable: {exc}"
-    changes = cell_changes(old, cfg)
+    # the cell runs its own methods and those it gains: defaults that follow the methods
+    # (fp32_side_branch) resolve as for all of them
+    methods = old.get("methods")
+    ran_as = cfg
+    if isinstance(methods, list):
+        ran_as = cfg.replace(methods=list(dict.fromkeys([*methods, *cfg.methods])))
+    changes = cell_changes(old, ran_as)
     if changes:
         return "replace", "; ".join(changes)
     metrics = RunLayout(d).metrics
-    rows = read_metrics(metrics) if metrics.is_file() else []
+    rows = _rows_of(cfg, d) if metrics.is_file() else []
     n = len(rows)
     if cell_done(cfg, rows):  # every round of every method, or stopped by the rule
         return "done", ""
+    why = []
+    gained = [m for m in cfg.methods if m not in old.get("methods", [])]
+    if gained:
+        why.append(f"gains {', '.join(gained)}")
     if old.get("rounds") != cfg.rounds:
-        return "resume", f"extended from {old.get('rounds')} to {cfg.rounds} rounds"
+        why.append(f"extended from {old.get('rounds')} to {cfg.rounds} rounds")
+    if why:
+        return "resume", "; ".join(why)
     return "resume", f"resumed ({n} of {len(cfg.methods) * cfg.rounds} rows done)"

@@ -68,7 +68,9 @@ def config_fingerprint(cfg: RunConfig | dict) -> str:
             one as a checkpoint stored it.
     """
     cfg_dict = cfg.resolved().to_dict() if isinstance(cfg, RunConfig) else cfg
-    stable = {k: v for k, v in sorted(cfg_dict.items()) if k not in RESUME_SAFE}
+    # methods: each has its own checkpoints, and its rounds do not depend on the others
+    # (``fedexlora compare`` adds a method to a cell by a resume)
+    stable = {k: v for k, v in sorted(cfg_dict.items()) if k not in RESUME_SAFE and k != "methods"}
     for key, default in ADDED_LATER.items():  # at its default: runs from before still resume
         if key in stable and stable[key] == default:
             del stable[key]

@@ -211,6 +211,10 @@ class Run:
         """
         for method in self.cfg.methods:
             rows = list(self._done_rows.get(method, []))
+            if method not in self._restored and rows:  # finished, kept without a checkpoint
+                self.all_rows.extend(rows)
+                self._first_model = None  # it was loaded for the first method: this one
+                continue
             clients = MemoryStore()
             if method in self._restored:
                 model, server, clients = self._restored.pop(method)
@@ -340,7 +344,11 @@ class Run:
     def finish(self) -> list[dict]:
         """Every method's rows in order in ``metrics.jsonl``, the summary and the plots."""
         if self.resume:  # restored rows were written first: every method's rows in order
-            write_rows(self.layout.metrics, self.all_rows)
+            others = [  # of methods the run no longer lists: kept
+                r for r in read_metrics(self.layout.metrics)
+                if r.get("method") not in self.cfg.methods
+            ]  # fmt: skip
+            write_rows(self.layout.metrics, self.all_rows + others)
         write_summary(
             self.layout.root,
             self.all_rows,

@@ -20,6 +20,8 @@ from fedexlora.run.checkpoint import (
 )
 from fedexlora.run.client_store import MemoryStore
 from fedexlora.run.layout import RunLayout, write_rows
+from fedexlora.run.report import read_metrics
+from fedexlora.run.stopping import method_done
 
 __all__ = [
     "apply_base_deltas",
@@ -130,17 +132,28 @@ def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
     """Every method of the run in ``out`` restored from its newest intact checkpoint.
 
     Rewrites ``metrics.jsonl`` to the rows those checkpoints hold (rows of a round that
-    was not checkpointed are dropped: it runs again). Shared by both engines.
+    was not checkpointed are dropped: it runs again). A method whose rows in
+    ``metrics.jsonl`` are finished (every round, or stopped by the rule:
+    :func:`fedexlora.run.stopping.method_done`) keeps them, is not loaded and is not run
+    again, checkpoint or none: a study's cell kept without its checkpoints
+    (``config.toml`` and ``metrics.jsonl``) is still whole. Rows of methods the run no
+    longer lists stay, after its own. Shared by both engines.
 
     Returns:
         ``(restored, done_rows)``: method -> ``(model, server, clients)`` (its in-process
         clients' store: what they keep of their own, and their DP-SGD records),
-        and method -> its rows, for the methods that have a checkpoint.
+        and method -> its rows, for the methods that have a checkpoint or finished rows.
     """
     layout = RunLayout(out)
+    before = read_metrics(layout.metrics) if layout.metrics.is_file() else []
     restored: dict[str, tuple] = {}
     done_rows: dict[str, list[dict]] = {}
     for method in cfg.methods:
+        rows = [r for r in before if r.get("method") == method]
+        if method_done(cfg, rows) and _checkpointed(layout.checkpoints(method), rows):
+            done_rows[method] = rows
+            say(f"{method} finished before ({len(rows)} rounds): its rows are kept")
+            continue
         found = restore_latest(cfg, task, method, layout.checkpoints(method), fingerprint)
         if found is None:
             continue
@@ -148,8 +161,20 @@ def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
         restored[method] = (model, server, info["clients"])
         done_rows[method] = info["rows"]
         say(f"resuming {method} after round {server.round}")
-    write_rows(layout.metrics, [r for m in cfg.methods for r in done_rows.get(m, [])])
+    others = [r for r in before if r.get("method") not in cfg.methods]
+    write_rows(layout.metrics, [r for m in cfg.methods for r in done_rows.get(m, [])] + others)
     return restored, done_rows
+
+
+def _checkpointed(directory: Path, rows: list[dict]) -> bool:
+    """Whether the newest intact checkpoint, if any, is of ``rows``' last round.
+
+    A row is written after its round's checkpoint, except that of a round that failed the
+    exactness check (kept as evidence, with no checkpoint): such a method resumes from
+    its checkpoint and runs the round again. A cell kept without checkpoints is trusted.
+    """
+    done = checkpoints(directory)
+    return not done or done[-1].name == f"round-{rows[-1]['round']:04d}"
 
 
 def load_task_for(cfg: RunConfig):
