@@ -319,14 +319,35 @@ def _results(line):
 def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
     tiny_bert_dir, tiny_csv, tmp_path
 ):
-    import shutil
+    import importlib.util
+    from pathlib import Path
 
-    out, cell = tmp_path / "g", tmp_path / "g" / "iid-2_r2_seed0"
-    res = _cell(tiny_bert_dir, tiny_csv, out, "fedex,fedit")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "keep_cells.py"
+    spec = importlib.util.spec_from_file_location("keep_cells", script)
+    keep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(keep)
+
+    ran = tmp_path / "ran"
+    res = _cell(tiny_bert_dir, tiny_csv, ran, "fedex,fedit")
     assert res.exit_code == 0, res.output
-    first = _by_method(cell / "metrics.jsonl")
-    # kept as a study keeps it (config.toml and metrics.jsonl): still a finished cell
-    shutil.rmtree(cell / "checkpoints")
+    first = _by_method(ran / "iid-2_r2_seed0" / "metrics.jsonl")
+    # kept as a study keeps it (config.toml, metrics.jsonl; no checkpoints): still finished
+    out, cell = tmp_path / "g", tmp_path / "g" / "iid-2_r2_seed0"
+    assert keep.keep_cells(ran, out) == ["iid-2_r2_seed0: kept (2 rows, fedex, fedit)"]
+    assert keep.keep_cells(ran, out) == ["iid-2_r2_seed0: already kept"]
+    assert not (cell / "checkpoints").exists()
+    # a cell whose methods have rounds to go is never kept
+    from fedexlora.config import load_run_config
+
+    short = tmp_path / "short" / "iid-2_r2_seed0"
+    short.mkdir(parents=True)
+    (short / "metrics.jsonl").write_text((ran / "iid-2_r2_seed0" / "metrics.jsonl").read_text())
+    saved = load_run_config(ran / "iid-2_r2_seed0" / "config.toml")
+    (short / "config.toml").write_text(saved.replace(rounds=3).to_toml())
+    assert keep.keep_cells(short.parent, tmp_path / "k") == [
+        "iid-2_r2_seed0: unfinished (2 rows), not copied"
+    ]
+    assert not (tmp_path / "k").exists()
     res = _cell(tiny_bert_dir, tiny_csv, out, "fedex,fedit")
     assert res.exit_code == 0 and "(done)" in res.output, res.output
 
