@@ -2,14 +2,15 @@
 
     python scripts/keep_cells.py /path/to/grid studies/convergence
 
-A cell is finished when every method of its own config.toml has run all its rounds or
-been stopped by the rule (`fedexlora.run.stopping.cell_done`). Of each, only what
-`compare` reads is copied: config.toml, metrics.jsonl, partitions.txt and summary.md
-(kilobytes; the checkpoints, megabytes to gigabytes, stay behind). `fedexlora compare
---out DEST` with the same grid then reuses those cells ("(done)"), writes its report from
-them without training, and runs only the cells, or the methods of a cell, still missing.
-A cell already in DEST is replaced only by one with more rows; an unfinished cell is
-never copied. Prints one line per cell.
+A method has finished when it has run all its rounds or been stopped by the rule
+(`fedexlora.run.stopping.method_done`). Of a cell whose methods have all finished, only
+what `compare` reads is copied: config.toml, metrics.jsonl, partitions.txt and summary.md
+(kilobytes; the checkpoints, megabytes to gigabytes, stay behind). Of a cell interrupted
+part way, its finished methods are kept as a cell of those alone (config.toml listing
+them, their rows); the method it was in is not. `fedexlora compare --out DEST` with the
+same grid then reuses the whole cells ("(done)"), writes its report from them without
+training, and runs only what is missing: whole cells, or the methods a kept cell lacks.
+A cell already in DEST is replaced only by one with more rows. Prints one line per cell.
 """
 
 from __future__ import annotations
@@ -19,15 +20,18 @@ import sys
 from pathlib import Path
 
 from fedexlora.config import ConfigError, load_run_config
-from fedexlora.run.layout import RunLayout
+from fedexlora.run.layout import RunLayout, write_rows
 from fedexlora.run.report import read_metrics
-from fedexlora.run.stopping import cell_done
+from fedexlora.run.stopping import method_done
 
 KEPT = ("config.toml", "metrics.jsonl", "partitions.txt", "summary.md")
 
 
 def keep_cells(src: Path, dest: Path) -> list[str]:
-    """Copies ``src``'s finished cells into ``dest``; one line per cell, what was done."""
+    """Copies ``src``'s finished cells, and the finished methods of the others, into ``dest``.
+
+    Returns one line per cell: what was done.
+    """
     said = []
     for d in sorted(p for p in src.iterdir() if p.is_dir() and ".replaced-" not in p.name):
         layout = RunLayout(d)
@@ -39,19 +43,34 @@ def keep_cells(src: Path, dest: Path) -> list[str]:
             said.append(f"{d.name}: skipped, its config.toml does not load: {exc}")
             continue
         rows = read_metrics(layout.metrics)
-        if not cell_done(cfg, rows):
+        done = [m for m in cfg.methods if method_done(cfg, [r for r in rows if r["method"] == m])]
+        if not done:
             said.append(f"{d.name}: unfinished ({len(rows)} rows), not copied")
             continue
+        kept_rows = [r for r in rows if r["method"] in done]
         target = dest / d.name
         if (target / "metrics.jsonl").is_file():
-            if len(read_metrics(target / "metrics.jsonl")) >= len(rows):
+            if len(read_metrics(target / "metrics.jsonl")) >= len(kept_rows):
                 said.append(f"{d.name}: already kept")
                 continue
         target.mkdir(parents=True, exist_ok=True)
-        for name in KEPT:
-            if (d / name).is_file():
-                shutil.copy2(d / name, target / name)
-        said.append(f"{d.name}: kept ({len(rows)} rows, {', '.join(cfg.methods)})")
+        if done == cfg.methods:
+            for name in KEPT:
+                if (d / name).is_file():
+                    shutil.copy2(d / name, target / name)
+            said.append(f"{d.name}: kept ({len(rows)} rows, {', '.join(done)})")
+            continue
+        # the methods that finished, as a cell of those alone: compare adds the others
+        (target / "config.toml").write_text(cfg.replace(methods=done).to_toml())
+        write_rows(target / "metrics.jsonl", kept_rows)
+        if layout.partitions.is_file():
+            shutil.copy2(layout.partitions, target / "partitions.txt")
+        (target / "summary.md").unlink(missing_ok=True)  # of an earlier, smaller keep
+        left = [m for m in cfg.methods if m not in done]
+        said.append(
+            f"{d.name}: kept {', '.join(done)} ({len(kept_rows)} rows); "
+            f"unfinished, not copied: {', '.join(left)}"
+        )
     return said
 
 

@@ -348,6 +348,13 @@ def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
         "iid-2_r2_seed0: unfinished (2 rows), not copied"
     ]
     assert not (tmp_path / "k").exists()
+    # ... but of one interrupted in its third method, the two that finished are
+    (short / "config.toml").write_text(saved.replace(methods=["fedex", "fedit", "ffa"]).to_toml())
+    assert keep.keep_cells(short.parent, tmp_path / "k") == [
+        "iid-2_r2_seed0: kept fedex, fedit (2 rows); unfinished, not copied: ffa"
+    ]
+    part = load_run_config(tmp_path / "k" / "iid-2_r2_seed0" / "config.toml")
+    assert part == saved  # a cell of those two alone, as it ran
     res = _cell(tiny_bert_dir, tiny_csv, out, "fedex,fedit")
     assert res.exit_code == 0 and "(done)" in res.output, res.output
 
