@@ -1,6 +1,6 @@
 """One client on N processes at Llama-3-8B block shapes: what each rank holds, and a step's time.
 
-The block is ``llm_scale.py``'s (one or more Llama-3-8B decoder blocks, random weights,
+The block is ``llama_block.py``'s (one or more Llama-3-8B decoder blocks, random weights,
 bf16 base, LoRA on all seven projections, fp32 adapters, the fp32 side branch), loaded
 by every rank from one saved copy. The round's state (rank 0's: the adapter, and in
 every layer a side branch, dense by default: the worst case, 4 bytes per base weight)
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llm_scale import LLAMA3_8B, load_block, machine  # noqa: E402
+from llama_block import LLAMA3_8B, load_block, machine  # noqa: E402
 
 
 def _free_port() -> int:

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -67,7 +66,6 @@ from fedexlora.bridge.fold import (
     load_side_state,
     side_nbytes,
     side_state,
-    use_side_branch,
 )
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.steps import apply_outcome
@@ -75,96 +73,17 @@ from fedexlora.core.messages import ClientUpload, Payload
 from fedexlora.core.state import AdapterState
 from fedexlora.server.server import Server
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PRECISIONS = ("bf16", "nf4", "fp32")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_block import (  # noqa: E402  (beside this file)
+    LLAMA3_8B,
+    BlockShape,
+    load_block,
+    machine,
+    save_block,
+)
+
 NUM_CLIENTS = 20
 EXAMPLES = 100  # every synthetic client: equal weights p_i = 1/k
-
-
-@dataclass(frozen=True)
-class BlockShape:
-    """A Llama decoder block: its sizes, and how many of them the model has."""
-
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    blocks: int = 32
-
-    def config(self):
-        from transformers import LlamaConfig
-
-        return LlamaConfig(
-            hidden_size=self.hidden,
-            intermediate_size=self.intermediate,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            num_hidden_layers=1,
-            vocab_size=128,  # the block is what is measured: a token table of 128
-            tie_word_embeddings=False,
-        )
-
-    def describe(self) -> str:
-        kv = self.kv_heads * self.head_dim
-        return (
-            f"q/o {self.hidden}x{self.heads * self.head_dim}, k/v {self.hidden} -> {kv}, "
-            f"gate/up {self.hidden} -> {self.intermediate}, down {self.intermediate} -> "
-            f"{self.hidden}"
-        )
-
-
-LLAMA3_8B = BlockShape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128)
-
-
-def save_block(shape: BlockShape, path: Path, *, seed: int = 0) -> Path:
-    """A one-block Llama with random weights (transformers' init), saved in bf16."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(shape.config()).to(torch.bfloat16)
-    model.save_pretrained(path)
-    return path
-
-
-def load_block(path: Path, precision: str, r: int, alpha: float, *, seed: int = 0):
-    """The saved block as ``precision`` with LoRA on all seven projections.
-
-    As :func:`fedexlora.bridge.models.load_model` loads a base (which needs a tokenizer,
-    so it is not called here): bitsandbytes through transformers'
-    ``BitsAndBytesConfig`` (:func:`~fedexlora.bridge.models.quantization_config`, compute
-    dtype bf16), bitsandbytes' CPU repacking turned off, trainable weights in fp32, and
-    the fp32 side branch (:func:`~fedexlora.bridge.fold.use_side_branch`; bf16 and nf4
-    bases have one anyway).
-    """
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
-    kw = {}
-    if precision == "nf4":
-        from fedexlora.bridge.models import quantization_config
-
-        kw["quantization_config"] = quantization_config("nf4", double_quant=False, dtype=dtype)
-    base = LlamaForCausalLM.from_pretrained(path, dtype=dtype, **kw)
-    if precision == "nf4":
-        import bitsandbytes as bnb
-
-        for module in base.modules():
-            if isinstance(module, bnb.nn.Linear4bit):
-                module.support_avx512bf16_for_cpu = False
-    lora = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM"
-    )
-    torch.manual_seed(seed)  # the same initial A in both copies
-    model = get_peft_model(base, lora)
-    for p in model.parameters():
-        if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16):
-            p.data = p.data.float()
-    return use_side_branch(model)
 
 
 # -- bytes, from the tensors held ---------------------------------------------------------
@@ -590,18 +509,6 @@ def _ints(text: str) -> list[int]:
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
-
-
-def machine() -> str:
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def main(argv=None) -> None:
