@@ -359,3 +359,32 @@ def test_resumed_metrics_keep_every_methods_rows_in_order(tiny_cfg, tmp_path):
     want = [("fedex", 1), ("fedex", 2), ("fedit", 1), ("fedit", 2)]
     assert [(r["method"], r["round"]) for r in rows] == want
     assert read_metrics(tmp_path / "metrics.jsonl") == rows
+
+
+def test_a_finished_method_is_kept_from_its_rows_and_a_torn_line_is_skipped(tiny_cfg, tmp_path):
+    """A resume keeps a finished method's rows without loading it, when its newest
+    checkpoint is of its last row's round (or it has none); a row beyond its checkpoint
+    (a round that failed the exactness check keeps its row and no checkpoint) runs again.
+    A line a crash tore is skipped."""
+    import shutil
+
+    cfg = tiny_cfg.replace(rounds=2, keep_checkpoints=2)
+    rows = run_experiment(cfg, tmp_path, progress=False)
+    metrics = tmp_path / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"method": "fedex", "rou')  # torn by a crash
+    said = []
+    console = type("Console", (), {"print": staticmethod(lambda *a, **k: said.append(str(a[0])))})
+    again = run_experiment(cfg, tmp_path, resume=True, progress=False, console=console)
+    assert again == rows and read_metrics(metrics) == rows
+    assert "fedex finished before (2 rounds): its rows are kept" in said
+    assert not any(s.startswith("resuming") for s in said)  # nothing loaded
+
+    # fedex's round-2 row without its checkpoint: round 2 runs again, from round 1's
+    shutil.rmtree(tmp_path / "checkpoints" / "fedex" / "round-0002")
+    said.clear()
+    again = run_experiment(cfg, tmp_path, resume=True, progress=False, console=console)
+    assert "resuming fedex after round 1" in said and "fedit finished before" in " ".join(said)
+    strip = [{k: v for k, v in r.items() if "seconds" not in k} for r in again]
+    assert strip == [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
+    assert (tmp_path / "checkpoints" / "fedex" / "round-0002").is_dir()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -20,7 +21,6 @@ from fedexlora.run.checkpoint import (
 )
 from fedexlora.run.client_store import MemoryStore
 from fedexlora.run.layout import RunLayout, write_rows
-from fedexlora.run.report import read_metrics
 from fedexlora.run.stopping import method_done
 
 __all__ = [
@@ -145,7 +145,7 @@ def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
         and method -> its rows, for the methods that have a checkpoint or finished rows.
     """
     layout = RunLayout(out)
-    before = read_metrics(layout.metrics) if layout.metrics.is_file() else []
+    before = _intact_rows(layout.metrics)
     restored: dict[str, tuple] = {}
     done_rows: dict[str, list[dict]] = {}
     for method in cfg.methods:
@@ -164,6 +164,20 @@ def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
     others = [r for r in before if r.get("method") not in cfg.methods]
     write_rows(layout.metrics, [r for m in cfg.methods for r in done_rows.get(m, [])] + others)
     return restored, done_rows
+
+
+def _intact_rows(path: Path) -> list[dict]:
+    """The rows of ``metrics.jsonl`` that parse: a crash may leave its last line torn."""
+    rows = []
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and "method" in row and "round" in row:
+                rows.append(row)
+    return rows
 
 
 def _checkpointed(directory: Path, rows: list[dict]) -> bool:
