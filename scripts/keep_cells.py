@@ -20,8 +20,9 @@ import sys
 from pathlib import Path
 
 from fedexlora.config import ConfigError, load_run_config
+from fedexlora.experiments.compare import cell_changes
 from fedexlora.run.layout import RunLayout, write_rows
-from fedexlora.run.report import read_metrics
+from fedexlora.run.report import intact_rows
 from fedexlora.run.stopping import method_done
 
 KEPT = ("config.toml", "metrics.jsonl", "partitions.txt", "summary.md")
@@ -42,7 +43,7 @@ def keep_cells(src: Path, dest: Path) -> list[str]:
         except ConfigError as exc:
             said.append(f"{d.name}: skipped, its config.toml does not load: {exc}")
             continue
-        rows = read_metrics(layout.metrics)
+        rows = intact_rows(layout.metrics)
         done = [m for m in cfg.methods if method_done(cfg, [r for r in rows if r["method"] == m])]
         if not done:
             said.append(f"{d.name}: unfinished ({len(rows)} rows), not copied")
@@ -50,8 +51,15 @@ def keep_cells(src: Path, dest: Path) -> list[str]:
         kept_rows = [r for r in rows if r["method"] in done]
         target = dest / d.name
         if (target / "metrics.jsonl").is_file():
-            if len(read_metrics(target / "metrics.jsonl")) >= len(kept_rows):
+            if len(intact_rows(target / "metrics.jsonl")) >= len(kept_rows):
                 said.append(f"{d.name}: already kept")
+                continue
+            kept = load_run_config(target / "config.toml").to_dict()
+            differ = [c for c in cell_changes(kept, cfg) if not c.startswith("rounds:")]
+            if differ:
+                said.append(
+                    f"{d.name}: not copied, the kept one ran otherwise: {'; '.join(differ)}"
+                )
                 continue
         target.mkdir(parents=True, exist_ok=True)
         if done == cfg.methods:

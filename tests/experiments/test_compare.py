@@ -355,6 +355,16 @@ def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
     ]
     part = load_run_config(tmp_path / "k" / "iid-2_r2_seed0" / "config.toml")
     assert part == saved  # a cell of those two alone, as it ran
+    # a longer cell of other settings never replaces a kept one
+    import json
+
+    two = [json.loads(x) for x in (short / "metrics.jsonl").read_text().splitlines()]
+    two += [{**r, "round": 2} for r in two]
+    (short / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in two))
+    (short / "config.toml").write_text(saved.replace(rounds=2, lr=0.1).to_toml())
+    assert keep.keep_cells(short.parent, out) == [
+        "iid-2_r2_seed0: not copied, the kept one ran otherwise: lr: 0.002 → 0.1"
+    ]
     res = _cell(tiny_bert_dir, tiny_csv, out, "fedex,fedit")
     assert res.exit_code == 0 and "(done)" in res.output, res.output
 
@@ -366,10 +376,17 @@ def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
     assert len(rows["ffa"]) == 1 and not list(out.glob("*.replaced-*"))
     assert "ffa" in (cell / "config.toml").read_text()
     # a grid of fewer methods reads its own from the larger cell
-    res = _cell(tiny_bert_dir, tiny_csv, out, "fedit")
+    res = _cell(tiny_bert_dir, tiny_csv, out, "fedex,ffa")
     assert res.exit_code == 0 and "(done)" in res.output, res.output
     md = (out / "comparison.md").read_text()
-    assert "fedit" in md.lower() and "ffa" not in md.lower()
+    assert "| ffa |" in md and "| fedex |" in md and "| fedit |" not in md
+    # but fedit alone resolves the fp32 side branch off (no exact method): the cell, run
+    # with it on, is rerun rather than mixed into a table of cells run without
+    res = _cell(tiny_bert_dir, tiny_csv, out, "fedit")
+    assert "rerun, its settings changed (fp32_side_branch: True → False)" in " ".join(
+        res.output.split()
+    ), res.output
+    rows = _by_method(out / "iid-2_r2_seed0.replaced-1" / "metrics.jsonl")  # kept aside
 
     # a method's rows do not depend on the others beside it: ffa alone gives the same
     alone = tmp_path / "alone"
@@ -385,3 +402,10 @@ def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
     grown = _by_method(alone / "iid-2_r2_seed0" / "metrics.jsonl")
     assert _results(grown["ffa"][0]) == _results(ffa[0])
     assert len(grown["ffa"]) == 2 and len(grown["fedex"]) == 2
+    # a grid of one of them, a round more: only it runs; the other's rows are kept
+    res = _cell(tiny_bert_dir, tiny_csv, alone, "ffa", rounds="3")
+    assert res.exit_code == 0 and "extended from 2 to 3 rounds" in res.output, res.output
+    assert "fedex finished before" not in res.output  # not even looked at
+    more = _by_method(alone / "iid-2_r2_seed0" / "metrics.jsonl")
+    assert more["fedex"] == grown["fedex"] and len(more["ffa"]) == 3
+    assert load_run_config(alone / "iid-2_r2_seed0" / "config.toml").methods == ["ffa", "fedex"]

@@ -231,3 +231,13 @@ def test_flower_clients_fold_with_the_budgets_caps(
     for rnd, side, base, capped in held:
         assert capped, f"round {rnd}: a client folded without the budget's caps"
         assert side <= 0.25 * base, (rnd, side, base)
+
+
+def test_a_flower_run_whose_methods_stopped_by_the_rule_ends_well(
+    tiny_cfg, tmp_path, flower_over_grid
+):
+    """``--stop-at``/``--stop-patience`` under ``--engine flower``: fewer rows than
+    rounds x methods is the rule's doing, not a failed simulation."""
+    cfg = tiny_cfg.replace(methods=["fedex", "fedit"], rounds=3, stop_at=0.0, engine="flower")
+    rows = flower_over_grid(cfg, tmp_path / "flower")
+    assert [(r["method"], r["round"]) for r in rows] == [("fedex", 1), ("fedit", 1)]

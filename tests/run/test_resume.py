@@ -379,6 +379,10 @@ def test_a_finished_method_is_kept_from_its_rows_and_a_torn_line_is_skipped(tiny
     assert again == rows and read_metrics(metrics) == rows
     assert "fedex finished before (2 rounds): its rows are kept" in said
     assert not any(s.startswith("resuming") for s in said)  # nothing loaded
+    # kept rows are of config.toml's settings: a resume with others is refused
+    with pytest.raises(CheckpointError, match=r"ran with other settings than this resume \(lr"):
+        run_experiment(cfg.replace(lr=0.5), tmp_path, resume=True, progress=False, console=console)
+    assert read_metrics(metrics) == rows
 
     # fedex's round-2 row without its checkpoint: round 2 runs again, from round 1's
     shutil.rmtree(tmp_path / "checkpoints" / "fedex" / "round-0002")

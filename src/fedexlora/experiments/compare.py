@@ -30,7 +30,7 @@ from fedexlora.experiments.compare_report import (
 )
 from fedexlora.experiments.privacy_report import plot_privacy, privacy_report
 from fedexlora.run.layout import RunLayout
-from fedexlora.run.report import read_metrics
+from fedexlora.run.report import intact_rows
 from fedexlora.run.stopping import cell_done, until_stop
 
 __all__ = [
@@ -51,8 +51,10 @@ DEFAULT_SETTINGS = (
 # A cell that differs only in settings that never change results is reused; ``rounds``
 # is handled apart (a shorter finished cell is extended by a resume), and so is
 # ``methods``: a method's rows do not depend on the others beside it (each starts from
-# the seed's model, partitions and data order), so a cell gains a method by a resume that
-# runs only that one, and a grid of fewer methods reads its own from a larger cell.
+# the seed's model, partitions and data order; fp32_side_branch, which follows the
+# methods, is compared as this grid resolves it), so a cell gains a method by a resume
+# that runs only that one, and a grid of fewer methods reads, extends or resumes only
+# its own in a larger cell (the others' rows are kept).
 _NOT_RESULTS = set(RESUME_SAFE) | {"methods"}
 
 
@@ -236,14 +238,11 @@ def run_grid(
             say(f"{label}: {why}")
         else:
             say(label)
-        run_cfg = cfg
-        if action == "resume":  # the cell's methods first, then those it gains
-            ran = _saved_config(d)
-            run_cfg = cfg.replace(methods=list(dict.fromkeys([*ran.methods, *cfg.methods])))
-        run_experiment(run_cfg, d, resume=action == "resume", progress=progress, console=console)
-        if action == "resume":  # a resume keeps the old config.toml: record the rounds run
-            ran = _saved_config(d)  # and, as it ran, the defaults resolved from it
-            RunLayout(d).config.write_text(run_cfg.resolved(ran).to_toml())
+        run_experiment(cfg, d, resume=action == "resume", progress=progress, console=console)
+        if action == "resume":  # a resume keeps the old config.toml: record the rounds run,
+            ran = _saved_config(d)  # the defaults as it resolved them, and every method it
+            held = list(dict.fromkeys([*ran.methods, *cfg.methods]))  # holds rows of
+            RunLayout(d).config.write_text(cfg.resolved(ran).replace(methods=held).to_toml())
     elapsed = time.perf_counter() - t0
     # each method's rows up to where this invocation's stopping rule stops it
     rows = {cell: until_stop(cfg, _rows_of(cfg, out / cell.dirname())) for cell, cfg in plan}
@@ -274,7 +273,7 @@ def run_grid(
 
 def _rows_of(cfg: RunConfig, d: Path) -> list[dict]:
     """The cell's rows of ``cfg``'s methods (the cell may hold more)."""
-    return [r for r in read_metrics(RunLayout(d).metrics) if r["method"] in cfg.methods]
+    return [r for r in intact_rows(RunLayout(d).metrics) if r["method"] in cfg.methods]
 
 
 def _saved_config(d: Path) -> RunConfig:
@@ -290,13 +289,10 @@ def _status(d: Path, cfg: RunConfig) -> tuple[str, str]:
         old = tomllib.loads(toml.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         return "replace", f"its config.toml is unreadable: {exc}"
-    # the cell runs its own methods and those it gains: defaults that follow the methods
-    # (fp32_side_branch) resolve as for all of them
-    methods = old.get("methods")
-    ran_as = cfg
-    if isinstance(methods, list):
-        ran_as = cfg.replace(methods=list(dict.fromkeys([*methods, *cfg.methods])))
-    changes = cell_changes(old, ran_as)
+    # a default that follows the methods (fp32_side_branch: on where one is exact) is
+    # resolved for this grid's methods, as a new cell of the grid would run: a cell that
+    # ran otherwise is rerun, so that no table mixes the two
+    changes = cell_changes(old, cfg)
     if changes:
         return "replace", "; ".join(changes)
     metrics = RunLayout(d).metrics

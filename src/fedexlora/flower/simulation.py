@@ -510,6 +510,7 @@ def run_flower_experiment(
     del progress, console
     from fedexlora.run.layout import RunError, RunLayout
     from fedexlora.run.report import read_metrics
+    from fedexlora.run.stopping import cell_done
 
     cfg = cfg.replace(engine="flower").validate()
     layout = RunLayout(Path(out_dir).resolve())
@@ -548,7 +549,8 @@ def run_flower_experiment(
         code, tail = sim.run(root / "app", federation)
         rows = read_metrics(layout.metrics) if layout.metrics.is_file() else []
         want = cfg.rounds * len(cfg.methods)
-        if len(rows) != want:
+        # every method's rounds, or fewer where the stopping rule stopped it
+        if not cell_done(cfg, [r for r in rows if r["method"] in cfg.methods]):
             kept = layout.flower_logs
             kept.mkdir(parents=True, exist_ok=True)
             for name in ("superlink", "superexec"):
@@ -556,7 +558,8 @@ def run_flower_experiment(
                     shutil.copy(sim.log(name), kept / f"{name}.log")
             error = _last_error(tail)
             raise RunError(
-                f"the Flower simulation wrote {len(rows)} of {want} metrics rows "
+                f"the Flower simulation wrote {len(rows)} of {want} metrics rows, and not "
+                "every method finished "
                 f"(flwr run exited with {code})"
                 + (f"; last error: {error}" if error else "")
                 + f"; see the log above and {kept}"

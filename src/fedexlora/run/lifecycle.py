@@ -37,9 +37,9 @@ from fedexlora.run.checkpoint import config_fingerprint, save_checkpoint
 from fedexlora.run.client_store import MemoryStore
 from fedexlora.run.layout import RunError, RunLayout, append_row, write_atomic, write_rows
 from fedexlora.run.recipes import get_recipe, paper_section, recipe_section
-from fedexlora.run.report import read_metrics, write_summary
-from fedexlora.run.restore import base_deltas, load_task_for, restore_run
-from fedexlora.run.stopping import stop_metric_error
+from fedexlora.run.report import intact_rows, read_metrics, write_summary
+from fedexlora.run.restore import base_deltas, finished_methods, load_task_for, restore_run
+from fedexlora.run.stopping import cell_done, stop_metric_error
 from fedexlora.run.trackers import open_trackers
 
 __all__ = ["MethodRun", "Run", "run_tasks"]
@@ -93,9 +93,11 @@ class Run:
         trackers: The open trackers (:func:`fedexlora.run.trackers.open_trackers`).
         resume: Whether the run continues from its checkpoints.
         say: Prints a message (``print``, or a rich console's ``print``).
-        first_model: The model whose tokenizer encoded the task, for the first method
-            of ``cfg.methods`` when it is not restored (it is not loaded twice);
-            ``None``: every method loads its own.
+        first_model: The model whose tokenizer encoded the task, for ``first_method``
+            when it is not restored (it is not loaded twice); ``None``: every method
+            loads its own.
+        first_method: The method ``first_model`` was built for: the first of
+            ``cfg.methods`` that has not finished (default: the first).
         restored: Method -> ``(model, server, clients)`` brought back from its newest
             intact checkpoint.
         done_rows: Method -> the rows that checkpoint holds.
@@ -112,6 +114,7 @@ class Run:
         resume: bool = False,
         say: Callable[[str], Any] = print,
         first_model=None,
+        first_method: str | None = None,
         restored: dict[str, tuple] | None = None,
         done_rows: dict[str, list[dict]] | None = None,
     ):
@@ -124,6 +127,7 @@ class Run:
         self.say = say
         self.fingerprint = config_fingerprint(cfg)
         self._first_model = first_model
+        self._first_method = first_method or cfg.methods[0]
         self._restored: dict[str, tuple] = dict(restored or {})
         self._done_rows: dict[str, list[dict]] = dict(done_rows or {})
         self.all_rows: list[dict] = []
@@ -177,7 +181,11 @@ class Run:
         problem = stop_metric_error(cfg, task.metric_names)
         if problem is not None:
             raise RunError(problem)
-        first_model, tokenizer = new_model(cfg, task, cfg.methods[0])
+        # the first method still to run: a finished one is not loaded (a cell gaining a
+        # method would load an 8B model only to tokenize)
+        kept = finished_methods(cfg, layout) if resume else set()
+        first = next((m for m in cfg.methods if m not in kept), cfg.methods[0])
+        first_model, tokenizer = new_model(cfg, task, first)
         prep = prepare(cfg, tokenizer, task)
         if cfg.dp:  # each client checks its own too; this names the problem before round 1
             from fedexlora.training.privacy import check_delta
@@ -199,7 +207,8 @@ class Run:
         trackers = open_trackers(cfg, layout.root, resume)
         return cls(
             cfg, layout, task, prep, trackers=trackers, resume=resume, say=say,
-            first_model=first_model, restored=restored, done_rows=done_rows,
+            first_model=first_model, first_method=first, restored=restored,
+            done_rows=done_rows,
         )  # fmt: skip
 
     # -- the methods ------------------------------------------------------------------
@@ -213,13 +222,12 @@ class Run:
             rows = list(self._done_rows.get(method, []))
             if method not in self._restored and rows:  # finished, kept without a checkpoint
                 self.all_rows.extend(rows)
-                self._first_model = None  # it was loaded for the first method: this one
                 continue
             clients = MemoryStore()
             if method in self._restored:
                 model, server, clients = self._restored.pop(method)
             else:
-                model = self._first_model
+                model = self._first_model if method == self._first_method else None
                 if model is None:
                     model = new_model(self.cfg, self.task, method)[0]
                 server = new_server(self.cfg, method, model)
@@ -250,8 +258,11 @@ class Run:
         current.rows.append(row)
         try:
             self._check_exact(current.method, row)
-        except RunError:
-            append_row(self.layout.metrics, row)  # the evidence is kept
+        except RunError as exc:
+            # the evidence is kept, marked: the method has not finished (a resume runs the
+            # round again from its checkpoint: fedexlora.run.stopping.method_done)
+            row["exactness_error"] = str(exc)
+            append_row(self.layout.metrics, row)
             self.trackers.log_row(row)
             raise
         t1 = time.perf_counter()
@@ -413,7 +424,7 @@ def run_tasks(
         resume = sub.config.is_file()
         name = recipe.name if recipe is not None else "run"
         say(f"[{i}/{len(tasks)}] {name}: task {task} -> {sub.root}")
-        done = resume and len(read_metrics(sub.metrics)) == len(cfg.methods) * cfg.rounds
+        done = resume and cell_done(cfg, intact_rows(sub.metrics))  # all rounds, or stopped
         if not done:
             run_one(cfg.replace(task=task), sub.root, resume)
         per_task[task] = read_metrics(sub.metrics)

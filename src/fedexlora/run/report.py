@@ -14,6 +14,7 @@ __all__ = [
     "best_value",
     "final_rows",
     "higher_is_better",
+    "intact_rows",
     "layer_group",
     "plot_deviation",
     "plot_metrics",
@@ -28,6 +29,25 @@ __all__ = [
 def read_metrics(path: str | Path) -> list[dict]:
     """All rows of a ``metrics.jsonl`` file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def intact_rows(path: str | Path) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl`` that parse (none where it is missing).
+
+    A crash may leave the last line torn: a resume, ``compare`` and
+    ``scripts/keep_cells.py`` read past it (the round runs again from its checkpoint).
+    """
+    rows = []
+    path = Path(path)
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and "method" in row and "round" in row:
+                rows.append(row)
+    return rows
 
 
 def final_rows(rows: list[dict]) -> dict[str, dict]:

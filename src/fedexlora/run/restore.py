@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
@@ -10,22 +9,25 @@ import torch
 
 from fedexlora.bridge.adapters import set_state
 from fedexlora.bridge.fold import folded_weights, load_side_state, side_state
-from fedexlora.config import RunConfig
+from fedexlora.config import RESUME_SAFE, RunConfig, load_run_config
 from fedexlora.run.build import new_model, new_server
 from fedexlora.run.checkpoint import (
     BASE_DELTAS,
     CLIENTS,
     CheckpointError,
     checkpoints,
+    config_fingerprint,
     load_checkpoint,
 )
 from fedexlora.run.client_store import MemoryStore
 from fedexlora.run.layout import RunLayout, write_rows
+from fedexlora.run.report import intact_rows
 from fedexlora.run.stopping import method_done
 
 __all__ = [
     "apply_base_deltas",
     "base_deltas",
+    "finished_methods",
     "load_task_for",
     "restore_latest",
     "restore_model",
@@ -145,12 +147,15 @@ def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
         and method -> its rows, for the methods that have a checkpoint or finished rows.
     """
     layout = RunLayout(out)
-    before = _intact_rows(layout.metrics)
+    before = intact_rows(layout.metrics)
+    kept = finished_methods(cfg, layout, before)
+    if kept:  # no checkpoint's fingerprint is read for them
+        _same_settings(cfg, layout, fingerprint)
     restored: dict[str, tuple] = {}
     done_rows: dict[str, list[dict]] = {}
     for method in cfg.methods:
         rows = [r for r in before if r.get("method") == method]
-        if method_done(cfg, rows) and _checkpointed(layout.checkpoints(method), rows):
+        if method in kept:
             done_rows[method] = rows
             say(f"{method} finished before ({len(rows)} rounds): its rows are kept")
             continue
@@ -166,18 +171,44 @@ def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
     return restored, done_rows
 
 
-def _intact_rows(path: Path) -> list[dict]:
-    """The rows of ``metrics.jsonl`` that parse: a crash may leave its last line torn."""
-    rows = []
-    if path.is_file():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and "method" in row and "round" in row:
-                rows.append(row)
-    return rows
+def finished_methods(cfg: RunConfig, layout: RunLayout, rows: list[dict] | None = None) -> set:
+    """The methods of ``cfg`` a resume keeps from their rows in ``metrics.jsonl``.
+
+    Those that have finished (:func:`fedexlora.run.stopping.method_done`) and whose
+    newest intact checkpoint, if any, is of their last row's round.
+    """
+    rows = intact_rows(layout.metrics) if rows is None else rows
+    kept = set()
+    for method in cfg.methods:
+        mine = [r for r in rows if r.get("method") == method]
+        if method_done(cfg, mine) and _checkpointed(layout.checkpoints(method), mine):
+            kept.add(method)
+    return kept
+
+
+def _same_settings(cfg: RunConfig, layout: RunLayout, fingerprint: str) -> None:
+    """Refuses a resume whose settings differ from those of ``config.toml``.
+
+    Apart from :data:`~fedexlora.config.RESUME_SAFE` and the list of methods: a kept
+    method's rows would sit beside rounds of other settings.
+
+    Raises:
+        CheckpointError: Naming the settings that differ.
+    """
+    ran = load_run_config(layout.config)
+    if config_fingerprint(ran) == fingerprint:
+        return
+    was, now = ran.resolved().to_dict(), cfg.resolved(ran).to_dict()
+    diff = [
+        f"{k}: {was.get(k)!r} → {now.get(k)!r}"
+        for k in sorted(set(was) | set(now))
+        if k not in RESUME_SAFE and k != "methods" and was.get(k) != now.get(k)
+    ]
+    raise CheckpointError(
+        f"--resume: {str(layout.config)!r} ran with other settings than this resume "
+        f"({'; '.join(diff) or 'they hash differently'}); resume with its own settings or "
+        "start a new run"
+    )
 
 
 def _checkpointed(directory: Path, rows: list[dict]) -> bool:

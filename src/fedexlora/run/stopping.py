@@ -58,7 +58,13 @@ def stop_metric_error(cfg: RunConfig, metric_names: list[str]) -> str | None:
 
 
 def method_done(cfg: RunConfig, rows: list[dict]) -> bool:
-    """Whether a method with these rows has finished: every round run, or stopped."""
+    """Whether a method with these rows has finished: every round run, or stopped.
+
+    A row that failed the exactness check (``exactness_error``, written as evidence with
+    no checkpoint) never finishes a method: its round runs again on a resume.
+    """
+    if any("exactness_error" in r for r in rows):
+        return False
     return (bool(rows) and rows[-1]["round"] >= cfg.rounds) or stop_reason(cfg, rows) is not None
 
 

@@ -13,8 +13,10 @@ import torch
 from typer.testing import CliRunner
 
 from fedexlora.cli import app
+from fedexlora.config import load_run_config
 from fedexlora.core.methods import REGISTRY, MethodSpec, get_method
 from fedexlora.core.methods.spec import EXACT_BOUND, ROUNDING_MARGIN
+from fedexlora.run.stopping import method_done
 
 runner = CliRunner()
 
@@ -75,6 +77,12 @@ def test_an_exact_method_off_the_ideal_fails_the_run(toy, tiny_cfg, tmp_path, si
     assert by["fedex"] < 1e-4 and by["ffa"] < 1e-4, by
     assert by[toy.name] > EXACT_BOUND, by  # the row is kept as the evidence
     assert not (tmp_path / "r" / "checkpoints" / toy.name).exists()  # nothing to resume from
+    # marked: its one round (of one) never counts as finished, so a resume, compare and
+    # scripts/keep_cells.py run it again rather than keep it
+    bad = [r for r in rows if r["method"] == toy.name]
+    ran = load_run_config(tmp_path / "r" / "config.toml")
+    assert ran.rounds == 1 and "exactness_error" in bad[0] and not method_done(ran, bad)
+    assert method_done(ran, [r for r in rows if r["method"] == "fedex"])
 
 
 def _wide_uniform(A, B, p, **kw):
