@@ -40,7 +40,13 @@ def test_privacy_accountant_figures_are_what_benchmarks_accountant_prints(capsys
     said = re.search(r"Opacus and `dp-accounting` to (\S+) relative, fedex-lora's vectorised "
                      r"form and `dp-accounting` to ([0-9.e-]+)\)", doc)  # fmt: skip
     assert said, "docs/PRIVACY.md no longer states the accountant's agreement"
-    assert (said.group(1), said.group(2)) == (opacus_vs, ours_vs)
+    # agreement to float64's rounding: its last digit moves with the order of the sums
+    # (3.3e-16 run alone, 2.2e-16 once in the suite, same packages and machine), so the
+    # doc's figure is held to its scale: within 4x of what the script prints, either way
+    eps = 2.2e-16
+    for stated, printed in zip(said.groups(), (opacus_vs, ours_vs)):
+        assert float(printed) <= 4 * max(float(stated), eps), (stated, printed)
+        assert float(stated) <= 4 * max(float(printed), eps), (stated, printed)
     rows = dict(re.findall(r"^\| (Opacus get_noise_multiplier|fedex-lora) \| (.*) \|$", out, re.M))
     opacus_sigma, opacus_eps = rows["Opacus get_noise_multiplier"].split(" | ")[:2]
     ours_sigma, ours_eps = rows["fedex-lora"].split(" | ")[:2]
