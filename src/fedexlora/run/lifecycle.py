@@ -201,7 +201,9 @@ class Run:
         restored: dict[str, tuple] = {}
         done_rows: dict[str, list[dict]] = {}
         if resume:
-            restored, done_rows = restore_run(cfg, task, layout.root, config_fingerprint(cfg), say)
+            restored, done_rows = restore_run(
+                cfg, task, layout.root, config_fingerprint(cfg), say, kept=kept
+            )
         else:
             layout.metrics.write_text("")
         trackers = open_trackers(cfg, layout.root, resume)

@@ -130,7 +130,9 @@ def restore_latest(cfg: RunConfig, task, method: str, directory: Path, fingerpri
     return None
 
 
-def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
+def restore_run(
+    cfg: RunConfig, task, out: Path, fingerprint: str, say=print, kept: set | None = None
+):
     """Every method of the run in ``out`` restored from its newest intact checkpoint.
 
     Rewrites ``metrics.jsonl`` to the rows those checkpoints hold (rows of a round that
@@ -141,6 +143,14 @@ def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
     (``config.toml`` and ``metrics.jsonl``) is still whole. Rows of methods the run no
     longer lists stay, after its own. Shared by both engines.
 
+    Args:
+        cfg: The run's configuration, resolved against its ``config.toml``.
+        task: The loaded task.
+        out: The run directory.
+        fingerprint: :func:`~fedexlora.run.checkpoint.config_fingerprint` of ``cfg``.
+        say: Prints a message.
+        kept: :func:`finished_methods`, when the caller has it already (read once).
+
     Returns:
         ``(restored, done_rows)``: method -> ``(model, server, clients)`` (its in-process
         clients' store: what they keep of their own, and their DP-SGD records),
@@ -148,7 +158,7 @@ def restore_run(cfg: RunConfig, task, out: Path, fingerprint: str, say=print):
     """
     layout = RunLayout(out)
     before = intact_rows(layout.metrics)
-    kept = finished_methods(cfg, layout, before)
+    kept = finished_methods(cfg, layout, before) if kept is None else kept
     if kept:  # no checkpoint's fingerprint is read for them
         _same_settings(cfg, layout, fingerprint)
     restored: dict[str, tuple] = {}
