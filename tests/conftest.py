@@ -1,4 +1,7 @@
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +35,21 @@ def _seconds(item) -> float:
 def pytest_collection_modifyitems(config, items):
     """Slow files first, longest first (stable: each file's tests keep their order)."""
     items.sort(key=lambda item: -_seconds(item))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(rel: str):
+    """Imports the repository's script at ``rel`` (a benchmark, an example, a tool under
+    scripts/: files outside the package) as a module of its own, registered in
+    ``sys.modules`` under a name made from its path (its dataclasses look it up there)."""
+    name = "script_" + rel.removesuffix(".py").replace("/", "_").replace("-", "_")
+    spec = importlib.util.spec_from_file_location(name, ROOT / rel)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 ONE_ACTOR = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 1}}

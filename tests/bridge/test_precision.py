@@ -5,12 +5,10 @@ the pristine base weights, never from the server's own report:
 ``M_t = M_{t-1} - s B̄_{t-1} Ā_{t-1} + sum_i p_i s B_i^t A_i^t`` with ``M_0 = W0``.
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
+from conftest import load_script
 from fedexlora.bridge.fold import effective_weight
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.bridge.models import load_model
@@ -22,10 +20,7 @@ from fedexlora.run.restore import load_task_for, restore_model
 # slow: the test order puts it first (tests/conftest.py); its seconds, measured
 pytestmark = pytest.mark.slow(seconds=13)
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_export.py"
-_spec = importlib.util.spec_from_file_location("verify_export", SCRIPT)
-verify = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(verify)
+verify = load_script("benchmarks/verify_export.py")
 _w0, _rel, ideal_from_client_adapters = verify.w0, verify.rel, verify.ideal_from_client_adapters
 _exported = verify.exported
 _fresh = verify.fresh

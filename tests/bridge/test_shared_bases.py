@@ -10,9 +10,6 @@ updates.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -20,15 +17,13 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 import fedexlora.bridge.fold as fold
 import fedexlora.bridge.steps as steps
+from conftest import load_script
 from fedexlora.bridge.fold import load_side_state
 from fedexlora.bridge.sharing import base_holders, route_shared
 from fedexlora.run.export import save_adapter
 from ideal_whole_model import WholeModelIdeal, federate
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_export.py"
-_spec = importlib.util.spec_from_file_location("verify_export_shared", _SCRIPT)
-verify = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(verify)
+verify = load_script("benchmarks/verify_export.py")
 
 
 def _llama(tie: bool = True, dtype=torch.float32):

@@ -10,23 +10,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import load_script
 from fedexlora.core.factors import Residual
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"benchmarks/{name}.py")
 
 
 def _exit_code(mod, argv: list[str], monkeypatch) -> int:

@@ -1,22 +1,17 @@
 """benchmarks/deviation.py reads the per-layer deviation of compare grids back correctly."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from conftest import load_script
 from fedexlora.config import RunConfig
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "deviation.py"
 
 
 @pytest.fixture(scope="module")
 def deviation():
-    spec = importlib.util.spec_from_file_location("deviation_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/deviation.py")
 
 
 def _row(method, rnd, q0, v0, q1, v1):

@@ -6,12 +6,13 @@ code (the script under ``benchmarks/``) and reads the figure from the doc's text
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,10 +20,7 @@ pytestmark = pytest.mark.slow(seconds=20)
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"doc_{name}", ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"benchmarks/{name}.py")
 
 
 def _flat(path: str) -> str:

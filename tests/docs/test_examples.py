@@ -1,6 +1,5 @@
 """The examples run, and their global model equals the ideal computed by hand."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -8,6 +7,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+from conftest import load_script
 from fedexlora.bridge.layers import lora_layers
 
 # slow: the test order puts it first (tests/conftest.py); its seconds, measured
@@ -17,10 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(rel: str):
-    spec = importlib.util.spec_from_file_location(rel.replace("/", "_"), ROOT / rel)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(rel)
 
 
 def _weights(model) -> dict[str, torch.Tensor]:

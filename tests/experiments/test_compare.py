@@ -319,13 +319,9 @@ def _results(line):
 def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
     tiny_bert_dir, tiny_csv, tmp_path
 ):
-    import importlib.util
-    from pathlib import Path
+    from conftest import load_script
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "keep_cells.py"
-    spec = importlib.util.spec_from_file_location("keep_cells", script)
-    keep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(keep)
+    keep = load_script("scripts/keep_cells.py")
 
     ran = tmp_path / "ran"
     res = _cell(tiny_bert_dir, tiny_csv, ran, "fedex,fedit")

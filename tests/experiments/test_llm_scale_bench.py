@@ -9,24 +9,17 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "llm_scale.py"
+from conftest import load_script
+
 F32 = 4
 ROUNDS = 3
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_llm_scale", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/llm_scale.py")
 
 
 @pytest.fixture(scope="module")

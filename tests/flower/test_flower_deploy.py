@@ -604,17 +604,13 @@ def _alive(pid: int) -> bool:
 @pytest.mark.multiprocess
 def test_two_process_clients_deployment_is_exact(two_process_run):
     """The global model equals the fp64 ideal of the saved client adapters within 1e-5."""
-    import importlib.util
+    from conftest import load_script
 
     cfg, run_dir, rows = two_process_run["cfg"], two_process_run["run_dir"], two_process_run["rows"]
     assert cfg.nproc_per_client == 2 and cfg.distributed == "ddp"
     assert [r["round"] for r in rows] == [1, 2], two_process_run["log"]
     assert all(r["accepted"] == [0, 1] and r["dropped"] == [] for r in rows)
-    spec = importlib.util.spec_from_file_location(
-        "verify_export", ROOT / "benchmarks" / "verify_export.py"
-    )
-    verify = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(verify)
+    verify = load_script("benchmarks/verify_export.py")
     ideal, w0 = verify.ideal_from_client_adapters(run_dir, cfg)
     err = verify.rel(_effective_weights(cfg, run_dir), ideal, w0)
     print(

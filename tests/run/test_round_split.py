@@ -231,13 +231,9 @@ def test_the_frozen_digest_sees_one_flipped_bit_anywhere(dtype):
 
 
 def test_the_round_time_benchmark_reports_the_goals_ratios_from_the_rows():
-    import importlib.util
-    from pathlib import Path
+    from conftest import load_script
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "round_time.py"
-    spec = importlib.util.spec_from_file_location("bench_round_time", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("benchmarks/round_time.py")
     row = dict(round=2, metric=0.5, train=6.0, train_max=3.0, setup=0.5, evaluate=2.0,
                aggregate=0.25, apply=0.25, checkpoint=0.5, total=10.0)  # fmt: skip
     assert bench.ratios(row) == {"other": 0.5, "ratio": 1.25, "ratio_wall": 1.25}

@@ -18,7 +18,6 @@ serves its remaining clients; FSDP then starts its own. Four starts for the five
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -29,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import load_script
 from fedexlora.run import workers
 from fedexlora.run.inprocess import run_experiment
 
@@ -81,11 +81,7 @@ def _cfg(model: str, task: str, **kw):
 
 
 def _verify():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_export.py"
-    spec = importlib.util.spec_from_file_location("verify_export", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/verify_export.py")
 
 
 def final_weights(cfg, run_dir: Path) -> dict:

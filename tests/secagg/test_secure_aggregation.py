@@ -220,14 +220,9 @@ def test_cli_refuses_a_method_that_cannot_run_securely(tmp_path):
 
 # -- the engines --------------------------------------------------------------------------
 def _verify():
-    import importlib.util
-    from pathlib import Path
+    from conftest import load_script
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_export.py"
-    spec = importlib.util.spec_from_file_location("verify_export", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/verify_export.py")
 
 
 def _model_vs_ideal(cfg, run_dir):

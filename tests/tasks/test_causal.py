@@ -50,16 +50,11 @@ def test_causal_lm_on_a_4bit_base_is_exact_and_exports_exactly(
     tiny_llama_dir, tiny_qa_jsonl, tmp_path
 ):
     """The QLoRA setting (a decoder in NF4), as `--model smollm2-135m --quantization nf4`."""
-    import importlib.util
-    from pathlib import Path
-
+    from conftest import load_script
     from fedexlora.config import RunConfig
     from fedexlora.run.export import export_model
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "verify_export.py"
-    spec = importlib.util.spec_from_file_location("verify_export", script)
-    verify = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(verify)
+    verify = load_script("benchmarks/verify_export.py")
     cfg = RunConfig(
         model=tiny_llama_dir, task=tiny_qa_jsonl, methods=["fedex"], num_clients=2,
         min_partition_size=4, rounds=2, local_steps=3, batch_size=4, max_length=32,
