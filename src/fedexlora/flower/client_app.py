@@ -252,7 +252,8 @@ def _check_message(msg: Message, context: Context, cfg, fingerprint: str) -> int
     if theirs and theirs != fingerprint:
         raise ValueError(
             f"this ClientApp resolved another configuration (fingerprint {fingerprint!r}) "
-            f"than the server ({theirs!r}); both must share one run config"
+            f"than the server ({theirs!r}); both must share one run config and one "
+            "fedex-lora version (another version may hash the same settings differently)"
         )
     pid = _partition(context, cfg.num_clients)
     if int(conf["partition-id"]) != pid:

@@ -118,7 +118,9 @@ class NodeDirectory:
                     raise ValueError(
                         f"node {node} (partition {pid}) resolved another configuration "
                         f"(fingerprint {theirs!r}, server {self.fingerprint!r}); the "
-                        "ClientApp and the ServerApp must share one run config"
+                        "ClientApp and the ServerApp must share one run config and one "
+                        "fedex-lora version (another version may hash the same settings "
+                        "differently)"
                     )
                 self.partition_of[node] = pid
                 try:
