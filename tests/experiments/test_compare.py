@@ -292,11 +292,11 @@ def test_a_cell_whose_methods_all_stopped_is_done(tmp_path):
     assert _status(tmp_path, cfg.replace(stop_patience=3))[0] == "resume"
 
 
-def _cell(model, task, out, methods, rounds="1"):
+def _cell(model, task, out, methods, rounds="1", *more):
     return _run("compare", "--out", str(out), "--model", model, "--task", task,
                 "--method", methods, "--ranks", "2", "--seeds", "0", "--settings", "iid-2",
                 "--rounds", rounds, "--local-steps", "1", "--max-length", "16",
-                "--max-test", "20", "--min-partition-size", "5", "--lr", "2e-3")  # fmt: skip
+                "--max-test", "20", "--min-partition-size", "5", "--lr", "2e-3", *more)  # fmt: skip
 
 
 def _by_method(path):
@@ -363,6 +363,20 @@ def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
     ]
     res = _cell(tiny_bert_dir, tiny_csv, out, "fedex,fedit")
     assert res.exit_code == 0 and "(done)" in res.output, res.output
+    # --report-only: the report of finished cells, or the unfinished ones named, no training
+    (out / "comparison.md").unlink()
+    res = _cell(tiny_bert_dir, tiny_csv, out, "fedex,fedit", "1", "--report-only")
+    assert res.exit_code == 0 and "| fedit |" in (out / "comparison.md").read_text(), res.output
+    res = _cell(tiny_bert_dir, tiny_csv, out, "fedex,fedit,ffa", "1", "--report-only")
+    said = " ".join(res.output.split())
+    assert res.exit_code != 0 and "1 of 1 cells" in said and "iid-2_r2_seed0 (gains ffa)" in said
+    assert (
+        _by_method(cell / "metrics.jsonl") == first
+        and "ffa" not in (out / "comparison.md").read_text()
+    )
+    res = _cell(tiny_bert_dir, tiny_csv, tmp_path / "none", "fedex", "1", "--report-only")
+    assert res.exit_code != 0 and "iid-2_r2_seed0 (new)" in res.output, res.output
+    assert not (tmp_path / "none").exists()
 
     # a method more: only it runs; the others' rows are kept as they were
     res = _cell(tiny_bert_dir, tiny_csv, out, "fedex,fedit,ffa")

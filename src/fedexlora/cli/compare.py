@@ -179,6 +179,15 @@ def _params() -> list[inspect.Parameter]:
             kind=float,
         ),
         option(
+            "Train nothing: write the report from the cells already finished, or name "
+            "those that have not (and exit with an error)",
+            "--report-only",
+            panel=STUDY,
+            default=False,
+            default_text="off",
+            kind=bool,
+        ),
+        option(
             "Also write the study report here (with several --local-steps or --dp-epsilons)",
             "--report",
             panel=STUDY,
@@ -244,6 +253,7 @@ def compare_cmd(**given) -> None:
     from fedexlora.training.privacy import DPCheckError
 
     study, out, report = given.pop("study"), given.pop("out"), given.pop("report")
+    report_only = given.pop("report_only")
     target, fraction = given.pop("target"), given.pop("target_fraction")
     if not 0 < fraction <= 1:
         fail(f"--target-fraction must be in (0, 1], got {fraction}")
@@ -337,6 +347,7 @@ def compare_cmd(**given) -> None:
             console=console,
             target=target,
             target_fraction=fraction,
+            train=not report_only,
         )
     except (ValueError, DPCheckError) as exc:
         fail(str(exc))

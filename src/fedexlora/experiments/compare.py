@@ -174,6 +174,7 @@ def run_grid(
     console=None,
     target: float | None = None,
     target_fraction: float = 0.9,
+    train: bool = True,
 ) -> Path:
     """Runs every cell of the grid with all of ``base.methods`` and reports.
 
@@ -204,9 +205,15 @@ def run_grid(
         target: The primary metric's value for the "bytes to target" column (``None``:
             ``target_fraction`` of centralized's in the same table).
         target_fraction: See ``target``.
+        train: ``False``: train nothing, and write the report only when every cell has
+            finished (a report never quotes an unfinished cell).
 
     Returns:
         The path of ``comparison.md``.
+
+    Raises:
+        ValueError: If ``train`` is ``False`` and a cell has not finished (each is named,
+            with what it lacks).
     """
     from fedexlora.run.inprocess import run_experiment
 
@@ -215,6 +222,19 @@ def run_grid(
     plan = _plan(base, settings, ranks, seeds, local_steps, total_steps, epsilons)
     if not plan:
         raise ValueError("the grid is empty: give at least one setting, rank and seed")
+    if not train:
+        unfinished = [
+            f"{cell.dirname()} ({why or action})"
+            for cell, cfg in plan
+            for action, why in [_status(out / cell.dirname(), cfg)]
+            if action != "done"
+        ]
+        if unfinished:
+            raise ValueError(
+                f"--report-only: {len(unfinished)} of {len(plan)} cells in {out} have not "
+                f"finished: {'; '.join(unfinished)}. Run the same command without "
+                "--report-only to train them"
+            )
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     reused = 0
