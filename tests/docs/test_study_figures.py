@@ -35,7 +35,17 @@ BLOCK = re.compile(r"<!-- figures: (fedexlora compare .*?) -->\n(.*?)<!-- /figur
 
 
 def _blocks() -> list[tuple[str, str, str]]:
-    return [(doc, *m.groups()) for doc in DOCS for m in BLOCK.finditer((ROOT / doc).read_text())]
+    found = []
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        blocks = [(doc, *m.groups()) for m in BLOCK.finditer(text)]
+        # a marker the pattern misses (a typo, no end marker) would go unchecked
+        assert len(blocks) == text.count("<!-- figures:") == text.count("<!-- /figures -->"), (
+            f"{doc}: a '<!-- figures: fedexlora compare ... -->' marker without its "
+            "'<!-- /figures -->', or one the test cannot read"
+        )
+        found += blocks
+    return found
 
 
 def _cells(line: str) -> list[str]:
@@ -44,20 +54,27 @@ def _cells(line: str) -> list[str]:
 
 def _report(md: str) -> dict[tuple[str, str], dict[str, str]]:
     """comparison.md's tables: per (setting, method), its figures by column."""
-    out, setting, header = {}, None, None
+    out, setting, header, headings = {}, None, None, []
     for line in md.splitlines():
         if line.startswith("## "):
             setting, header = line[3:].split()[0], None
+            headings.append(setting)
         elif line.startswith("| method |"):
             header = _cells(line)
+        elif not line.strip():
+            header = None
         elif header and line.startswith("| ") and not line.startswith("|---"):
-            row = dict(zip(header, _cells(line)))
+            row = dict(zip(header, _cells(line), strict=True))
             out[(setting, row["method"])] = row
+    # one table per setting: a grid over ranks, steps or budgets would need more than
+    # the setting to tell its rows apart
+    assert len(headings) == len(set(headings)), f"several tables per setting: {headings}"
     return out
 
 
 def _run_report_only(command: str, tmp_path: Path) -> str:
     args = shlex.split(command)[1:]  # without "fedexlora"
+    assert "--out" in args, f"`{command}`: give its directory as '--out DIR'"
     out = Path(args[args.index("--out") + 1])
     copy = tmp_path / out.name
     shutil.copytree(ROOT / out, copy)
@@ -84,13 +101,18 @@ def test_quoted_study_figures_are_the_kept_cells_report(doc, command, block, tmp
     settings = {s for s, _ in report}
     header, checked = None, 0
     for line in block.strip().splitlines():
-        if not line.strip() or line.startswith("|---"):
+        if not line.strip():
+            header = None
+            continue
+        if line.startswith("|---"):
             continue
         if line.startswith("| setting |") or line.startswith("| method |"):
             header = _cells(line)
+            assert "method" in header, f"{doc}: a quoted table names its method column 'method'"
             continue
-        if line.startswith("| "):
-            row = dict(zip(header, _cells(line)))
+        if line.startswith("|"):
+            assert header, f"{doc}: a table row before a '| method |' header: {line}"
+            row = dict(zip(header, _cells(line), strict=True))
             setting = row.pop("setting", None)
             if setting is None:
                 assert len(settings) == 1, f"{doc}: name the setting of each row ({settings})"

@@ -367,6 +367,11 @@ def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
     (out / "comparison.md").unlink()
     res = _cell(tiny_bert_dir, tiny_csv, out, "fedex,fedit", "1", "--report-only")
     assert res.exit_code == 0 and "| fedit |" in (out / "comparison.md").read_text(), res.output
+    # it reads rows alone: a grid trained on a GPU is reported on a machine without one
+    res = _cell(
+        tiny_bert_dir, tiny_csv, out, "fedex,fedit", "1", "--report-only", "--device", "cuda"
+    )
+    assert res.exit_code == 0, res.output
     res = _cell(tiny_bert_dir, tiny_csv, out, "fedex,fedit,ffa", "1", "--report-only")
     said = " ".join(res.output.split())
     assert res.exit_code != 0 and "1 of 1 cells" in said and "iid-2_r2_seed0 (gains ffa)" in said

@@ -324,7 +324,7 @@ def compare_cmd(**given) -> None:
     if errs:
         typed = {k: v for k, v in given.items() if v is not None}
         fail(str(in_flags(ConfigError(errs), typed)))
-    _check_paths(cfg, out, report)
+    _check_paths(cfg, out, report, rows_only=report_only)
     command = ["fedexlora compare"] + [f"--study {study}"] * (study is not None)
     command += [f"--target {target}"] * (target is not None)
     command += [f"--out {out}"] + [f"--report {report}"] * (report is not None)
@@ -355,16 +355,26 @@ def compare_cmd(**given) -> None:
     console.print(f"wrote {path}")
 
 
-def _check_paths(cfg, out: Path, report: Path | None) -> None:
-    """``--out``, ``--report`` and the task, checked before the grid writes or trains."""
+def _check_paths(cfg, out: Path, report: Path | None, rows_only: bool = False) -> None:
+    """``--out``, ``--report`` and the task, checked before the grid writes or trains.
+
+    ``rows_only`` (``--report-only``): the report needs the cells' rows alone, so neither
+    the model, the data nor the device is checked (a grid trained on another machine,
+    with its GPU or its data, is reported here), only where the report goes.
+    """
     from fedexlora.run.export import output_dir_error
     from fedexlora.run.layout import RunError
     from fedexlora.run.preflight import check_inputs
 
-    try:  # --out may hold an earlier grid, whose cells are reused
-        check_inputs(cfg, out)
-    except RunError as exc:
-        fail(str(exc))
+    if rows_only:
+        problem = output_dir_error(Path(out))
+        if problem is not None:
+            fail(f"--out {str(out)!r}: {problem}")
+    else:
+        try:  # --out may hold an earlier grid, whose cells are reused
+            check_inputs(cfg, out)
+        except RunError as exc:
+            fail(str(exc))
     if report is not None:
         if Path(report).is_dir():
             fail(f"--report {str(report)!r} is a directory; give a file such as study.md")
