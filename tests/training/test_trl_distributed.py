@@ -36,7 +36,7 @@ def ranks(tmp_path_factory, tiny_bert_dir, tiny_csv):
     """What the 2 ranks trained (``trl_dist_worker.run``), and the directory they ran in."""
     out = tmp_path_factory.mktemp("trl-dist")
     src = Path(D.__file__).parents[2]
-    path = [str(src), str(HERE), str(HERE.parent / "docs")]
+    path = [str(src), str(HERE), str(HERE.parent / "docs"), str(HERE.parent)]  # conftest too
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, str(HERE / "trl_dist_worker.py"), str(out), str(_free_port()),
