@@ -87,13 +87,14 @@ def _run_report_only(command: str, tmp_path: Path) -> str:
 
 def test_some_doc_quotes_a_study():
     """The markers are found (a renamed marker would leave the test below with nothing)."""
-    assert {doc for doc, _, _ in _blocks()} >= {"README.md", "docs/METHODS.md"}
+    assert {doc for doc, _, _ in BLOCKS} >= {"README.md", "docs/METHODS.md"}
+
+
+BLOCKS = _blocks()
 
 
 @pytest.mark.parametrize(
-    "doc,command,block",
-    _blocks(),
-    ids=[f"{doc}#{i}" for i, (doc, _, _) in enumerate(_blocks())],
+    "doc,command,block", BLOCKS, ids=[f"{doc}#{i}" for i, (doc, _, _) in enumerate(BLOCKS)]
 )
 def test_quoted_study_figures_are_the_kept_cells_report(doc, command, block, tmp_path):
     md = _run_report_only(command, tmp_path)

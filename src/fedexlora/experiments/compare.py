@@ -222,11 +222,12 @@ def run_grid(
     plan = _plan(base, settings, ranks, seeds, local_steps, total_steps, epsilons)
     if not plan:
         raise ValueError("the grid is empty: give at least one setting, rank and seed")
+    # each cell's state, read once: what the loop below does with it, or why it cannot
+    status = {cell: _status(out / cell.dirname(), cfg) for cell, cfg in plan}
     if not train:
         unfinished = [
             f"{cell.dirname()} ({why or action})"
-            for cell, cfg in plan
-            for action, why in [_status(out / cell.dirname(), cfg)]
+            for cell, (action, why) in status.items()
             if action != "done"
         ]
         if unfinished:
@@ -241,7 +242,7 @@ def run_grid(
     # Seed by seed: an interrupted grid has every cell for its first seeds.
     for i, (cell, cfg) in enumerate(sorted(plan, key=lambda p: p[0].seed), 1):
         d = out / cell.dirname()
-        action, why = _status(d, cfg)
+        action, why = status[cell]
         label = f"[{i}/{len(plan)}] {cell.dirname()}"
         if action == "done":
             reused += 1
