@@ -7,10 +7,12 @@ A method has finished when it has run all its rounds or been stopped by the rule
 what `compare` reads is copied: config.toml, metrics.jsonl, partitions.txt and summary.md
 (kilobytes; the checkpoints, megabytes to gigabytes, stay behind). Of a cell interrupted
 part way, its finished methods are kept as a cell of those alone (config.toml listing
-them, their rows); the method it was in is not. `fedexlora compare --out DEST` with the
-same grid then reuses the whole cells ("(done)"), writes its report from them without
-training, and runs only what is missing: whole cells, or the methods a kept cell lacks.
-A cell already in DEST is replaced only by one with more rows. Prints one line per cell.
+them, their rows); the method it was in is not. The methods a resume finished beyond
+those its config.toml lists count as finished too (`compare` rewrites that file only once
+the cell has run them all). `fedexlora compare --out DEST` with the same grid then reuses
+the whole cells ("(done)"), writes its report from them without training, and runs only
+what is missing: whole cells, or the methods a kept cell lacks. A cell already in DEST is
+replaced only by one with more rows. Prints one line per cell.
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ def keep_cells(src: Path, dest: Path) -> list[str]:
             said.append(f"{d.name}: skipped, its config.toml does not load: {exc}")
             continue
         rows = intact_rows(layout.metrics)
-        done = [m for m in cfg.methods if method_done(cfg, [r for r in rows if r["method"] == m])]
+        # a resume that gains methods rewrites config.toml only once the cell has run them
+        # all: the rows of a method it finished before being stopped count too
+        ran = list(dict.fromkeys([*cfg.methods, *(r["method"] for r in rows)]))
+        done = [m for m in ran if method_done(cfg, [r for r in rows if r["method"] == m])]
         if not done:
             said.append(f"{d.name}: unfinished ({len(rows)} rows), not copied")
             continue
@@ -62,7 +67,7 @@ def keep_cells(src: Path, dest: Path) -> list[str]:
                 )
                 continue
         target.mkdir(parents=True, exist_ok=True)
-        if done == cfg.methods:
+        if done == ran == cfg.methods:
             for name in KEPT:
                 if (d / name).is_file():
                     shutil.copy2(d / name, target / name)
@@ -74,10 +79,10 @@ def keep_cells(src: Path, dest: Path) -> list[str]:
         if layout.partitions.is_file():
             shutil.copy2(layout.partitions, target / "partitions.txt")
         (target / "summary.md").unlink(missing_ok=True)  # of an earlier, smaller keep
-        left = [m for m in cfg.methods if m not in done]
+        left = [m for m in ran if m not in done]
         said.append(
-            f"{d.name}: kept {', '.join(done)} ({len(kept_rows)} rows); "
-            f"unfinished, not copied: {', '.join(left)}"
+            f"{d.name}: kept {', '.join(done)} ({len(kept_rows)} rows)"
+            + (f"; unfinished, not copied: {', '.join(left)}" if left else "")
         )
     return said
 

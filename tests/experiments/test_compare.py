@@ -351,6 +351,16 @@ def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
     ]
     part = load_run_config(tmp_path / "k" / "iid-2_r2_seed0" / "config.toml")
     assert part == saved  # a cell of those two alone, as it ran
+    # a resume that gained fedit was stopped in a later method: config.toml still names
+    # fedex alone, as it does until the cell has run them all; fedit's rows are kept too
+    (short / "config.toml").write_text(saved.replace(methods=["fedex"]).to_toml())
+    whole = (short / "metrics.jsonl").read_text()
+    (short / "metrics.jsonl").write_text(whole + '{"method": "ffa", "round": 1, "metr')  # torn
+    assert keep.keep_cells(short.parent, tmp_path / "gained") == [
+        "iid-2_r2_seed0: kept fedex, fedit (2 rows)"
+    ]
+    assert load_run_config(tmp_path / "gained" / "iid-2_r2_seed0" / "config.toml") == saved
+    (short / "metrics.jsonl").write_text(whole)
     # a longer cell of other settings never replaces a kept one
     import json
 
