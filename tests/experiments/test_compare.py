@@ -223,7 +223,7 @@ def test_the_table_gives_rounds_interval_and_bytes_to_target_by_hand():
     def rows(method, accs, per_round):
         return [{"method": method, "round": i, "metrics": {"accuracy": a}, "seconds": 1.0,
                  "bytes_up": per_round, "bytes_down": per_round, "server_seconds": 0.01,
-                 "deviation": {"mean": 0.0}, "effective_deviation": {"max": 0.0}}
+                 "deviation": {"mean": 0.0}, "effective_deviation": {"max": 0.0, "mean": 1e-8}}
                 for i, a in enumerate(accs, 1)]  # fmt: skip
 
     s = Setting("iid-3", 3, "iid")
@@ -249,6 +249,15 @@ def test_the_table_gives_rounds_interval_and_bytes_to_target_by_hand():
     assert "| fedit | 0.7500 ± 0.0707 |" in md and "| 2-3 | 2.5 kB |" in md
     assert "| 3 kB (1/2) |" in md  # fedit's: one seed reached it
     assert "Target accuracy: 0.7200 (0.9 of centralized's)" in md
+    # per seed, and round by round over the rounds both ran: seed 0 rounds 1-2 (0 and
+    # +0.05: mean +0.025), seed 1 rounds 1-3 (+0.12, 0, -0.09: mean +0.01)
+    assert "- fedex: seed 0 0.7000 (3), 1e-08; seed 1 0.7100 (3), 1e-08\n" in md
+    assert "- fedit: seed 0 0.7000 (2), 1e-08; seed 1 0.8000 (3), 1e-08\n" in md
+    assert (
+        "- fedex − fedit round by round, over the rounds both ran: seed 0 ahead in 1 of 2, "
+        "tied in 1, behind in 0, mean difference +0.0250; seed 1 ahead in 1 of 3, tied in 1, "
+        "behind in 1, mean difference +0.0100\n" in md
+    )
     md = comparison_table(cells, {c: cfg for c in cells}, 1.0, target=0.9)
     assert "never (0/2)" in md and "Target accuracy: 0.9000;" in md
     assert "Held by each client" not in md  # no side branch in these rows
@@ -265,6 +274,11 @@ def test_the_table_gives_rounds_interval_and_bytes_to_target_by_hand():
                 r.update(side_bytes=0, adapter_bytes=1000)
     md = comparison_table(cells, {c: cfg for c in cells}, 1.0)
     held = "fedex LoRA factors 1 kB + side branch 4 kB; fedit LoRA factors 1 kB + side branch 0 B."
+    assert (
+        "- fedex: seed 0 0.7000 (3), 1e-08, side branch 3 kB; seed 1 0.7100 (3), 1e-08, "
+        "side branch 5 kB\n" in md
+    )
+    assert "- fedit: seed 0 0.7000 (2), 1e-08; seed 1" in md  # no side branch: none named
     assert (
         f"Held by each client beside its base after the last round (mean over seeds): {held}" in md
     )

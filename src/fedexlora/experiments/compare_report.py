@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from fedexlora.config import RunConfig
 from fedexlora.core.methods import REGISTRY
 from fedexlora.core.units import format_bytes
+from fedexlora.experiments.per_seed import per_seed_lines, round_by_round
 from fedexlora.experiments.stats import paired
 from fedexlora.run.report import best_value, higher_is_better, primary_metric
 
@@ -60,6 +61,7 @@ def _aggregate(rows: dict) -> dict:
             a["bytes"].append(sum(x["bytes_up"] + x["bytes_down"] for x in mrs))
             a["rounds"].append(len(mrs))
             a["curve"].append(_curve(mrs, metric))
+            a["by_round"].append({x["round"]: x["metrics"][metric] for x in mrs})
             a["round_bytes"].append(statistics.fmean(x["bytes_up"] + x["bytes_down"] for x in mrs))
             # rows written before server_seconds existed have none
             secs = [x["server_seconds"] for x in mrs if x.get("server_seconds") is not None]
@@ -70,6 +72,8 @@ def _aggregate(rows: dict) -> dict:
             nan = float("nan")
             a["deviation"].append(nan if None in devs else statistics.fmean(devs))
             a["effective"].append(nan if None in effs else max(effs))
+            eff_means = [x["effective_deviation"].get("mean") for x in mrs]
+            a["effective_mean"].append(nan if None in eff_means else statistics.fmean(eff_means))
             # what a client holds beside its base after the last round (side-branch runs)
             a["side_bytes"].append(mrs[-1].get("side_bytes"))
             a["adapter_bytes"].append(mrs[-1].get("adapter_bytes"))
@@ -313,6 +317,14 @@ def comparison_table(
                     if line:
                         lines += [f"- {line}"]
             lines.append("")
+        if len({s for m in present for s in agg[f"{key}|{m}"]["seed"]}) > 1:
+            lines += per_seed_lines(agg, key, present, metric)
+            for ours in (m for m, _ in _BASELINES if m in present):
+                for other in present:
+                    if other != ours:
+                        line = round_by_round(agg, key, ours, other, higher_is_better(metric))
+                        lines += [line] if line else []
+                lines.append("")
     lines += [
         "*deviation*: relative Frobenius deviation of the averaged-factor product from the "
         "ideal update, mean over layers and rounds (what FedIT loses). *effective "
