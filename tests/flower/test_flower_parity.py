@@ -263,3 +263,38 @@ def test_expected_flower_notes_are_quiet_and_the_rest_is_kept(tiny_cfg, tmp_path
     assert "fraction_evaluate is set to 0.0" not in text
     assert "Initial global evaluation results: None" not in text
     assert not logging.getLogger("flwr").filters  # nothing left behind
+
+
+def test_a_supernode_of_another_configuration_is_refused_naming_version_skew(
+    tiny_cfg, tmp_path, task_identity
+):
+    """A ClientApp that resolved other settings (or hashes them otherwise: another
+    fedex-lora version) is refused, both when the server asks each node what it holds and
+    when a message reaches it; the error names both causes."""
+    from fedexlora.flower.client_app import make_client_app
+    from fedexlora.flower.records import resolve_run_config, to_run_config
+    from fedexlora.flower.server_app import run_server
+
+    rc = to_run_config(tiny_cfg, run_dir=str(tmp_path / "run"))
+    other = to_run_config(tiny_cfg.replace(lr=tiny_cfg.lr * 2), run_dir=str(tmp_path / "run"))
+    grid = InProcessGrid(make_client_app(other), tiny_cfg.num_clients)
+    skew = r"must share one run config and one fedex-lora version"
+    with pytest.raises(ValueError, match=r"resolved another configuration .*" + skew):
+        run_server(grid, *resolve_run_config(rc), say=lambda *_: None)
+    assert not grid.trained  # refused before any client trained
+
+    # a train message reaching such a ClientApp (a node swapped after it answered the
+    # server's question) is refused by the ClientApp itself (this grid calls it directly;
+    # Flower would send its error back as the reply)
+    class Swapped(InProcessGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            kinds = {m.metadata.message_type for m in messages}
+            self.app = make_client_app(other if "train" in kinds else rc)
+            return super().send_and_receive(messages, timeout=timeout)
+
+    grid = Swapped(make_client_app(rc), tiny_cfg.num_clients)
+    run = {**rc, "run-dir": str(tmp_path / "swapped")}
+    with pytest.raises(
+        ValueError, match=r"this ClientApp resolved another configuration .*" + skew
+    ):
+        run_server(grid, *resolve_run_config(run), say=lambda *_: None)
