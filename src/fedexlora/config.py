@@ -39,6 +39,7 @@ _EXPORT_FORMATS = ("adapter", "merged")
 RESUME_SAFE = (
     "rounds",
     "stop_patience",
+    "stop_min_rounds",
     "stop_at",
     "stop_metric",
     "data_dir",
@@ -269,6 +270,13 @@ class RunConfig:
     stop_patience: int | None = setting(
         help="Stop a method after this many rounds without a new best of the task's primary "
         "metric (never past --rounds)",
+        panel=FEDERATION,
+        default_text="off",
+        low=1,
+    )
+    stop_min_rounds: int | None = setting(
+        help="--stop-patience stops no method before this round: a warm-up in which the "
+        "metric may wander before a method learns",
         panel=FEDERATION,
         default_text="off",
         low=1,

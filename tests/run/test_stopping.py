@@ -21,6 +21,44 @@ def test_patience_counts_rounds_since_the_first_best():
     assert "round 1's 2" in stop_reason(cfg, _rows("fedex", [2.0, 2.1, 2.2], "loss"))
 
 
+def test_no_method_stops_before_the_min_rounds_and_the_best_counts_from_round_1():
+    """FFA-LoRA on Dirichlet(0.5)-3, seed 2, round by round (studies/convergence): the
+    accuracy wandered while its training loss fell, and patience 3 alone stopped it after
+    round 5 at 0.36. With ``stop_min_rounds`` 10 it goes on to round 10; from there the
+    rule reads every round's value, round 2's best included."""
+    wandered = [0.2472, 0.3888, 0.3528, 0.3371, 0.3596]
+    cfg = RunConfig(rounds=30, stop_patience=3)
+    assert "round 2's 0.3888 for 3 rounds" in stop_reason(cfg, _rows("ffa", wandered))
+    warm = cfg.replace(stop_min_rounds=10)
+    for n in range(5, 10):
+        rows = _rows("ffa", wandered + [0.3] * (n - 5))
+        assert stop_reason(warm, rows) is None and not method_done(warm, rows)
+    ten = _rows("ffa", wandered + [0.3] * 5)
+    assert stop_reason(warm, ten) == (
+        "accuracy not better than round 2's 0.3888 for 8 rounds (stop_patience 3)"
+    )
+    # a method that learns in the warm-up is read as before once it is over
+    assert stop_reason(warm, _rows("ffa", wandered + [0.5, 0.9, 0.8, 0.8, 0.8])) == (
+        "accuracy not better than round 7's 0.9 for 3 rounds (stop_patience 3)"
+    )
+    assert stop_reason(warm.replace(stop_at=0.38), _rows("ffa", wandered[:2])) is not None
+    # the rows a run made without it are not cut by it before round 10
+    assert until_stop(warm.replace(methods=["ffa"]), ten) == ten
+
+
+@pytest.mark.parametrize(
+    ("settings", "said"),
+    [
+        (dict(stop_min_rounds=5), "delays --stop-patience, which is off"),
+        (dict(stop_min_rounds=40, stop_patience=3, rounds=30), "is past the last round (30)"),
+        (dict(stop_min_rounds=0, stop_patience=3), "stop_min_rounds"),
+    ],
+)
+def test_bad_min_rounds_are_named(settings, said):
+    errs = RunConfig(**settings).errors()
+    assert any(said in e for e in errs), errs
+
+
 def test_stop_at_and_no_rule():
     cfg = RunConfig(rounds=30, stop_at=0.8)
     assert stop_reason(cfg, _rows("fedex", [0.5, 0.79])) is None

@@ -53,9 +53,9 @@ _STUDIES = {
         lr=5e-3,
         max_test=None,
     ),
-    # Every method to convergence (issue #58): each stops after 3 rounds without a new best
-    # (at most 30 rounds, the same rule and budget for all), the whole test split, and
-    # bytes to reach 0.9 of centralized LoRA's accuracy.
+    # Every method to convergence (issue #58): each stops after 3 rounds without a new best,
+    # not before round 10 (at most 30 rounds, the same rule and budget for all), the whole
+    # test split, and bytes to reach 0.9 of centralized LoRA's accuracy.
     "convergence": dict(
         methods="fedex,fedit,ffa,flora,fedsb,flexlora,fedsvd,lorafair,rolora,hetlora,fedsa,"
         "frlora,centralized",
@@ -64,6 +64,7 @@ _STUDIES = {
         settings="iid-3,dir0.5-3,dir0.1-10",
         rounds=30,
         stop_patience=3,
+        stop_min_rounds=10,
         local_steps="12",
         max_test=None,
     ),
@@ -79,6 +80,7 @@ _STUDIES = {
         settings="group-4",
         rounds=30,
         stop_patience=3,
+        stop_min_rounds=10,
         stop_metric="loss",  # 80 questions' exact match moves by noise from round to round
         local_steps="8",
         batch_size=8,
@@ -128,6 +130,7 @@ _CONFIG_PANELS = {
     TRAINING: (
         "rounds",
         "stop_patience",
+        "stop_min_rounds",
         "stop_at",
         "stop_metric",
         "batch_size",

@@ -3,7 +3,9 @@
 ``stop_patience`` P: a method stops once P rounds in a row have not improved the best
 value of the metric the rule reads: ``stop_metric``, or else the task's primary metric
 (the first metric of its rows: accuracy, exact match, ...; lower is better for a loss or
-perplexity). ``stop_at`` X: it stops once that metric reaches X. Either way it never runs
+perplexity). ``stop_min_rounds`` M: not before round M (a warm-up, in which the metric
+may wander before a method learns; the best is still read from round 1). ``stop_at`` X:
+it stops once that metric reaches X. Either way it never runs
 past ``rounds``, so every method of a run has the same budget and the same rule. The rule
 reads only the method's rows, so a resumed run stops where a straight one did, and
 ``fedexlora compare`` knows a stopped cell is done.
@@ -33,7 +35,8 @@ def stop_reason(cfg: RunConfig, rows: list[dict]) -> str | None:
     last = values[-1]
     if cfg.stop_at is not None and (last >= cfg.stop_at if up else last <= cfg.stop_at):
         return f"{metric} {last:.4g} reached stop_at {cfg.stop_at:g} in round {rows[-1]['round']}"
-    if cfg.stop_patience is not None:
+    warm = cfg.stop_min_rounds is not None and rows[-1]["round"] < cfg.stop_min_rounds
+    if cfg.stop_patience is not None and not warm:
         best_at = max(range(len(values)), key=lambda i: (values[i] if up else -values[i], -i))
         since = len(values) - 1 - best_at
         if since >= cfg.stop_patience:
