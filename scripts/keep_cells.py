@@ -1,6 +1,6 @@
 """Copies the finished cells of a `fedexlora compare` grid into a study kept in git.
 
-    python scripts/keep_cells.py /path/to/grid studies/convergence
+    python scripts/keep_cells.py /path/to/grid studies/convergence [--study convergence]
 
 A method has finished when it has run all its rounds or been stopped by the rule
 (`fedexlora.run.stopping.method_done`). Of a cell whose methods have all finished, only
@@ -13,6 +13,11 @@ the cell has run them all). `fedexlora compare --out DEST` with the same grid th
 the whole cells ("(done)"), writes its report from them without training, and runs only
 what is missing: whole cells, or the methods a kept cell lacks. A cell already in DEST is
 replaced only by one with more rows. Prints one line per cell.
+
+A method is judged by the stopping rule in its cell's config.toml, which a resume
+rewrites only once the cell has finished; ``--study NAME`` judges every cell by that
+preset grid's rule and budget instead (`fedexlora compare --study NAME`), as the grid
+that runs next will.
 """
 
 from __future__ import annotations
@@ -30,8 +35,11 @@ from fedexlora.run.stopping import method_done
 KEPT = ("config.toml", "metrics.jsonl", "partitions.txt", "summary.md")
 
 
-def keep_cells(src: Path, dest: Path) -> list[str]:
+def keep_cells(src: Path, dest: Path, rule: dict | None = None) -> list[str]:
     """Copies ``src``'s finished cells, and the finished methods of the others, into ``dest``.
+
+    ``rule``: the stopping settings (``rounds``, ``stop_patience``...) to judge a method
+    finished by, in place of its cell's config.toml's.
 
     Returns one line per cell: what was done.
     """
@@ -49,7 +57,8 @@ def keep_cells(src: Path, dest: Path) -> list[str]:
         # a resume that gains methods rewrites config.toml only once the cell has run them
         # all: the rows of a method it finished before being stopped count too
         ran = list(dict.fromkeys([*cfg.methods, *(r["method"] for r in rows)]))
-        done = [m for m in ran if method_done(cfg, [r for r in rows if r["method"] == m])]
+        judge = cfg.replace(**rule) if rule else cfg
+        done = [m for m in ran if method_done(judge, [r for r in rows if r["method"] == m])]
         if not done:
             said.append(f"{d.name}: unfinished ({len(rows)} rows), not copied")
             continue
@@ -88,15 +97,25 @@ def keep_cells(src: Path, dest: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    """``keep_cells.py SRC DEST``: 0, or 2 with one line on a wrong call."""
+    """``keep_cells.py SRC DEST [--study NAME]``: 0, or 2 with one line on a wrong call."""
+    from fedexlora.cli.compare import study_rule
+
+    rule = None
+    if len(argv) == 4 and argv[2] == "--study":
+        try:
+            rule = study_rule(argv[3])
+        except KeyError:
+            print(f"keep_cells: --study: unknown study {argv[3]!r}", file=sys.stderr)
+            return 2
+        argv = argv[:2]
     if len(argv) != 2:
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        print("usage: " + __doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
     src, dest = Path(argv[0]), Path(argv[1])
     if not src.is_dir():
         print(f"keep_cells: {str(src)!r} is not a directory", file=sys.stderr)
         return 2
-    for line in keep_cells(src, dest):
+    for line in keep_cells(src, dest, rule):
         print(line)
     return 0
 

@@ -14,7 +14,8 @@ This test runs the command (``--report-only``, on a copy of its ``--out`` direct
 nothing trains and the repository is not written) and holds every quoted figure to the
 ``comparison.md`` it writes: a table's header names comparison.md's columns (with
 ``setting`` for the section, when the block quotes several), each of its rows one
-method's, cell by cell; every other line of the block is one of comparison.md's own.
+method's, cell by cell; every other line of the block is one of comparison.md's own, in
+the report's order (so a setting's lines are quoted after the setting before it).
 """
 
 from __future__ import annotations
@@ -98,9 +99,9 @@ BLOCKS = _blocks()
 )
 def test_quoted_study_figures_are_the_kept_cells_report(doc, command, block, tmp_path):
     md = _run_report_only(command, tmp_path)
-    report, lines = _report(md), set(md.splitlines())
+    report, lines = _report(md), md.splitlines()
     settings = {s for s, _ in report}
-    header, checked = None, 0
+    header, checked, at = None, 0, -1
     for line in block.strip().splitlines():
         if not line.strip():
             header = None
@@ -126,5 +127,10 @@ def test_quoted_study_figures_are_the_kept_cells_report(doc, command, block, tmp
                 checked += 1
         else:
             assert line in lines, f"{doc}: not a line of the report of `{command}`: {line}"
+            # in the report's order: a line quoted under another setting's (the same
+            # comparison on two settings reads alike) is out of it
+            later = [i for i, x in enumerate(lines) if x == line and i > at]
+            assert later, f"{doc}: quoted out of the report's order (another setting's?): {line}"
+            at = later[0]
             checked += 1
     assert checked, f"{doc}: the block of `{command}` quotes nothing"

@@ -255,9 +255,25 @@ def test_the_table_gives_rounds_interval_and_bytes_to_target_by_hand():
     assert "- fedit: seed 0 0.7000 (2), 1e-08; seed 1 0.8000 (3), 1e-08\n" in md
     assert (
         "- fedex − fedit round by round, over the rounds both ran: seed 0 ahead in 1 of 2, "
-        "tied in 1, behind in 0, mean difference +0.0250; seed 1 ahead in 1 of 3, tied in 1, "
-        "behind in 1, mean difference +0.0100\n" in md
+        "tied in 1, behind in 0, mean fedex − fedit +0.0250; seed 1 ahead in 1 of 3, tied in "
+        "1, behind in 1, mean fedex − fedit +0.0100\n" in md
     )
+    assert "Stopping rule: a method stops after 2 rounds without a new best accuracy.\n" in md
+    ruled = cfg.replace(stop_min_rounds=3, stop_at=0.95)
+    assert (
+        "Stopping rule: a method stops after 2 rounds without a new best accuracy, not before "
+        "round 3, or once its accuracy reaches 0.95.\n"
+    ) in comparison_table(cells, {c: ruled for c in cells}, 1.0)
+    # a loss (1 - accuracy here): lower is better, so fedex's lower loss in round 2 of seed
+    # 0 is ahead, and its mean difference negative (the line says which way is better)
+    lossy = {
+        c: [{**r, "metrics": {"loss": 1 - r["metrics"]["accuracy"]}} for r in rs]
+        for c, rs in cells.items()
+    }
+    assert (
+        "- fedex − fedit round by round (loss: lower is better), over the rounds both ran: "
+        "seed 0 ahead in 1 of 2, tied in 1, behind in 0, mean fedex − fedit -0.0250;"
+    ) in comparison_table(lossy, {c: cfg for c in cells}, 1.0)
     md = comparison_table(cells, {c: cfg for c in cells}, 1.0, target=0.9)
     assert "never (0/2)" in md and "Target accuracy: 0.9000;" in md
     assert "Held by each client" not in md  # no side branch in these rows
@@ -374,6 +390,14 @@ def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
         "iid-2_r2_seed0: kept fedex, fedit (2 rows)"
     ]
     assert load_run_config(tmp_path / "gained" / "iid-2_r2_seed0" / "config.toml") == saved
+    # judged by the grid's rule instead of config.toml's (which a resume rewrites last):
+    # one round of 3 is unfinished, whatever the cell's own file says
+    assert keep.keep_cells(short.parent, tmp_path / "ruled", {"rounds": 3}) == [
+        "iid-2_r2_seed0: unfinished (2 rows), not copied"
+    ]
+    assert keep.main([str(short.parent), str(tmp_path / "ruled"), "--study", "convergence"]) == 0
+    assert not (tmp_path / "ruled").exists()  # 30 rounds, patience from round 10: unfinished
+    assert keep.main([str(short.parent), str(tmp_path / "ruled"), "--study", "nope"]) == 2
     (short / "metrics.jsonl").write_text(whole)
     # a longer cell of other settings never replaces a kept one
     import json

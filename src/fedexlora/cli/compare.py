@@ -110,6 +110,19 @@ _STUDIES = {
 }
 
 
+STOPPING = ("rounds", "stop_patience", "stop_min_rounds", "stop_at", "stop_metric")
+"""The settings of a study's stopping rule (all resume-safe: they change no row)."""
+
+
+def study_rule(study: str) -> dict:
+    """The stopping rule and budget of preset grid ``study``, as config fields.
+
+    Raises:
+        KeyError: If there is no such study.
+    """
+    return {k: v for k, v in _STUDIES[study].items() if k in STOPPING}
+
+
 # The panels of `fedexlora compare --help`, in the order they are shown.
 STUDY = "Study and output"
 GRID = "Grid axes"

@@ -267,9 +267,14 @@ def run_grid(
     elapsed = time.perf_counter() - t0
     # each method's rows up to where this invocation's stopping rule stops it
     rows = {cell: until_stop(cfg, _rows_of(cfg, out / cell.dirname())) for cell, cfg in plan}
-    # as each cell ran, with this grid's methods (a cell may hold more)
+    # as each cell ran, with this grid's methods (a cell may hold more) and this
+    # invocation's stopping rule, which cut the rows above
+    rule = ("stop_patience", "stop_min_rounds", "stop_at", "stop_metric")
     cfgs = {
-        cell: _saved_config(out / cell.dirname()).replace(methods=cfg.methods) for cell, cfg in plan
+        cell: _saved_config(out / cell.dirname()).replace(
+            methods=cfg.methods, **{k: getattr(cfg, k) for k in rule}
+        )
+        for cell, cfg in plan
     }
     md = comparison_table(
         rows, cfgs, elapsed, reused=reused, target=target, target_fraction=target_fraction

@@ -175,6 +175,26 @@ def _describe(cfgs: list[RunConfig]) -> str:
     return ", ".join(parts)
 
 
+def _rule_lines(cfgs: list[RunConfig], metric: str) -> list[str]:
+    """The stopping rule the rows were read under (this report's), or none."""
+    rules = {(c.stop_patience, c.stop_min_rounds, c.stop_at, c.stop_metric) for c in cfgs}
+    if rules == {(None, None, None, None)}:
+        return []
+    if len(rules) > 1:
+        return ["Stopping rule: varies by cell (each cell's config.toml).", ""]
+    patience, warm, at, read = next(iter(rules))
+    read = read or metric
+    parts = []
+    if patience is not None:
+        parts.append(
+            f"after {patience} round{'s' if patience != 1 else ''} without a new best {read}"
+            + (f", not before round {warm}" if warm else "")
+        )
+    if at is not None:
+        parts.append(f"once its {read} reaches {at:g}")
+    return [f"Stopping rule: a method stops {', or '.join(parts)}.", ""]
+
+
 def _steps_text(cfg: RunConfig) -> str:
     rounds = f"{cfg.rounds} round{'s' if cfg.rounds != 1 else ''}"
     if cfg.local_steps:
@@ -242,6 +262,7 @@ def comparison_table(
         "Differences between methods are paired by seed (same partition and start): mean, "
         "95% confidence interval (t distribution) and two-sided paired t-test.",
         "",
+        *_rule_lines(all_cfgs, metric),
     ]
     groups = list(dict.fromkeys(c.group for c in rows))
     for g in groups:
@@ -322,13 +343,16 @@ def comparison_table(
             for ours in (m for m, _ in _BASELINES if m in present):
                 for other in present:
                     if other != ours:
-                        line = round_by_round(agg, key, ours, other, higher_is_better(metric))
+                        line = round_by_round(agg, key, ours, other, metric)
                         lines += [line] if line else []
                 lines.append("")
     lines += [
         "*deviation*: relative Frobenius deviation of the averaged-factor product from the "
-        "ideal update, mean over layers and rounds (what FedIT loses). *effective "
-        "deviation*: the same for the update actually applied. *bytes per round*: up and "
+        "ideal one (the clients' weighted mean of B_i A_i, the whole update from the base), "
+        "mean over layers and rounds (what FedIT's averaging loses). *effective deviation*: "
+        "how far the model's weights are from the ideal average of the clients' models, "
+        "relative to the round's update (||W - W_ideal|| / ||W_ideal - W_before||), over "
+        "layers and rounds. *bytes per round*: up and "
         "down, all clients, mean over rounds. *server ms per round*: the server's own work "
         "in a round (payloads, validation, aggregation), mean over rounds and seeds. "
         "*rounds*: rounds run (fewer than asked where the stopping rule stopped the method). "

@@ -11,6 +11,7 @@ import math
 import statistics
 
 from fedexlora.core.units import format_bytes
+from fedexlora.run.report import higher_is_better
 
 __all__ = ["per_seed_lines", "round_by_round"]
 
@@ -27,24 +28,27 @@ def per_seed_lines(agg: dict, key: str, methods: list[str], metric: str) -> list
     """
     lines = [
         f"Per seed: final {metric} (rounds run), mean effective deviation (over layers and "
-        "rounds) and, where there is one, the side branch each client held after the last "
-        "round.",
+        "rounds, relative to each round's update) and, where there is one, the side branch "
+        "each client held after the last round.",
         "",
     ]
     for m in methods:
         a = agg[f"{key}|{m}"]
-        side = a["side_bytes"] if None not in a["side_bytes"] and any(a["side_bytes"]) else None
+        side = a["side_bytes"] if any(a["side_bytes"]) else None  # None: rows from before
         seeds = []
         for i, seed in enumerate(a["seed"]):
             text = (
                 f"seed {seed} {a['final'][i]:.4f} ({a['rounds'][i]}), {_g(a['effective_mean'][i])}"
             )
-            seeds.append(text + (f", side branch {format_bytes(side[i])}" if side else ""))
+            if side:
+                held = "n/a" if side[i] is None else format_bytes(side[i])
+                text += f", side branch {held}"
+            seeds.append(text)
         lines.append(f"- {m}: {'; '.join(seeds)}")
     return [*lines, ""]
 
 
-def round_by_round(agg: dict, key: str, ours: str, other: str, higher: bool) -> str | None:
+def round_by_round(agg: dict, key: str, ours: str, other: str, metric: str) -> str | None:
     """``ours`` against ``other``, round by round, or None where they share no round.
 
     On each seed both ran, over the rounds both ran: in how many ``ours`` was ahead, tied
@@ -60,12 +64,13 @@ def round_by_round(agg: dict, key: str, ours: str, other: str, higher: bool) -> 
         if not both:
             continue
         diff = [mine[r] - theirs[seed][r] for r in both]
-        better = [d if higher else -d for d in diff]
+        better = [d if higher_is_better(metric) else -d for d in diff]
         said.append(
             f"seed {seed} ahead in {sum(d > 0 for d in better)} of {len(both)}, tied in "
             f"{sum(d == 0 for d in better)}, behind in {sum(d < 0 for d in better)}, mean "
-            f"difference {statistics.fmean(diff):+.4f}"
+            f"{ours} − {other} {statistics.fmean(diff):+.4f}"
         )
     if not said:
         return None
-    return f"- {ours} − {other} round by round, over the rounds both ran: {'; '.join(said)}"
+    lower = "" if higher_is_better(metric) else f" ({metric}: lower is better)"
+    return f"- {ours} − {other} round by round{lower}, over the rounds both ran: {'; '.join(said)}"
