@@ -472,3 +472,34 @@ def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
     more = _by_method(alone / "iid-2_r2_seed0" / "metrics.jsonl")
     assert more["fedex"] == grown["fedex"] and len(more["ffa"]) == 3
     assert load_run_config(alone / "iid-2_r2_seed0" / "config.toml").methods == ["ffa", "fedex"]
+
+
+def test_the_metric_the_rule_reads_has_its_own_columns():
+    """The LLM study compares exact match and stops on the held-out loss: the table gives
+    each method's final and best loss beside it (mean ± std over seeds), by hand."""
+    from fedexlora.config import RunConfig
+    from fedexlora.experiments.cells import Cell, Setting
+    from fedexlora.experiments.compare_report import comparison_table
+
+    def rows(method, pairs):
+        return [{"method": method, "round": i, "metrics": {"exact_match": em, "loss": loss},
+                 "seconds": 1.0, "bytes_up": 10, "bytes_down": 10, "server_seconds": 0.01,
+                 "deviation": {"mean": 0.0}, "effective_deviation": {"max": 0.0, "mean": 0.0}}
+                for i, (em, loss) in enumerate(pairs, 1)]  # fmt: skip
+
+    s = Setting("group-4", 4, "group")
+    cells = {
+        Cell(s, 8, None, 0): rows("fedex", [(0.1, 1.4), (0.2, 1.2), (0.15, 1.3)]),
+        Cell(s, 8, None, 1): rows("fedex", [(0.2, 1.5), (0.3, 1.1)]),
+    }
+    cfg = RunConfig(methods=["fedex"], rounds=3, stop_patience=1, stop_metric="loss")
+    md = comparison_table(cells, {c: cfg for c in cells}, 1.0)
+    head = "| method | final exact_match | 95% CI | best exact_match | final loss | best loss |"
+    assert head in md
+    # final loss 1.3 and 1.1: 1.2 ± 0.1414; best (lowest) 1.2 and 1.1: 1.15 ± 0.0707
+    assert (
+        "| 0.2500 ± 0.0707 | 1.2000 ± 0.1414 | 1.1500 ± 0.0707 | 2-3 |" in md
+    )  # best EM: 0.2, 0.3
+    # ruled by the compared metric itself: no more columns
+    plain = comparison_table(cells, {c: cfg.replace(stop_metric=None) for c in cells}, 1.0)
+    assert "final loss" not in plain and "| best exact_match | rounds |" in plain

@@ -57,6 +57,11 @@ def _aggregate(rows: dict) -> dict:
             a["seed"].append(cell.seed)
             a["metric"].append(metric)
             a["final"].append(vals[-1])
+            # every metric's last and best value (a stopping rule may read another metric)
+            a["last_metrics"].append(dict(mrs[-1]["metrics"]))
+            a["best_metrics"].append(
+                {k: best_value(k, [x["metrics"][k] for x in mrs]) for k in mrs[-1]["metrics"]}
+            )
             a["best"].append(best_value(metric, vals))
             a["bytes"].append(sum(x["bytes_up"] + x["bytes_down"] for x in mrs))
             a["rounds"].append(len(mrs))
@@ -280,22 +285,31 @@ def comparison_table(
         goal = target
         if goal is None and f"{key}|centralized" in agg:
             goal = target_fraction * statistics.fmean(agg[f"{key}|centralized"]["final"])
+        # the metric the stopping rule read, where it is not the one compared
+        read = cfg.stop_metric if cfg.stop_metric not in (None, metric) else None
+        also = f" final {read} | best {read} |" if read else ""
         lines += [
             head,
             "",
-            f"| method | final {metric} | 95% CI | best {metric} | rounds | total bytes "
+            f"| method | final {metric} | 95% CI | best {metric} |{also} rounds | total bytes "
             "| bytes per round | bytes to target | server ms per round | mean deviation "
             "| max effective deviation |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if read else ""),
         ]
         for m in present:
             a = agg[f"{key}|{m}"]
             dev, eff = statistics.fmean(a["deviation"]), max(a["effective"])
             personal = math.isnan(dev)  # no global model (FedSA-LoRA)
             srv = statistics.fmean(a["server_seconds"])
+            rule = (
+                f" {_ms([x[read] for x in a['last_metrics']])} | "
+                f"{_ms([x[read] for x in a['best_metrics']])} |"
+                if read
+                else ""
+            )
             lines.append(
                 f"| {m}{' (personalized)' if personal else ''} | {_ms(a['final'])} | "
-                f"{_ci(a['final'])} | {_ms(a['best'])} | {_ms_int(a['rounds'])} | "
+                f"{_ci(a['final'])} | {_ms(a['best'])} |{rule} {_ms_int(a['rounds'])} | "
                 f"{format_bytes(statistics.fmean(a['bytes']))} | "
                 f"{format_bytes(statistics.fmean(a['round_bytes']))} | "
                 f"{_bytes_to_target(a['curve'], goal, higher_is_better(metric))} | "
