@@ -8,6 +8,7 @@ from pathlib import Path
 from fedexlora.cli._common import console, fail, quiet_libraries
 from fedexlora.cli.options import command, config_params, in_flags, option
 from fedexlora.config import FLAGS
+from fedexlora.run.stopping import RULE
 
 __all__ = ["compare_cmd"]
 
@@ -110,8 +111,8 @@ _STUDIES = {
 }
 
 
-STOPPING = ("rounds", "stop_patience", "stop_min_rounds", "stop_at", "stop_metric")
-"""The settings of a study's stopping rule (all resume-safe: they change no row)."""
+STOPPING = ("rounds", *RULE)
+"""A study's budget and stopping rule (all resume-safe: they change no row)."""
 
 
 def study_rule(study: str) -> dict:

@@ -31,7 +31,7 @@ from fedexlora.experiments.compare_report import (
 from fedexlora.experiments.privacy_report import plot_privacy, privacy_report
 from fedexlora.run.layout import RunLayout
 from fedexlora.run.report import intact_rows
-from fedexlora.run.stopping import cell_done, until_stop
+from fedexlora.run.stopping import RULE, cell_done, until_stop
 
 __all__ = [
     "DEFAULT_SETTINGS",
@@ -269,10 +269,9 @@ def run_grid(
     rows = {cell: until_stop(cfg, _rows_of(cfg, out / cell.dirname())) for cell, cfg in plan}
     # as each cell ran, with this grid's methods (a cell may hold more) and this
     # invocation's stopping rule, which cut the rows above
-    rule = ("stop_patience", "stop_min_rounds", "stop_at", "stop_metric")
     cfgs = {
         cell: _saved_config(out / cell.dirname()).replace(
-            methods=cfg.methods, **{k: getattr(cfg, k) for k in rule}
+            methods=cfg.methods, **{k: getattr(cfg, k) for k in RULE}
         )
         for cell, cfg in plan
     }

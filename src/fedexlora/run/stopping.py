@@ -16,7 +16,10 @@ from __future__ import annotations
 from fedexlora.config import RunConfig
 from fedexlora.run.report import higher_is_better, primary_metric
 
-__all__ = ["cell_done", "method_done", "stop_metric_error", "stop_reason", "until_stop"]
+__all__ = ["RULE", "cell_done", "method_done", "stop_metric_error", "stop_reason", "until_stop"]
+
+RULE = ("stop_patience", "stop_min_rounds", "stop_at", "stop_metric")
+"""The settings of the rule (all resume-safe: they change no row, only where it ends)."""
 
 
 def stop_reason(cfg: RunConfig, rows: list[dict]) -> str | None:
