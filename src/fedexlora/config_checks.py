@@ -103,11 +103,6 @@ def cross_field_errors(cfg) -> list[str]:
         "drop --stop-min-rounds",
     )
     need(
-        cfg.stop_min_rounds is None or cfg.stop_min_rounds <= cfg.rounds,
-        f"`stop_min_rounds` {cfg.stop_min_rounds} is past the last round ({cfg.rounds}): "
-        "--stop-patience would never stop a method; lower it, or raise --rounds",
-    )
-    need(
         not cfg.double_quant or cfg.quantization in ("nf4", "fp4"),
         "`double_quant` applies to 4-bit quantization only; add --quantization nf4 "
         "(or fp4), or drop --double-quant",

@@ -50,13 +50,20 @@ def test_no_method_stops_before_the_min_rounds_and_the_best_counts_from_round_1(
     ("settings", "said"),
     [
         (dict(stop_min_rounds=5), "delays --stop-patience, which is off"),
-        (dict(stop_min_rounds=40, stop_patience=3, rounds=30), "is past the last round (30)"),
         (dict(stop_min_rounds=0, stop_patience=3), "stop_min_rounds"),
     ],
 )
 def test_bad_min_rounds_are_named(settings, said):
     errs = RunConfig(**settings).errors()
     assert any(said in e for e in errs), errs
+
+
+def test_a_warm_up_past_the_last_round_is_a_short_run_of_a_study():
+    """``compare --study llm --rounds 1`` (a quick look at a preset): the warm-up of 10
+    outlasts the budget, and the run simply ends at its last round."""
+    cfg = RunConfig(rounds=1, stop_patience=3, stop_min_rounds=10)
+    assert cfg.errors() == []
+    assert method_done(cfg, _rows("fedex", [0.1])) and stop_reason(cfg, _rows("f", [0.1])) is None
 
 
 def test_stop_at_and_no_rule():
