@@ -6,7 +6,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import fedexlora.experiments.cells as cells  # noqa: E402
-import fedexlora.experiments.compare_report as compare_report
+import fedexlora.experiments.compare_plots as compare_plots
 import fedexlora.run.report as report
 
 
@@ -50,7 +50,7 @@ def test_compare_plot_fits_values_above_one(tmp_path, monkeypatch):
         ]
         for seed in (0, 1)
     }
-    (fig,) = _figures(monkeypatch, compare_report.plot_comparison, rows, tmp_path / "c.png")
+    (fig,) = _figures(monkeypatch, compare_plots.plot_comparison, rows, tmp_path / "c.png")
     bottom, top = fig.axes[0].get_ylim()
     assert top >= 9.5 + 0.707  # the tallest bar (mean 9.5) and its error bar (0.707) fit
 

@@ -21,13 +21,8 @@ else:  # pragma: no cover
 from fedexlora.config import ADDED_LATER, RESUME_SAFE, RunConfig, load_run_config
 from fedexlora.core.methods import REGISTRY
 from fedexlora.experiments.cells import Cell, Setting
-from fedexlora.experiments.compare_report import (
-    _aggregate,
-    comparison_table,
-    exactness_report,
-    plot_comparison,
-    plot_gap,
-)
+from fedexlora.experiments.compare_plots import plot_comparison, plot_gap
+from fedexlora.experiments.compare_report import _aggregate, comparison_table, exactness_report
 from fedexlora.experiments.privacy_report import plot_privacy, privacy_report
 from fedexlora.run.layout import RunLayout
 from fedexlora.run.report import intact_rows
