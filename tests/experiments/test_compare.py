@@ -320,6 +320,13 @@ def test_a_cell_whose_methods_all_stopped_is_done(tmp_path):
     assert _status(tmp_path, cfg) == ("done", "")
     # with more patience the same rows are not done: the cell resumes
     assert _status(tmp_path, cfg.replace(stop_patience=3))[0] == "resume"
+    # the same rows under a longer warm-up: fedex and fedit stopped at round 2 under the
+    # saved rule, and go on under this one, which the status names
+    warm = cfg.replace(stop_min_rounds=5)
+    assert _status(tmp_path, warm) == (
+        "resume",
+        "its stopping rule changed (stop_min_rounds None -> 5)",
+    )
 
 
 def _cell(model, task, out, methods, rounds="1", *more):

@@ -326,6 +326,12 @@ def _status(d: Path, cfg: RunConfig) -> tuple[str, str]:
         why.append(f"gains {', '.join(gained)}")
     if old.get("rounds") != cfg.rounds:
         why.append(f"extended from {old.get('rounds')} to {cfg.rounds} rounds")
+    # a cell stopped under another rule goes on under this one (the rule changes no row)
+    rule = [
+        f"{k} {old.get(k)} -> {getattr(cfg, k)}" for k in RULE if old.get(k) != getattr(cfg, k)
+    ]
+    if rule:
+        why.append(f"its stopping rule changed ({', '.join(rule)})")
     if why:
         return "resume", "; ".join(why)
     return "resume", f"resumed ({n} of {len(cfg.methods) * cfg.rounds} rows done)"
