@@ -241,3 +241,17 @@ def test_a_flower_run_whose_methods_stopped_by_the_rule_ends_well(
     cfg = tiny_cfg.replace(methods=["fedex", "fedit"], rounds=3, stop_at=0.0, engine="flower")
     rows = flower_over_grid(cfg, tmp_path / "flower")
     assert [(r["method"], r["round"]) for r in rows] == [("fedex", 1), ("fedit", 1)]
+
+
+def test_the_rules_warm_up_holds_a_method_on_both_engines(tiny_cfg, tmp_path, flower_over_grid):
+    """``--stop-min-rounds`` reaches the ServerApp: the tiny run's accuracy is flat from
+    round 1, so patience 1 alone stops after round 2, and a warm-up of 3 rounds holds it
+    to round 3 on both engines, with the same rows."""
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=4, stop_patience=1).validate()
+    assert [r["round"] for r in run_experiment(cfg, tmp_path / "plain", progress=False)] == [1, 2]
+    warm = cfg.replace(stop_min_rounds=3).validate()
+    local = run_experiment(warm, tmp_path / "local", progress=False)
+    flower = flower_over_grid(warm.replace(engine="flower"), tmp_path / "flower")
+    assert [r["round"] for r in flower] == [r["round"] for r in local] == [1, 2, 3]
+    for a, b in zip(flower, local):
+        _same(a, b, f"round {b['round']}")
