@@ -75,6 +75,9 @@ def test_ffa_averages_B_and_keeps_shared_A():
     assert torch.allclose(res.B @ res.A, _ideal(shared, Bs, [1, 2, 3]), atol=1e-12)
     with pytest.raises(ValueError, match="ffa requires every client to share the frozen A"):
         aggregate(As, Bs, method="ffa")
+    # Fed-SB aggregates by the same rule, and its error names Fed-SB
+    with pytest.raises(ValueError, match="fedsb requires every client to share the frozen A"):
+        aggregate(As, Bs, method="fedsb")
 
 
 def test_flora_folds_exact_merge_and_reinitialises():

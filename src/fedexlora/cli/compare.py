@@ -214,7 +214,8 @@ def _params() -> list[inspect.Parameter]:
         option("Comma list of LoRA ranks", "--ranks", panel=GRID, default_text="1,4"),
         option("Comma list of seeds", "--seeds", panel=GRID, default_text="0,1,2"),
         option(
-            "Comma list of iid-K or dirA-K, K clients and Dirichlet alpha A",
+            "Comma list of iid-K, dirA-K or group-K: K clients, Dirichlet alpha A, or "
+            "whole groups (a task's modules) dealt to K clients",
             "--settings",
             panel=GRID,
             default_text="iid-3,dir0.1-5",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from fedexlora.core.methods.ffa import shared_A_aggregate
 from fedexlora.core.methods.spec import MethodSpec
 
@@ -48,7 +50,7 @@ SPEC = MethodSpec(
     bytes_per_round="up 4kr^2; down 4kr^2 (r: the Fed-SB rank)",
     # In latent coordinates (A = I shared, B = R) FFA-LoRA's rule is Fed-SB's: exact,
     # because the update B R A is linear in R.
-    aggregate=shared_A_aggregate,
+    aggregate=functools.partial(shared_A_aggregate, method="fedsb"),
     frozen_A=True,
     latent=True,
     prepare_model=install_basis,

@@ -27,8 +27,12 @@ def check_shared_A(A: torch.Tensor, atol: float, method: str) -> None:
         )
 
 
-def shared_A_aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6):
+def shared_A_aggregate(
+    A, B, p, *, out_dtype=torch.float32, generator=None, atol=1e-6, method: str = "ffa"
+):
     """The shared A and ``B̄``: exact, since the update ``B A`` is linear in B.
+
+    ``method``: the method named in the error (Fed-SB aggregates by this rule too).
 
     Raises:
         ValueError: If the clients' A differ (A was trained).
@@ -36,7 +40,7 @@ def shared_A_aggregate(A, B, p, *, out_dtype=torch.float32, generator=None, atol
     del out_dtype, generator
     k, r, n = A.shape
     d = B.shape[1]
-    check_shared_A(A, atol, "ffa")
+    check_shared_A(A, atol, method)
     B_new = torch.einsum("k,kdr->dr", p, B)  # (d, r)
     return A[0].clone(), B_new, Residual.zero(d, n, dtype=A.dtype, device=A.device)
 
