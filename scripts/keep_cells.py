@@ -6,8 +6,12 @@ A method has finished when it has run all its rounds or been stopped by the rule
 (`fedexlora.run.stopping.method_done`). Of a cell whose methods have all finished, only
 what `compare` reads is copied: config.toml, metrics.jsonl, partitions.txt and summary.md
 (kilobytes; the checkpoints, megabytes to gigabytes, stay behind). Of a cell interrupted
-part way, its finished methods are kept as a cell of those alone (config.toml listing
-them, their rows); the method it was in is not. The methods a resume finished beyond
+part way, its finished methods are kept (their rows; config.toml as the cell ran,
+listing every method it ran or was to run); the method it was in is not, and the next
+`compare` runs it, and those after it, from their first round. (A config.toml listing the
+finished methods alone would not load where they keep no residual and the cell's
+settings, resolved for an exact method beside them, hold one: FedIT beside FedEx-LoRA's
+`fp32_side_branch = true`.) The methods a resume finished beyond
 those its config.toml lists count as finished too (`compare` rewrites that file only once
 the cell has run them all). `fedexlora compare --out DEST` with the same grid then reuses
 the whole cells ("(done)"), writes its report from them without training, and runs only
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import tomllib
 from pathlib import Path
 
 from fedexlora.config import ConfigError, load_run_config
@@ -68,7 +73,7 @@ def keep_cells(src: Path, dest: Path, rule: dict | None = None) -> list[str]:
             if len(intact_rows(target / "metrics.jsonl")) >= len(kept_rows):
                 said.append(f"{d.name}: already kept")
                 continue
-            kept = load_run_config(target / "config.toml").to_dict()
+            kept = tomllib.loads((target / "config.toml").read_text())  # as it ran
             differ = [c for c in cell_changes(kept, cfg) if not c.startswith("rounds:")]
             if differ:
                 said.append(
@@ -82,8 +87,9 @@ def keep_cells(src: Path, dest: Path, rule: dict | None = None) -> list[str]:
                     shutil.copy2(d / name, target / name)
             said.append(f"{d.name}: kept ({len(rows)} rows, {', '.join(done)})")
             continue
-        # the methods that finished, as a cell of those alone: compare adds the others
-        (target / "config.toml").write_text(cfg.replace(methods=done).to_toml())
+        # the methods that finished; config.toml names every method the cell ran or was to
+        # run (its settings were resolved for them all): compare runs the rest
+        (target / "config.toml").write_text(cfg.replace(methods=ran).to_toml())
         write_rows(target / "metrics.jsonl", kept_rows)
         if layout.partitions.is_file():
             shutil.copy2(layout.partitions, target / "partitions.txt")

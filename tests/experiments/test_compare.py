@@ -387,7 +387,7 @@ def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
         "iid-2_r2_seed0: kept fedex, fedit (2 rows); unfinished, not copied: ffa"
     ]
     part = load_run_config(tmp_path / "k" / "iid-2_r2_seed0" / "config.toml")
-    assert part == saved  # a cell of those two alone, as it ran
+    assert part == saved.replace(methods=["fedex", "fedit", "ffa"])  # as it ran, ffa to come
     # a resume that gained fedit was stopped in a later method: config.toml still names
     # fedex alone, as it does until the cell has run them all; fedit's rows are kept too
     (short / "config.toml").write_text(saved.replace(methods=["fedex"]).to_toml())
@@ -405,6 +405,22 @@ def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
     assert keep.main([str(short.parent), str(tmp_path / "ruled"), "--study", "convergence"]) == 0
     assert not (tmp_path / "ruled").exists()  # 30 rounds, patience from round 10: unfinished
     assert keep.main([str(short.parent), str(tmp_path / "ruled"), "--study", "nope"]) == 2
+    # of a cell where only FedIT finished, beside FedEx-LoRA's fp32_side_branch (resolved
+    # on for fedex): the kept config.toml loads (one naming fedit alone would not), and
+    # the next compare runs fedex from its first round, to the rows of the whole run
+    (short / "metrics.jsonl").write_text("\n".join(first["fedit"]) + "\n")
+    (short / "config.toml").write_text(saved.to_toml())
+    assert saved.fp32_side_branch and saved.methods == ["fedex", "fedit"]
+    assert keep.keep_cells(short.parent, tmp_path / "plain") == [
+        "iid-2_r2_seed0: kept fedit (1 rows); unfinished, not copied: fedex"
+    ]
+    assert load_run_config(tmp_path / "plain" / "iid-2_r2_seed0" / "config.toml") == saved
+    res = _cell(tiny_bert_dir, tiny_csv, tmp_path / "plain", "fedex,fedit")
+    assert res.exit_code == 0, res.output
+    again = _by_method(tmp_path / "plain" / "iid-2_r2_seed0" / "metrics.jsonl")
+    assert {m: [_results(x) for x in xs] for m, xs in again.items()} == {
+        m: [_results(x) for x in xs] for m, xs in first.items()
+    }
     (short / "metrics.jsonl").write_text(whole)
     # a longer cell of other settings never replaces a kept one
     import json
