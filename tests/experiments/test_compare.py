@@ -466,13 +466,12 @@ def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
     assert res.exit_code == 0 and "(done)" in res.output, res.output
     md = (out / "comparison.md").read_text()
     assert "| ffa |" in md and "| fedex |" in md and "| fedit |" not in md
-    # but fedit alone resolves the fp32 side branch off (no exact method): the cell, run
-    # with it on, is rerun rather than mixed into a table of cells run without
+    # and fedit alone, though it resolves the fp32 side branch off (no method keeps a
+    # residual), reads fedit's rows, which do not depend on it (the test below)
     res = _cell(tiny_bert_dir, tiny_csv, out, "fedit")
-    assert "rerun, its settings changed (fp32_side_branch: True → False)" in " ".join(
-        res.output.split()
-    ), res.output
-    rows = _by_method(out / "iid-2_r2_seed0.replaced-1" / "metrics.jsonl")  # kept aside
+    assert res.exit_code == 0 and "(done)" in res.output, res.output
+    assert not list(out.glob("*.replaced-*"))
+    rows = _by_method(cell / "metrics.jsonl")
 
     # a method's rows do not depend on the others beside it: ffa alone gives the same
     alone = tmp_path / "alone"
@@ -526,3 +525,33 @@ def test_the_metric_the_rule_reads_has_its_own_columns():
     # ruled by the compared metric itself: no more columns
     plain = comparison_table(cells, {c: cfg.replace(stop_metric=None) for c in cells}, 1.0)
     assert "final loss" not in plain and "| best exact_match | rounds |" in plain
+
+
+def test_a_grid_of_fedit_alone_reads_and_extends_a_cell_run_beside_fedex(
+    tiny_bert_dir, tiny_csv, tmp_path
+):
+    """FedIT's rows do not depend on the side branch's settings, which fedex resolved on:
+    a grid of FedIT alone reuses the cell (not moved aside and rerun) and extends it."""
+    res = _cell(tiny_bert_dir, tiny_csv, tmp_path, "fedex,fedit")
+    assert res.exit_code == 0, res.output
+    cell = tmp_path / "iid-2_r2_seed0"
+    assert "fp32_side_branch = true" in (cell / "config.toml").read_text()
+    before = _by_method(cell / "metrics.jsonl")
+    res = _cell(tiny_bert_dir, tiny_csv, tmp_path, "fedit", "1", "--report-only")
+    assert res.exit_code == 0 and "(done)" in res.output, res.output
+    res = _cell(tiny_bert_dir, tiny_csv, tmp_path, "fedit", "2")
+    assert res.exit_code == 0 and "extended from 1 to 2 rounds" in res.output, res.output
+    after = _by_method(cell / "metrics.jsonl")
+    assert after["fedex"] == before["fedex"]  # the rows kept; fedit's round 1 as it was
+    assert _results(after["fedit"][0]) == _results(before["fedit"][0])
+    assert len(after["fedit"]) == 2
+    assert [p.name for p in tmp_path.iterdir() if ".replaced-" in p.name] == []
+    # ... and they are the rows a grid of FedIT alone gives (side branch resolved off)
+    res = _cell(tiny_bert_dir, tiny_csv, tmp_path / "alone", "fedit", "2")
+    assert res.exit_code == 0, res.output
+    alone = _by_method(tmp_path / "alone" / "iid-2_r2_seed0" / "metrics.jsonl")
+    assert (
+        "fp32_side_branch = false"
+        in (tmp_path / "alone" / "iid-2_r2_seed0" / "config.toml").read_text()
+    )
+    assert [_results(x) for x in alone["fedit"]] == [_results(x) for x in after["fedit"]]

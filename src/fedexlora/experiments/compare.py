@@ -51,6 +51,10 @@ DEFAULT_SETTINGS = (
 # that runs only that one, and a grid of fewer methods reads, extends or resumes only
 # its own in a larger cell (the others' rows are kept).
 _NOT_RESULTS = set(RESUME_SAFE) | {"methods"}
+# The settings of the residuals kept beside the base: no row of a method without a
+# residual (FedIT and its kind) depends on them, so a grid of those methods alone reads
+# their rows in a cell that ran beside an exact method (fp32_side_branch resolved on)
+_SIDE = {"fp32_side_branch", "side_rank", "side_budget"}
 
 
 def cell_changes(old: dict, new: RunConfig) -> list[str]:
@@ -62,8 +66,9 @@ def cell_changes(old: dict, new: RunConfig) -> list[str]:
     """
     changes = []
     new = new.resolved()  # as the cell would run, and wrote its config.toml
+    plain = not new.methods_where(lambda s: s.keeps_residual, unknown=True)
     for f in fields(RunConfig):
-        if f.name in _NOT_RESULTS:
+        if f.name in _NOT_RESULTS or (plain and f.name in _SIDE):
             continue
         default = f.default if f.default_factory is MISSING else f.default_factory()
         default = ADDED_LATER.get(f.name, default)  # what a cell from before it ran with
@@ -311,7 +316,8 @@ def _status(d: Path, cfg: RunConfig) -> tuple[str, str]:
         return "replace", f"its config.toml is unreadable: {exc}"
     # a default that follows the methods (fp32_side_branch: on where one is exact) is
     # resolved for this grid's methods, as a new cell of the grid would run: a cell that
-    # ran otherwise is rerun, so that no table mixes the two
+    # ran otherwise is rerun, so that no table mixes the two (a grid of methods without
+    # a residual ignores the side branch's settings: their rows do not depend on them)
     changes = cell_changes(old, cfg)
     if changes:
         return "replace", "; ".join(changes)
@@ -327,9 +333,7 @@ def _status(d: Path, cfg: RunConfig) -> tuple[str, str]:
     if old.get("rounds") != cfg.rounds:
         why.append(f"extended from {old.get('rounds')} to {cfg.rounds} rounds")
     # a cell stopped under another rule goes on under this one (the rule changes no row)
-    rule = [
-        f"{k} {old.get(k)} -> {getattr(cfg, k)}" for k in RULE if old.get(k) != getattr(cfg, k)
-    ]
+    rule = [f"{k} {old.get(k)} -> {getattr(cfg, k)}" for k in RULE if old.get(k) != getattr(cfg, k)]
     if rule:
         why.append(f"its stopping rule changed ({', '.join(rule)})")
     if why:
