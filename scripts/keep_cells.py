@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import shutil
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from fedexlora.config import ConfigError, load_run_config
 from fedexlora.experiments.compare import cell_changes
