@@ -16,7 +16,7 @@ those its config.toml lists count as finished too (`compare` rewrites that file 
 the cell has run them all). `fedexlora compare --out DEST` with the same grid then reuses
 the whole cells ("(done)"), writes its report from them without training, and runs only
 what is missing: whole cells, or the methods a kept cell lacks. A cell already in DEST is
-replaced only by one with more rows. Prints one line per cell.
+replaced only by one with more rows, of every method it holds. Prints one line per cell.
 
 A method is judged by the stopping rule in its cell's config.toml, which a resume
 rewrites only once the cell has finished; ``--study NAME`` judges every cell by that
@@ -30,7 +30,10 @@ import shutil
 import sys
 from pathlib import Path
 
-import tomllib
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 from fedexlora.config import ConfigError, load_run_config
 from fedexlora.experiments.compare import cell_changes
@@ -71,8 +74,16 @@ def keep_cells(src: Path, dest: Path, rule: dict | None = None) -> list[str]:
         kept_rows = [r for r in rows if r["method"] in done]
         target = dest / d.name
         if (target / "metrics.jsonl").is_file():
-            if len(intact_rows(target / "metrics.jsonl")) >= len(kept_rows):
+            held = intact_rows(target / "metrics.jsonl")
+            if len(held) >= len(kept_rows):
                 said.append(f"{d.name}: already kept")
+                continue
+            lost = [m for m in dict.fromkeys(r["method"] for r in held) if m not in done]
+            if lost:  # more rows, but not of every method kept: nothing kept is dropped
+                said.append(
+                    f"{d.name}: not copied, the kept one holds rows of {', '.join(lost)}, "
+                    "which this one has not finished"
+                )
                 continue
             kept = tomllib.loads((target / "config.toml").read_text())  # as it ran
             differ = [c for c in cell_changes(kept, cfg) if not c.startswith("rounds:")]

@@ -325,7 +325,7 @@ def test_a_cell_whose_methods_all_stopped_is_done(tmp_path):
     warm = cfg.replace(stop_min_rounds=5)
     assert _status(tmp_path, warm) == (
         "resume",
-        "its stopping rule changed (stop_min_rounds None -> 5)",
+        "resumed (4 of 20 rows done); its stopping rule changed (stop_min_rounds None → 5)",
     )
 
 
@@ -416,11 +416,24 @@ def test_a_cell_gains_a_method_and_keeps_its_rows_without_checkpoints(
     ]
     assert load_run_config(tmp_path / "plain" / "iid-2_r2_seed0" / "config.toml") == saved
     res = _cell(tiny_bert_dir, tiny_csv, tmp_path / "plain", "fedex,fedit")
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 0 and "fedit finished before (1 rounds)" in res.output, res.output
     again = _by_method(tmp_path / "plain" / "iid-2_r2_seed0" / "metrics.jsonl")
     assert {m: [_results(x) for x in xs] for m, xs in again.items()} == {
         m: [_results(x) for x in xs] for m, xs in first.items()
     }
+    # a cell with more rows, but not of every method kept, replaces nothing: fedit's
+    # three rounds beside a kept cell that holds fedex's rows too
+    import json
+
+    three = [{**json.loads(first["fedit"][0]), "round": r} for r in (1, 2, 3)]
+    (short / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in three))
+    (short / "config.toml").write_text(saved.replace(rounds=3).to_toml())
+    plain_rows = (tmp_path / "plain" / "iid-2_r2_seed0" / "metrics.jsonl").read_text()
+    assert keep.keep_cells(short.parent, tmp_path / "plain") == [
+        "iid-2_r2_seed0: not copied, the kept one holds rows of fedex, which this one has "
+        "not finished"
+    ]
+    assert (tmp_path / "plain" / "iid-2_r2_seed0" / "metrics.jsonl").read_text() == plain_rows
     (short / "metrics.jsonl").write_text(whole)
     # a longer cell of other settings never replaces a kept one
     import json
@@ -555,3 +568,19 @@ def test_a_grid_of_fedit_alone_reads_and_extends_a_cell_run_beside_fedex(
         in (tmp_path / "alone" / "iid-2_r2_seed0" / "config.toml").read_text()
     )
     assert [_results(x) for x in alone["fedit"]] == [_results(x) for x in after["fedit"]]
+
+
+def test_the_side_branch_setting_a_grid_of_fedit_alone_leaves_unset_is_not_a_change():
+    from fedexlora.config import RunConfig
+    from fedexlora.experiments.compare import cell_changes
+
+    beside = RunConfig(methods=["fedex", "fedit"]).resolved().to_dict()  # side branch on
+    alone = RunConfig(methods=["fedit"]).resolved().to_dict()  # off
+    assert beside["fp32_side_branch"] is True and alone["fp32_side_branch"] is False
+    assert cell_changes(beside, RunConfig(methods=["fedit"])) == []
+    # set by the grid, it is compared; and fedex beside fedit needs the cell to have run so
+    explicit = RunConfig(methods=["fedit"], fp32_side_branch=False)
+    assert cell_changes(beside, explicit) == ["fp32_side_branch: True → False"]
+    assert cell_changes(alone, RunConfig(methods=["fedex", "fedit"])) == [
+        "fp32_side_branch: False → True"
+    ]

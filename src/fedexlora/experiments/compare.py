@@ -1,7 +1,8 @@
 """``fedexlora compare``: a grid of methods x settings x seeds on identical partitions.
 
 This module plans and runs the grid (which cell reruns, resumes or is reused); its
-reports are in :mod:`fedexlora.experiments.compare_report`.
+reports are in :mod:`fedexlora.experiments.compare_report`, their plots in
+:mod:`fedexlora.experiments.compare_plots`.
 """
 
 from __future__ import annotations
@@ -47,14 +48,11 @@ DEFAULT_SETTINGS = (
 # is handled apart (a shorter finished cell is extended by a resume), and so is
 # ``methods``: a method's rows do not depend on the others beside it (each starts from
 # the seed's model, partitions and data order; fp32_side_branch, which follows the
-# methods, is compared as this grid resolves it), so a cell gains a method by a resume
+# methods, is compared as this grid resolves it, but for a grid of methods without a
+# residual that leaves it unset), so a cell gains a method by a resume
 # that runs only that one, and a grid of fewer methods reads, extends or resumes only
 # its own in a larger cell (the others' rows are kept).
 _NOT_RESULTS = set(RESUME_SAFE) | {"methods"}
-# The settings of the residuals kept beside the base: no row of a method without a
-# residual (FedIT and its kind) depends on them, so a grid of those methods alone reads
-# their rows in a cell that ran beside an exact method (fp32_side_branch resolved on)
-_SIDE = {"fp32_side_branch", "side_rank", "side_budget"}
 
 
 def cell_changes(old: dict, new: RunConfig) -> list[str]:
@@ -65,10 +63,15 @@ def cell_changes(old: dict, new: RunConfig) -> list[str]:
     saved cell ran more rounds than asked (fewer rounds are extended by a resume).
     """
     changes = []
-    new = new.resolved()  # as the cell would run, and wrote its config.toml
+    # No row of a method without a residual (FedIT's kind: its server step returns none,
+    # so no side branch is ever built) depends on fp32_side_branch: a grid of those alone
+    # that leaves it unset reads their rows in a cell run beside an exact method, where
+    # it resolved on (and a resume of theirs takes the cell's value: Run.open)
     plain = not new.methods_where(lambda s: s.keeps_residual, unknown=True)
+    follows = plain and new.fp32_side_branch is None
+    new = new.resolved()  # as the cell would run, and wrote its config.toml
     for f in fields(RunConfig):
-        if f.name in _NOT_RESULTS or (plain and f.name in _SIDE):
+        if f.name in _NOT_RESULTS or (follows and f.name == "fp32_side_branch"):
             continue
         default = f.default if f.default_factory is MISSING else f.default_factory()
         default = ADDED_LATER.get(f.name, default)  # what a cell from before it ran with
@@ -332,10 +335,10 @@ def _status(d: Path, cfg: RunConfig) -> tuple[str, str]:
         why.append(f"gains {', '.join(gained)}")
     if old.get("rounds") != cfg.rounds:
         why.append(f"extended from {old.get('rounds')} to {cfg.rounds} rounds")
-    # a cell stopped under another rule goes on under this one (the rule changes no row)
-    rule = [f"{k} {old.get(k)} -> {getattr(cfg, k)}" for k in RULE if old.get(k) != getattr(cfg, k)]
-    if rule:
-        why.append(f"its stopping rule changed ({', '.join(rule)})")
     if why:
         return "resume", "; ".join(why)
-    return "resume", f"resumed ({n} of {len(cfg.methods) * cfg.rounds} rows done)"
+    said = f"resumed ({n} of {len(cfg.methods) * cfg.rounds} rows done)"
+    # a cell whose methods stopped under another rule goes on under this one (the rule
+    # changes no row; a method without a checkpoint to resume from runs from round 1)
+    rule = [f"{k} {old.get(k)} → {getattr(cfg, k)}" for k in RULE if old.get(k) != getattr(cfg, k)]
+    return "resume", said + (f"; its stopping rule changed ({', '.join(rule)})" if rule else "")
