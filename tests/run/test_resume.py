@@ -354,11 +354,15 @@ def test_random_sigkills_then_resume_each_time_is_identical(tmp_path, tiny_bert_
 
 def test_resumed_metrics_keep_every_methods_rows_in_order(tiny_cfg, tmp_path):
     cfg = tiny_cfg.replace(rounds=1)
-    run_experiment(cfg, tmp_path, progress=False)
+    first = run_experiment(cfg, tmp_path, progress=False)
     rows = run_experiment(cfg.replace(rounds=2), tmp_path, resume=True, progress=False)
     want = [("fedex", 1), ("fedex", 2), ("fedit", 1), ("fedit", 2)]
     assert [(r["method"], r["round"]) for r in rows] == want
     assert read_metrics(tmp_path / "metrics.jsonl") == rows
+    # the rows written before are kept as they were, seconds and all: a checkpoint's copy
+    # of its own round's row was taken before the checkpoint's seconds were known
+    assert first[0]["split_seconds"]["checkpoint"] > 0
+    assert [r for r in rows if r["round"] == 1] == first
 
 
 def test_a_finished_method_is_kept_from_its_rows_and_a_torn_line_is_skipped(tiny_cfg, tmp_path):

@@ -174,11 +174,25 @@ def restore_run(
             continue
         model, _, server, info = found
         restored[method] = (model, server, info["clients"])
-        done_rows[method] = info["rows"]
+        # a checkpoint's copy of its own round's row lacks the checkpoint's seconds (taken
+        # before they were known): the row metrics.jsonl holds of that round has them
+        written = {r.get("round"): r for r in rows}
+        done_rows[method] = [_with_split(r, written.get(r.get("round"))) for r in info["rows"]]
         say(f"resuming {method} after round {server.round}")
     others = [r for r in before if r.get("method") not in cfg.methods]
     write_rows(layout.metrics, [r for m in cfg.methods for r in done_rows.get(m, [])] + others)
     return restored, done_rows
+
+
+def _with_split(row: dict, written: dict | None) -> dict:
+    """``row`` (from a checkpoint) with the ``split_seconds`` of the same round's row
+    in ``metrics.jsonl`` (``written``), when that row is the same round's otherwise."""
+    if written is None or "split_seconds" not in written:
+        return row
+    rest = {k: v for k, v in row.items() if k != "split_seconds"}
+    if rest != {k: v for k, v in written.items() if k != "split_seconds"}:
+        return row
+    return {**row, "split_seconds": written["split_seconds"]}
 
 
 def finished_methods(cfg: RunConfig, layout: RunLayout, rows: list[dict] | None = None) -> set:
