@@ -16,9 +16,10 @@ ratios the issue's goal names:
   client trained (clients training in parallel, as Flower's virtual clients do, count
   once; in-process it is the sum): the goal's ratio (<= 1.15 in-process, <= 1.3 under
   Flower);
-- the peak memory of each engine's whole process tree, sampled every 0.2 s from
-  ``/proc`` (``proc_memory.py``): PSS, each shared page counted once (what the machine
-  holds), and RSS summed over processes (a shared page once per process), and under
+- the peak memory of each engine's whole process tree, sampled from ``/proc``
+  (``proc_memory.py``: RSS every 0.2 s, PSS every 2 s, at nice 19; the sampler's own
+  CPU seconds are printed, since it shares the machine with what it times): PSS, each
+  shared page counted once (what the machine holds), and RSS summed over processes (a shared page once per process), and under
   Flower that of its virtual clients (Ray's ClientApp actors: processes named
   ``ray::ClientAppActor``) and of the rest by process name, against the in-process
   engine's (goal: <= 1.5x).
@@ -76,6 +77,7 @@ def run_measured(cmd: list[str], env: dict, log: Path) -> dict:
         "peak_pss_clients": peaks.group_pss,
         "peak_rss_by_name": peaks.by_name_rss,
         "peak_pss_by_name": peaks.by_name_pss,
+        "sampler_cpu": peaks.sampler_cpu,
     }
 
 
@@ -150,6 +152,11 @@ def summary(results: list[dict]) -> str:
             line += "round / (train_wall + eval) "
             line += f"{statistics.median(r['ratio_wall'] for r in rs):.3f}; "
         line += f"wall {res['wall']:.0f} s; " + _memory(res, local)
+        if "sampler_cpu" in res:  # what the memory sampling took from the run it measured
+            line += (
+                f"; the memory sampler's CPU {res['sampler_cpu']:.1f} s "
+                f"({100 * res['sampler_cpu'] / res['wall']:.1f}% of one core)"
+            )
         out.append(line)
         for kind in ("pss", "rss"):
             big = sorted(res.get(f"peak_{kind}_by_name", {}).items(), key=lambda kv: -kv[1])[:8]

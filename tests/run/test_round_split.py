@@ -240,7 +240,8 @@ def test_the_round_time_benchmark_reports_the_goals_ratios_from_the_rows():
     assert bench.ratios({**row, "train_wall": 3.0})["ratio_wall"] == 2.0
     dp = {**row, "train": None, "train_max": None, "setup": None}
     assert bench.ratios(dp) == {"other": 7.0}
-    mem = {"wall": 1.0, "peak_rss_clients": 0, "peak_rss_by_name": {"fedexlora": 10**9}}
+    mem = {"wall": 1.0, "peak_rss_clients": 0, "peak_rss_by_name": {"fedexlora": 10**9},
+           "sampler_cpu": 0.1}  # fmt: skip
     local = {"engine": "local", "rows": [row, row], "peak_rss": 10**9, "peak_pss": 10**9, **mem}
     flower = {**local, "engine": "flower", "rows": [dp], "peak_rss": 4 * 10**9}
     flower.update(peak_rss_clients=2 * 10**9, peak_pss=3 * 10**9, peak_pss_clients=10**9)
@@ -249,3 +250,26 @@ def test_the_round_time_benchmark_reports_the_goals_ratios_from_the_rows():
     assert "round / (train + eval) 1.250, round / (train_wall + eval) 1.250" in text
     assert "peak PSS 3000 MB (3.00x in-process), its virtual clients 1000 MB (1.00x" in text
     assert "peak RSS 4000 MB (4.00x in-process), its virtual clients 2000 MB (2.00x" in text
+    assert "the memory sampler's CPU 0.1 s (10.0% of one core)" in text
+
+
+def test_the_memory_sampler_reads_pss_at_its_own_cadence_and_counts_its_cpu():
+    """RSS every ``every`` s, PSS (the costly ``smaps_rollup``) every ``pss_every`` s:
+    a child that takes 150 MB after 1 s shows in the RSS peak, and in the PSS peak only
+    when PSS is read after it. The sampler's own CPU seconds come back."""
+    import subprocess
+    import sys
+
+    from conftest import load_script
+
+    mem = load_script("benchmarks/proc_memory.py")
+    child = [sys.executable, "-c", "import time; time.sleep(1); b = bytearray(150 * 2**20); "
+             "b[::4096] = b'x' * len(b[::4096]); time.sleep(2)"]  # fmt: skip
+    for pss_every, sees_it in ((0.5, True), (60.0, False)):
+        done, peaks, wall = mem.run_sampled(
+            child, {}, stdout=subprocess.PIPE, every=0.1, pss_every=pss_every
+        )
+        assert done.returncode == 0, done.stdout
+        assert peaks.rss > 150 * 2**20, peaks
+        assert (peaks.pss > 150 * 2**20) is sees_it, (pss_every, peaks)
+        assert 0 < peaks.sampler_cpu < wall, peaks
