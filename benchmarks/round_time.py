@@ -19,10 +19,10 @@ ratios the issue's goal names:
 - the peak memory of each engine's whole process tree, sampled from ``/proc``
   (``proc_memory.py``: RSS every 0.2 s, PSS every 2 s, at nice 19; the sampler's own
   CPU seconds are printed, since it shares the machine with what it times): PSS, each
-  shared page counted once (what the machine holds), and RSS summed over processes (a shared page once per process), and under
-  Flower that of its virtual clients (Ray's ClientApp actors: processes named
-  ``ray::ClientAppActor``) and of the rest by process name, against the in-process
-  engine's (goal: <= 1.5x).
+  shared page counted once (what the machine holds), and RSS summed over processes (a
+  shared page once per process), and under Flower that of its virtual clients (Ray's
+  ClientApp actors: processes named ``ray::ClientAppActor``) and of the rest by process
+  name, against the in-process engine's (goal: <= 1.5x).
 
 Rounds after the first are the steady state (the first loads the clients' models under
 Flower); the summary line gives their medians.

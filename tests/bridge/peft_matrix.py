@@ -414,21 +414,26 @@ def _logits(model, arch: str, params: dict | None = None) -> torch.Tensor:
         return m(**inputs(arch, 99)).logits
 
 
-def run_case(arch: str, option: str, rounds: int = 2, keep: dict | None = None) -> str:
+def run_case(
+    arch: str, option: str, rounds: int = 2, keep: dict | None = None, builder=None
+) -> str:
     """Federates the case (3 clients, ``rounds`` rounds) and returns its verdict.
 
-    ``keep``, if given, receives the global model under ``"model"``.
+    ``keep``, if given, receives the global model under ``"model"``. ``builder``, if
+    given, builds every party's model instead of :func:`build` (a case beyond
+    ``LoraConfig``'s options: a second adapter, a cast after wrapping).
     """
+    make = builder or (lambda: build(arch, option))
     try:
-        global_model = build(arch, option)
+        global_model = make()
     except Exception as e:  # noqa: BLE001  peft's own refusal
         return f"PEFT: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
-    clients = [build(arch, option) for _ in WEIGHTS]
+    clients = [make() for _ in WEIGHTS]
     if keep is not None:
         keep["model"] = global_model
     try:
         for m in [global_model, *clients]:
-            if m.fedex_matrix_side:
+            if getattr(m, "fedex_matrix_side", False):
                 use_side_branch(m)
         server = Server(get_state(global_model), layer_info(global_model), num_clients=3)
         payloads = {i: server.payload_for(i) for i in server.sample(1)}

@@ -107,7 +107,9 @@ def write_row_scales(
             set_magnitude(layers[name], extra[key], adapter)
 
 
-def dora_deviation(layer: LoraLayer, name: str, base: torch.Tensor, uploads, outcome, scale):
+def dora_deviation(
+    layer: LoraLayer, name: str, base: torch.Tensor, uploads, outcome, scale, adapter="default"
+):
     """``||W_model - T|| / ||T - W_previous||`` for a DoRA layer after the round's fold.
 
     ``T = sum_i p_i D_i (W + s B_i A_i)`` from the accepted uploads (``W``: ``base``, the
@@ -126,7 +128,7 @@ def dora_deviation(layer: LoraLayer, name: str, base: torch.Tensor, uploads, out
     A0, B0 = outcome.previous.factors[name]
     D0 = outcome.previous.extra[key].double().to(base.device)
     prev = D0[:, None] * (base + scale * (B0.double() @ A0.double()).to(base.device))
-    after = dora_weight_of(layer)
+    after = dora_weight_of(layer, adapter)
     den = float(torch.linalg.norm(ideal - prev))
     dev = float(torch.linalg.norm(after - ideal)) / den if den > 0 else 0.0
     return dev, float(torch.linalg.norm(after)), den

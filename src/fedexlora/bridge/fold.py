@@ -447,8 +447,9 @@ def side_caps(
         return side_rank
     caps: dict[str, int | None] = {}
     short: dict[str, float] = {}  # layer -> the budget one rank of it needs
-    for name, layer in lora_layers(model).items():
-        d, n = layer_kinds.dims(layer, "default")
+    adapter = _adapter_name(model, None)
+    for name, layer in lora_layers(model, adapter).items():
+        d, n = layer_kinds.dims(layer, adapter)
         q = int(budget * base_nbytes(layer) // (4 * (d + n)))
         caps[name] = None if q * (d + n) >= d * n else q
         if caps[name] == 0:

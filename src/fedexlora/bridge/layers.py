@@ -6,7 +6,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from transformers.pytorch_utils import Conv1D
 
-__all__ = ["lora_layers"]
+__all__ = ["lora_layers", "storage_groups"]
 
 _BNB_LAYERS = {"Linear4bit", "LinearNF4", "LinearFP4", "Linear8bitLt"}
 
@@ -41,14 +41,78 @@ def lora_layers(model: torch.nn.Module, adapter: str | None = None) -> dict[str,
     for name, module in model.named_modules():
         if not isinstance(module, LoraLayer):
             continue
+        active = list(getattr(module, "active_adapters", []) or [])
+        if len(active) > 1:  # each would train, and only one be federated
+            raise ValueError(
+                f"module {name!r}: adapters {active} are active at once, and fedex-lora "
+                "federates one adapter; activate one (set_adapter) or merge the others into "
+                "the base first (merge_and_unload)"
+            )
         if adapter not in module.lora_A and adapter not in getattr(module, "lora_embedding_A", {}):
             continue
         _check_layer(name, module, adapter)
+        _check_factor_dtype(name, module, adapter)  # after the base's own refusals
         layers[name] = module
     if not layers:
         raise ValueError(f"the model has no LoRA layers for adapter {adapter!r}")
     _check_untied(model, layers)
+    _check_dora_unshared(model, layers, adapter)
     return layers
+
+
+def _key(t: torch.Tensor) -> tuple | None:
+    """Where ``t`` lives: its device and its storage's address (``None``: nothing held)."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    ptr = t.untyped_storage().data_ptr()
+    return None if ptr == 0 else (str(t.device), ptr)
+
+
+def storage_groups(model: torch.nn.Module) -> dict[tuple, list[tuple[str, torch.Tensor]]]:
+    """Every parameter and buffer of ``model`` by the storage it lives in.
+
+    Duplicates are kept (``remove_duplicate=False``): a tied or replicated tensor appears
+    once under each module that holds it. Returns ``{storage: [(name, tensor), ...]}``.
+    """
+    groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    named = list(model.named_parameters(remove_duplicate=False))
+    named += list(model.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        key = _key(t)
+        if key is not None:
+            groups.setdefault(key, []).append((name, t))
+    return groups
+
+
+def _base_name(layer_name: str, layer: torch.nn.Module) -> str:
+    """The parameter name of a LoRA layer's base weight (``<layer>.base_layer.weight``)."""
+    for name, module in layer.named_modules():
+        if module is layer.get_base_layer():
+            return f"{layer_name}.{name}.weight" if name else f"{layer_name}.weight"
+    return f"{layer_name}.base_layer.weight"
+
+
+def _check_dora_unshared(model: torch.nn.Module, layers: dict[str, LoraLayer], adapter: str):
+    """Refuses DoRA on a base weight another module holds (tied, replicated).
+
+    Before any training: peft's DoRA norm reads the base weight alone, so the residual
+    has nowhere exact to go (a side branch would escape the norm; the weight is shared).
+    """
+    dora = {n: x for n, x in layers.items() if x.use_dora.get(adapter, False)}
+    if not dora:
+        return
+    groups = storage_groups(model)
+    for name, layer in dora.items():
+        weight = getattr(layer.get_base_layer(), "weight", None)
+        key = None if weight is None else _key(weight)
+        own = _base_name(name, layer)
+        others = [n for n, _ in groups.get(key, []) if n != own] if key is not None else []
+        if others:
+            raise ValueError(
+                f"module {name!r} uses DoRA (use_dora=True) on a base weight that "
+                f"{others[0]!r} holds too (tied or replicated), which fedex-lora cannot fold "
+                "into exactly; leave it out of target_modules or set use_dora=False"
+            )
 
 
 def _check_untied(model: torch.nn.Module, layers: dict[str, LoraLayer]) -> None:
@@ -80,10 +144,59 @@ def _check_untied(model: torch.nn.Module, layers: dict[str, LoraLayer]) -> None:
 _WAY_OUT = "leave it out of target_modules (or list it in exclude_modules)"
 
 
+# peft's LoRA variants (``LoraLayer.lora_variant``) fedex-lora aggregates exactly: DoRA on
+# its own path (fedexlora.bridge.dora), and those whose layer still adds scaling * B @ A
+# to the base and change only how A and B are found (VeLoRA: compressed activations in
+# the backward pass; MiCA: an initialisation). Each is held by the matrix's independent
+# ideal (tests/bridge/peft_matrix.py). Any other variant changes the update's form
+# (KaSA's B diag(s) A, aLoRA's update on some tokens only, BD-LoRA's block-diagonal
+# factors, ...) and is refused with the option that asked for it.
+_EXACT_VARIANTS = frozenset({
+    "DoraLinearVariant", "DoraEmbeddingVariant", "DoraConv1dVariant", "DoraConv2dVariant",
+    "DoraConv3dVariant", "VeloraLinearVariant", "MiCALinearVariant", "MiCAEmbeddingVariant",
+})  # fmt: skip
+_VARIANT_OPTIONS = {  # the LoraConfig option behind a variant, for the message
+    "Kasa": "kasa_config",
+    "ALora": "alora_invocation_tokens",
+    "BdLora": "use_bdlora",
+    "Arrow": "arrow_config",
+    "QALora": "use_qalora",
+    "Monteclora": "monteclora_config",
+}
+
+
+def _check_variant(name: str, module: LoraLayer, adapter: str) -> None:
+    variant = getattr(module, "lora_variant", {}).get(adapter)
+    if variant is None or type(variant).__name__ in _EXACT_VARIANTS:
+        return
+    kind = type(variant).__name__
+    option = next((o for k, o in _VARIANT_OPTIONS.items() if kind.startswith(k)), None)
+    raise ValueError(
+        f"module {name!r}: peft's {kind} ({option or 'a LoRA variant'}) makes the layer's "
+        "update other than scaling * B @ A, which fedex-lora cannot aggregate exactly; "
+        f"drop {option or 'that option'} from the LoraConfig"
+    )
+
+
+def _check_factor_dtype(name: str, module: LoraLayer, adapter: str) -> None:
+    from fedexlora.bridge import layer_kinds
+
+    for which, p in zip("AB", layer_kinds.factor_params(module, adapter)):
+        dtype = p.dtype
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(
+                f"module {name!r}: its LoRA {which} is {dtype}, which cannot hold the "
+                "averaged factors exactly; keep the adapter in fp32 (peft's default, "
+                "autocast_adapter_dtype=True; do not cast the whole model with .to(dtype) "
+                "after get_peft_model)"
+            )
+
+
 def _check_layer(name: str, module: LoraLayer, adapter: str) -> None:
     """Raises ``ValueError`` (one line) unless the layer can be aggregated exactly."""
     from fedexlora.bridge import layer_kinds
 
+    _check_variant(name, module, adapter)
     if module.use_dora.get(adapter, False):
         from fedexlora.bridge.dora import check_dora_layer
 

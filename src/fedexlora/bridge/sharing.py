@@ -20,43 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from fedexlora.bridge.layers import _adapter_name, lora_layers
+from fedexlora.bridge.layers import _adapter_name, _base_name, _key, lora_layers, storage_groups
 
 __all__ = ["SHARED", "base_holders", "route_shared", "storage_groups"]
 
 SHARED = "_fedex_shared"  # set on a LoRA layer: the other holders of its base weight
-
-
-def _key(t: torch.Tensor) -> tuple | None:
-    """Where ``t`` lives: its device and its storage's address (``None``: nothing held)."""
-    if t.numel() == 0 or t.device.type == "meta":
-        return None
-    ptr = t.untyped_storage().data_ptr()
-    return None if ptr == 0 else (str(t.device), ptr)
-
-
-def storage_groups(model: torch.nn.Module) -> dict[tuple, list[tuple[str, torch.Tensor]]]:
-    """Every parameter and buffer of ``model`` by the storage it lives in.
-
-    Duplicates are kept (``remove_duplicate=False``): a tied or replicated tensor appears
-    once under each module that holds it. Returns ``{storage: [(name, tensor), ...]}``.
-    """
-    groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
-    named = list(model.named_parameters(remove_duplicate=False))
-    named += list(model.named_buffers(remove_duplicate=False))
-    for name, t in named:
-        key = _key(t)
-        if key is not None:
-            groups.setdefault(key, []).append((name, t))
-    return groups
-
-
-def _base_name(layer_name: str, layer: torch.nn.Module) -> str:
-    """The parameter name of a LoRA layer's base weight (``<layer>.base_layer.weight``)."""
-    for name, module in layer.named_modules():
-        if module is layer.get_base_layer():
-            return f"{layer_name}.{name}.weight" if name else f"{layer_name}.weight"
-    return f"{layer_name}.base_layer.weight"
 
 
 def base_holders(

@@ -35,7 +35,7 @@ from fedexlora.bridge.fold import (
     load_side_state,
     side_state,
 )
-from fedexlora.bridge.layers import lora_layers
+from fedexlora.bridge.layers import _adapter_name, lora_layers
 from fedexlora.bridge.sharing import route_shared
 from fedexlora.bridge.whole import extras_deviation, frozen_changes
 from fedexlora.core.messages import ClientUpload, Payload, RoundOutcome
@@ -167,33 +167,36 @@ def apply_outcome(
         ``2^-24 ||W_model|| / ||W_ideal - W_previous||``: fp32's unit rounding of the
         weights, relative to the same update.
     """
-    route_shared(model)  # a shared base weight (tied, replicated) takes a side branch
+    adapter = _adapter_name(model, None)  # the one adapter federated (lora_layers)
+    route_shared(model, adapter)  # a shared base weight (tied, replicated): a side branch
     measure = bool(uploads) and bool(outcome.weights) and outcome.previous is not None
     if measure:
         frozen_changes(model, first=True)  # the frozen parameters' bits, before any fold
-    set_state(model, server.state)
+    set_state(model, server.state, adapter)
     out = {}
-    for name, layer in lora_layers(model).items():
-        before = effective_weight(layer, lora=False) if measure else None
+    for name, layer in lora_layers(model, adapter).items():
+        before = effective_weight(layer, adapter, lora=False) if measure else None
         if name in outcome.residuals:  # one layer at a time: no rescan of the model
             cap = rank_cap(server.side_rank, name)
-            fold_layer(layer, outcome.residuals[name], side_rank=cap, name=name)
-        if is_dora(layer, "default"):  # m = Dbar ||W' + s Bbar Abar||, on the folded base
-            write_row_scales({name: layer}, server.state.extra, "default")
+            fold_layer(layer, outcome.residuals[name], adapter, side_rank=cap, name=name)
+        if is_dora(layer, adapter):  # m = Dbar ||W' + s Bbar Abar||, on the folded base
+            write_row_scales({name: layer}, server.state.extra, adapter)
             if before is not None:
                 scale = server.layers[name].scale
-                out[name], norm, den = dora_deviation(layer, name, before, uploads, outcome, scale)
+                out[name], norm, den = dora_deviation(
+                    layer, name, before, uploads, outcome, scale, adapter
+                )
                 if den > 0:
                     outcome.rounding[name] = FP32_UNIT_ROUNDING * norm / den
             continue
         if before is None:
             continue
-        after = effective_weight(layer)
+        after = effective_weight(layer, adapter)
         # in the server's coordinates, lifted to the layer's (B M A for Fed-SB)
-        update = lift(layer, server.ideal_update(name, uploads, outcome))
+        update = lift(layer, server.ideal_update(name, uploads, outcome), adapter)
         ideal = before + update.to(before.device)
         A0, B0 = outcome.previous.factors[name]
-        start = lift(layer, server.layers[name].scale * (B0.double() @ A0.double()))
+        start = lift(layer, server.layers[name].scale * (B0.double() @ A0.double()), adapter)
         move = (ideal - before) - start.to(before.device)
         den = float(torch.linalg.norm(move))
         out[name] = float(torch.linalg.norm(after - ideal)) / den if den > 0 else 0.0

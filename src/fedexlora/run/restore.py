@@ -185,8 +185,11 @@ def restore_run(
 
 
 def _with_split(row: dict, written: dict | None) -> dict:
-    """``row`` (from a checkpoint) with the ``split_seconds`` of the same round's row
-    in ``metrics.jsonl`` (``written``), when that row is the same round's otherwise."""
+    """``row`` (from a checkpoint) with the ``split_seconds`` of ``written``.
+
+    ``written`` is the same round's row in ``metrics.jsonl``, used only when it is the
+    same row but for its seconds.
+    """
     if written is None or "split_seconds" not in written:
         return row
     rest = {k: v for k, v in row.items() if k != "split_seconds"}
