@@ -378,7 +378,14 @@ class RunConfig:
     max_grad_norm: float = setting(
         1.0, help="Gradient clipping norm", panel=TRAINING, low=0, low_open=True
     )
-    seed: int = setting(0, help="Seed for everything random", panel=TRAINING)
+    seed: int = setting(
+        0,
+        help="Seed for the data split, initialisation, sampling and training (DP noise: "
+        "see --dp-reproducible)",
+        panel=TRAINING,
+        low=0,
+        high=2**32 - 1,  # numpy's and torch's seeds
+    )
     # Evaluation
     eval_batch_size: int = setting(64, help="Evaluation batch size", panel=EVALUATION, low=1)
     max_new_tokens: int = setting(

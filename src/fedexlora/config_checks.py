@@ -69,6 +69,8 @@ def cross_field_errors(cfg) -> list[str]:
     unknown = [m for m in cfg.methods if m not in REGISTRY]
     need(not unknown, f"`methods`: unknown {unknown}; choose from {list(REGISTRY)}")
     need(len(cfg.methods) > 0, "`methods` must name at least one method")
+    twice = sorted({m for m in cfg.methods if cfg.methods.count(m) > 1})
+    need(not twice, f"`methods` names {twice} more than once; name each method once")
     if cfg.trainer == "trl":
         need(
             importlib.util.find_spec("trl") is not None,

@@ -394,3 +394,59 @@ def test_files_given_to_the_destination_during_an_export_are_kept(
     assert [p.name for p in dest.iterdir()] == ["adapter_config.json"]
     assert (dest / "adapter_config.json").read_text() == "mine\n"
     assert not list(tmp_path.glob(".fedexlora-export-*"))  # no staging left behind
+
+
+def _copy_model(src, dst, *, keep):
+    import shutil
+
+    dst.mkdir()
+    for f in Path(src).iterdir():
+        if keep(f.name):
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+
+
+@pytest.mark.parametrize("case", ["no tokenizer", "no weights", "truncated weights"])
+def test_a_model_directory_missing_a_part_is_one_line_naming_it(
+    case, tmp_path, tiny_bert_dir, tiny_csv
+):
+    """A local model without its tokenizer used to train on [UNK] alone (a 5-token
+    vocabulary transformers makes up) and report success; one without weights, or with
+    truncated ones, ended in a traceback."""
+    model = tmp_path / "model"
+    if case == "no tokenizer":
+        _copy_model(tiny_bert_dir, model, keep=lambda n: n == "config.json" or n in _WEIGHTS)
+        why = f"cannot load model {str(model)!r}: {str(model)!r} holds no tokenizer"
+    elif case == "no weights":
+        _copy_model(tiny_bert_dir, model, keep=lambda n: n not in _WEIGHTS)
+        why = f"cannot load model {str(model)!r}: its weights"
+    else:
+        _copy_model(tiny_bert_dir, model, keep=lambda n: True)
+        w = model / "model.safetensors"
+        w.write_bytes(w.read_bytes()[:100])
+        why = f"cannot load model {str(model)!r}: its weights"
+    out = tmp_path / "o"
+    _clear(_tiny(model, tiny_csv, out), why)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "extra,why",
+    [
+        (["--method", "fedex,fedit,fedex"], "`--method` names ['fedex'] more than once"),
+        (["--seed", "-1"], "seed"),
+        (["--seed", str(2**32)], "seed"),
+    ],
+    ids=["a method twice", "negative seed", "seed past 2**32-1"],
+)
+def test_a_repeated_method_or_a_seed_out_of_range_is_refused(
+    extra, why, tmp_path, tiny_bert_dir, tiny_csv, model_never_loads
+):
+    """A method named twice trained twice and summed its bytes in the report; a negative
+    seed failed in numpy with a message that named nothing."""
+    out = tmp_path / "o"
+    _clear(_tiny(tiny_bert_dir, tiny_csv, out, *extra), why)
+    assert not out.exists()

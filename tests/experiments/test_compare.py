@@ -163,6 +163,11 @@ def test_privacy_study_reports_accuracy_against_epsilon(tiny_bert_dir, tiny_csv,
         (["--dp-epsilons", "0,inf"], "--dp-epsilons must all be > 0"),
         (["--target-fraction", "0"], "--target-fraction must be in (0, 1], got 0.0"),
         (["--stop-patience", "0"], "--stop-patience"),
+        (["--local-steps", "5", "--total-steps", "24"],
+         "--total-steps 24 must be a multiple of every --local-steps value (not of 5)"),
+        (["--seeds", "1,1"], "--seeds lists 1 more than once; list each once"),
+        (["--ranks", "2,4,2"], "--ranks lists 2 more than once"),
+        (["--settings", "iid-3,dir0.5-3,iid-3"], "--settings lists iid-3 more than once"),
     ],
 )  # fmt: skip
 def test_compare_study_bad_input(args, match, tmp_path):
@@ -584,3 +589,16 @@ def test_the_side_branch_setting_a_grid_of_fedit_alone_leaves_unset_is_not_a_cha
     assert cell_changes(alone, RunConfig(methods=["fedex", "fedit"])) == [
         "fp32_side_branch: False → True"
     ]
+
+
+def test_a_single_local_steps_value_divides_the_total_steps_into_rounds(tiny_bert_dir, tiny_csv):
+    """One --local-steps value with --total-steps: the rounds are their quotient (it used
+    to fail with "not of None" whatever the values)."""
+    from fedexlora.config import RunConfig
+    from fedexlora.experiments.cells import Setting
+    from fedexlora.experiments.compare import _plan
+
+    base = RunConfig(model=str(tiny_bert_dir), task=str(tiny_csv), methods=["fedex"],
+                     local_steps=12, min_partition_size=5)  # fmt: skip
+    plan = _plan(base, [Setting("iid-3", 3, "iid")], [4], [0], None, 24)
+    assert [(c.steps, cfg.local_steps, cfg.rounds) for c, cfg in plan] == [(None, 12, 2)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -313,7 +314,7 @@ def load_base(
                                               seed)  # fmt: skip
                 model.name_or_path = model.config._name_or_path = spec.path  # as asked
                 return model, tokenizer
-            except (OSError, SafetensorError) as exc:  # damaged since: read the GGUF file
+            except (OSError, SafetensorError, ValueError) as exc:  # damaged: read the GGUF
                 import shutil
                 import warnings
 
@@ -336,7 +337,9 @@ def _load_base(spec, name, causal, num_labels, dtype, quantization, double_quant
     )
 
     kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(spec.path, **kwargs)
+    _check_tokenizer_files(spec)
+    with _loading(spec, "tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(spec.path, **kwargs)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(seed)
@@ -348,12 +351,47 @@ def _load_base(spec, name, causal, num_labels, dtype, quantization, double_quant
     if quantization is None and spec.gguf_file:
         model = _from_gguf(cls, spec, dtype, extra)
     elif quantization is None:
-        model = cls.from_pretrained(spec.path, dtype=dtype, **extra)
+        with _loading(spec, "weights"):
+            model = cls.from_pretrained(spec.path, dtype=dtype, **extra)
     else:
         model = _load_quantized(cls, spec, name, quantization, double_quant, dtype, seed, extra)
     if not causal and model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+# a local model directory holds its tokenizer in one of these (a GGUF file embeds it):
+# without them transformers builds a 5-token vocabulary and every word becomes [UNK]
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
+                    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
+
+
+def _check_tokenizer_files(spec: ModelSpec) -> None:
+    if spec.gguf_file or not os.path.isdir(spec.path):
+        return
+    if not any(os.path.exists(os.path.join(spec.path, f)) for f in _TOKENIZER_FILES):
+        raise ValueError(
+            f"cannot load model {spec.name!r}: {spec.path!r} holds no tokenizer (none of "
+            f"{', '.join(_TOKENIZER_FILES[:3])}, ...); save it beside the weights "
+            "(tokenizer.save_pretrained(DIR))"
+        )
+
+
+@contextlib.contextmanager
+def _loading(spec: ModelSpec, what: str):
+    """A failure to read the model's ``what`` as one line naming the model.
+
+    Missing or corrupt files: transformers raises OSError, safetensors its own error.
+    """
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001  OSError, SafetensorError, RuntimeError, ...
+        if isinstance(exc, (ImportError, MemoryError)):
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(
+            f"cannot load model {spec.name!r}: its {what} ({spec.path!r}): {first}"
+        ) from None
 
 
 def _from_gguf(cls, spec: ModelSpec, dtype: torch.dtype, extra: dict):

@@ -105,8 +105,18 @@ def _plan(
     eps_axis: list[float | None] = [float(e) for e in epsilons] if epsilons else [None]
     if any(e is not None and not e > 0 for e in eps_axis):
         raise ValueError(f"--dp-epsilons must be > 0 (inf: no DP), got {epsilons}")
+    axes = {"--settings": [s.name for s in settings], "--ranks": ranks, "--seeds": seeds,
+            "--local-steps": local_steps or [], "--dp-epsilons": epsilons or []}  # fmt: skip
+    for flag, axis in axes.items():
+        twice = [str(x) for x in dict.fromkeys(axis) if list(axis).count(x) > 1]
+        if twice:  # a cell twice: its second run would find the first one's directory
+            raise ValueError(f"{flag} lists {', '.join(twice)} more than once; list each once")
     if total_steps is not None:
-        bad = [s for s in steps_axis if s is None or s < 1 or total_steps % s]
+        if base.local_steps is None and not local_steps:
+            raise ValueError("--total-steps needs --local-steps (the rounds are their quotient)")
+        bad = [s for s in steps_axis if s is not None and (s < 1 or total_steps % s)]
+        if None in steps_axis and total_steps % base.local_steps:
+            bad.append(base.local_steps)
         if bad:
             raise ValueError(
                 f"--total-steps {total_steps} must be a multiple of every --local-steps value "
@@ -137,7 +147,7 @@ def _plan(
                         if st is not None:
                             changes["local_steps"] = st
                         if total_steps is not None:
-                            changes["rounds"] = total_steps // st
+                            changes["rounds"] = total_steps // (st or base.local_steps)
                         if eps is not None:
                             changes["dp_epsilon"] = None if math.isinf(eps) else eps
                         cell = Cell(s, r, st, seed, epsilon=eps)
