@@ -450,3 +450,18 @@ def test_a_repeated_method_or_a_seed_out_of_range_is_refused(
     out = tmp_path / "o"
     _clear(_tiny(tiny_bert_dir, tiny_csv, out, *extra), why)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("mine", ["config.toml", "summary.md"])
+def test_out_holding_files_of_the_users_own_is_refused_and_leaves_them(
+    mine, tmp_path, tiny_bert_dir, tiny_csv, model_never_loads
+):
+    """A directory that is not a run (no metrics.jsonl) but holds a file a run writes:
+    the config given to --config, or notes (``--out ''`` is the current directory). The
+    run used to replace them."""
+    out = tmp_path / "myexp"
+    out.mkdir()
+    (out / mine).write_text("my own\n")
+    _clear(_tiny(tiny_bert_dir, tiny_csv, out), f"holds {mine}, which is not a run's")
+    assert (out / mine).read_text() == "my own\n"
+    assert sorted(p.name for p in out.iterdir()) == [mine]

@@ -190,6 +190,20 @@ def test_csv_integer_labels_kept(tmp_path) -> None:
         assert row["text_pair"] == "a" + row["text"][1:]
 
 
+@pytest.mark.parametrize("values", [(1, 2, 3, 4, 5), (0, 1000000), (0, 5)])
+def test_csv_integer_labels_with_gaps_are_one_class_each(tmp_path, values) -> None:
+    """Ratings 1-5, or 0 and 1000000: each value is a class, in order (before, the values
+    were class ids: 1-5 made an empty class 0, 1000000 a head of a million classes)."""
+    path = tmp_path / "gaps.csv"
+    k = len(values)
+    lines = ["text,label"] + [f"t{i},{values[i % k]}" for i in range(10 * k)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    task = load_task(str(path))
+    assert task.label_names == [str(v) for v in values]
+    for row in task.train:
+        assert values[row["label"]] == values[int(row["text"][1:]) % k]
+
+
 def test_jsonl_classification(tmp_path) -> None:
     path = tmp_path / "topics.jsonl"
     _write_jsonl(path, [{"text": f"t{i}", "label": ["z", "a", "m"][i % 3]} for i in range(15)])
@@ -478,7 +492,10 @@ def test_synthetic_task_has_as_many_examples_as_asked_and_depends_on_the_seed():
     assert set(a.train["label"]) == set(a.test["label"]) == set(range(5))
 
 
-@pytest.mark.parametrize("name", ["synthetic:abc", "synthetic:5", "synthetic:"])
+@pytest.mark.parametrize(
+    "name", ["synthetic:abc", "synthetic:5", "synthetic:", "synthetic:99999999999"]
+)
 def test_synthetic_task_refuses_a_bad_size(name):
-    with pytest.raises(ValueError, match="integer >= 10"):
+    # the largest used to end in a MemoryError (745 GiB) after a traceback
+    with pytest.raises(ValueError, match="an integer from 10 to 10000000"):
         load_task(name)

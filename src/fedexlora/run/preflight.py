@@ -56,10 +56,19 @@ def check_inputs(
         problem = output_dir_error(out)
         if problem is not None:
             raise RunError(f"--out {str(out)!r} {problem}")
-        if RunLayout(out).holds_run():
+        layout = RunLayout(out)
+        if layout.holds_run():
             raise RunError(
                 f"--out {str(out)!r} already holds a run; pass --resume to continue it or "
                 "choose another directory"
+            )
+        # files a run writes, in a directory that is no run (it would have metrics.jsonl):
+        # the user's own (a config.toml given to --config, notes), which the run would replace
+        theirs = [f for f in ("config.toml", "summary.md") if (Path(out) / f).exists()]
+        if theirs and not layout.metrics.exists():
+            raise RunError(
+                f"--out {str(out)!r} holds {theirs[0]}, which is not a run's and which the "
+                "run would overwrite; choose a new or empty directory"
             )
     else:
         problem = _rounds_done_error(cfg, out)

@@ -314,10 +314,10 @@ def _load_synthetic(key: str, *, seed: int, test_fraction: float) -> Task:
     size = _SYNTHETIC_SIZE
     if key != "synthetic":
         raw = key.removeprefix("synthetic:")
-        if not raw.isdigit() or int(raw) < 10:
+        if not raw.isdigit() or not 10 <= int(raw) <= 10**7:
             raise ValueError(
-                f"task {key!r}: the size after 'synthetic:' must be an integer >= 10, "
-                "e.g. 'synthetic:20000'"
+                f"task {key!r}: the size after 'synthetic:' must be an integer from 10 to "
+                "10000000, e.g. 'synthetic:20000'"
             )
         size = int(raw)
     rng = np.random.default_rng(seed)
@@ -510,8 +510,12 @@ def _load_file(name: str, *, seed: int, test_fraction: float) -> Task:
                 raise ValueError(
                     f"data file {str(path)!r}: integer labels must be >= 0, found {min(as_int)}"
                 )
-            label_names = [str(i) for i in range(max(as_int) + 1)]
-            labels = as_int
+            distinct = sorted(set(as_int))
+            if distinct == list(range(len(distinct))):  # class ids already
+                label_names, labels = [str(i) for i in distinct], as_int
+            else:  # gaps (ratings 1-5; 0 and 1000000): each value a class, in order
+                index = {v: i for i, v in enumerate(distinct)}
+                label_names, labels = [str(v) for v in distinct], [index[v] for v in as_int]
         else:
             if any(isinstance(v, float) for v in raw_labels):
                 raise ValueError(
