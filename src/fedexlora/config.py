@@ -476,8 +476,8 @@ class RunConfig:
     export_format: str | None = setting(
         help="adapter or merged",
         panel=EXPORT,
-        default_text="merged for fp32 bases, adapter with a side branch: bf16/fp16, "
-        "quantized, --fp32-side-branch",
+        default_text="adapter when the run keeps a side branch (an exact method's default; "
+        "bf16/fp16/quantized bases), merged otherwise (--no-fp32-side-branch)",
         choices=_EXPORT_FORMATS,
     )
     export_dtype: str = setting("fp32", help="Merged export dtype", panel=EXPORT, choices=_DTYPES)

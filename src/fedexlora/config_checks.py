@@ -258,7 +258,7 @@ def _dora_errors(cfg, errs: list[str]) -> None:
     if other:
         errs.append(
             f"`dora`: method {other[0]!r} does not aggregate DoRA exactly; fix: "
-            f"--methods {','.join(exact)}, or drop --dora"
+            f"--method {','.join(exact)}, or drop --dora"
         )
     if cfg.dtype != "fp32" or cfg.quantization is not None:
         errs.append(

@@ -465,3 +465,12 @@ def test_out_holding_files_of_the_users_own_is_refused_and_leaves_them(
     _clear(_tiny(tiny_bert_dir, tiny_csv, out), f"holds {mine}, which is not a run's")
     assert (out / mine).read_text() == "my own\n"
     assert sorted(p.name for p in out.iterdir()) == [mine]
+
+
+def test_a_target_module_that_matches_nothing_is_named(tmp_path, tiny_bert_dir, tiny_csv):
+    """peft adapts the names that match and drops the others without a word: a typo
+    halved the adapted layers and the bytes, silently."""
+    out = tmp_path / "o"
+    res = _tiny(tiny_bert_dir, tiny_csv, out, "--target-modules", "query,valeu")
+    _clear(res, "LoRA `target_modules` ['valeu'] match no module of model", "'value'")
+    assert not out.exists()

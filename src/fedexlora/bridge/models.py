@@ -266,6 +266,8 @@ def load_model(
         raise ValueError(
             f"LoRA `target_modules` {targets} do not match model {name!r}: {exc}"
         ) from None
+    if target_modules:  # peft adapts what matches and drops a misspelled name silently
+        _check_each_target(peft_model, target_modules, name)
     for p in peft_model.parameters():
         # Trainable weights (the head) train in fp32 as in mixed precision: AdamW's eps
         # underflows in fp16 (NaN after one step), and bf16 loses small updates.
@@ -364,6 +366,26 @@ def _load_base(spec, name, causal, num_labels, dtype, quantization, double_quant
 # without them transformers builds a 5-token vocabulary and every word becomes [UNK]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
                     "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")  # fmt: skip
+
+
+def _check_each_target(peft_model, targets: list[str], name: str) -> None:
+    """Raises ``ValueError`` naming a listed target module that matched no module.
+
+    peft matches a module's name or a dotted suffix of it.
+    """
+    adapted = list(getattr(peft_model, "targeted_module_names", []) or [])
+    if not adapted:
+        return
+    missing = [t for t in targets if not any(a == t or a.endswith(f".{t}") for a in adapted)]
+    if missing:
+        base = peft_model.base_model.model
+        leaves = sorted({n.removesuffix(".base_layer").rsplit(".", 1)[-1]
+                         for n, m in base.named_modules()
+                         if isinstance(m, torch.nn.Linear) and ".lora_" not in n})  # fmt: skip
+        raise ValueError(
+            f"LoRA `target_modules` {missing} match no module of model {name!r} (the others "
+            f"do); its linear layers are named {leaves[:12]}"
+        )
 
 
 def _check_tokenizer_files(spec: ModelSpec) -> None:

@@ -21,8 +21,9 @@ def export_cmd(
         None,
         "--format",
         help="adapter (PEFT, exact on the unchanged base) or merged, a Hugging Face model "
-        "(default: merged for fp32 bases, adapter for bf16/fp16/quantized bases and "
-        "--fp32-side-branch runs).",
+        "(default: adapter for a run that kept a side branch, which an exact method does "
+        "by default and every bf16/fp16/quantized base does; merged otherwise, as after "
+        "--no-fp32-side-branch).",
     ),
     dtype: str | None = typer.Option(None, "--dtype", help="Merged model dtype (default: fp32)."),
     allow_inexact: bool = typer.Option(
