@@ -137,8 +137,14 @@ def cross_field_errors(cfg) -> list[str]:
         cfg.export_dtype == "fp32" or cfg.resolved_export_format != "merged" or cfg.allow_inexact,
         f"`export_dtype` {cfg.export_dtype!r}: a merged model in {cfg.export_dtype} "
         "rounds the federated update away, so it cannot be exact; fix: keep "
-        "--export-dtype fp32, use --export-format adapter, or confirm with "
+        "--export-dtype fp32 (or drop it for --export-format adapter), or confirm with "
         "--allow-inexact",
+    )
+    need(
+        cfg.export_dtype == "fp32" or cfg.resolved_export_format != "adapter",
+        f"`export_dtype` {cfg.export_dtype!r} applies to a merged model, and this run "
+        "exports an adapter (which keeps the run's dtypes, exact on the unchanged base); "
+        "fix: drop --export-dtype, or --export-format merged",
     )
     need(
         cfg.dp or not cfg.dp_reproducible,

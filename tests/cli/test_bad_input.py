@@ -474,3 +474,18 @@ def test_a_target_module_that_matches_nothing_is_named(tmp_path, tiny_bert_dir, 
     res = _tiny(tiny_bert_dir, tiny_csv, out, "--target-modules", "query,valeu")
     _clear(res, "LoRA `target_modules` ['valeu'] match no module of model", "'value'")
     assert not out.exists()
+
+
+def test_an_adapter_export_with_a_dtype_is_refused_not_ignored(tmp_path, finished_run):
+    """An adapter keeps the run's dtypes: --dtype bf16 used to be ignored without a word
+    (an fp32 adapter written where bf16 was asked)."""
+    dest = tmp_path / "exp"
+    _clear(_run("export", finished_run, dest, "--format", "adapter", "--dtype", "bf16"),
+           "--dtype bf16 applies to a merged model")  # fmt: skip
+    assert not dest.exists()
+
+
+def test_a_non_finite_compare_target_is_refused(tmp_path):
+    _clear(_run("compare", "--out", tmp_path / "c", "--target", "nan"),
+           "--target must be a finite number, got nan")  # fmt: skip
+    assert not (tmp_path / "c").exists()

@@ -29,6 +29,10 @@ def _run(*args):
         (["--quantization", "nf3"], "`--quantization` must be one of ('nf4', 'fp4', 'int8')"),
         (["--double-quant"], "`--double-quant` applies to 4-bit quantization only"),
         (["--export-format", "merged", "--export-dtype", "bf16"], "so it cannot be exact; fix"),
+        (
+            ["--export-format", "adapter", "--export-dtype", "bf16"],
+            "`--export-dtype` 'bf16' applies to a merged model, and this run exports an",
+        ),
         (["--dora", "--method", "fedex,fedit"], "`--dora`: method 'fedit' does not aggregate"),
         (["--dora", "--method", "fedex", "--dtype", "bf16"], "`--dora` is exact only on an fp32"),
     ],

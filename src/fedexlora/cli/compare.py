@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from pathlib import Path
 
 from fedexlora.cli._common import console, fail, quiet_libraries
@@ -275,6 +276,8 @@ def compare_cmd(**given) -> None:
     target, fraction = given.pop("target"), given.pop("target_fraction")
     if not 0 < fraction <= 1:
         fail(f"--target-fraction must be in (0, 1], got {fraction}")
+    if target is not None and not math.isfinite(target):
+        fail(f"--target must be a finite number, got {target}")
     full_test, max_test = given.pop("full_test"), given["max_test"]
     if study is not None and study not in _STUDIES:
         fail(f"--study: unknown study {study!r}; choose from {', '.join(_STUDIES)}")

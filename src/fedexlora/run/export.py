@@ -200,6 +200,11 @@ def export_model(
         raise RunError(f"--format must be adapter or merged, got {fmt!r}")
     if dtype not in _DTYPES:
         raise RunError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if fmt == "adapter" and dtype != "fp32":  # an adapter keeps the run's own dtypes
+        raise RunError(
+            f"--dtype {dtype} applies to a merged model; an adapter export keeps the run's "
+            "dtypes (exact on the unchanged base); fix: drop --dtype, or --format merged"
+        )
     if fmt == "merged" and dtype != "fp32" and not allow:
         raise RunError(
             f"--format merged in {dtype} rounds the federated update away, so it cannot be "
