@@ -69,6 +69,11 @@ def cross_field_errors(cfg) -> list[str]:
     unknown = [m for m in cfg.methods if m not in REGISTRY]
     need(not unknown, f"`methods`: unknown {unknown}; choose from {list(REGISTRY)}")
     need(len(cfg.methods) > 0, "`methods` must name at least one method")
+    need(
+        cfg.data_dir is None or Path(cfg.data_dir).expanduser().is_dir(),
+        f"`data_dir` {cfg.data_dir!r} is not a directory (without one, the data would come "
+        "from the hub); fix: the directory that holds the hub's file layout",
+    )
     twice = sorted({m for m in cfg.methods if cfg.methods.count(m) > 1})
     need(not twice, f"`methods` names {twice} more than once; name each method once")
     if cfg.trainer == "trl":

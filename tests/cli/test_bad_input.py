@@ -439,8 +439,9 @@ def test_a_model_directory_missing_a_part_is_one_line_naming_it(
         (["--method", "fedex,fedit,fedex"], "`--method` names ['fedex'] more than once"),
         (["--seed", "-1"], "seed"),
         (["--seed", str(2**32)], "seed"),
+        (["--data-dir", "/no/such/dir"], "`--data-dir` '/no/such/dir' is not a directory"),
     ],
-    ids=["a method twice", "negative seed", "seed past 2**32-1"],
+    ids=["a method twice", "negative seed", "seed past 2**32-1", "no data dir"],
 )
 def test_a_repeated_method_or_a_seed_out_of_range_is_refused(
     extra, why, tmp_path, tiny_bert_dir, tiny_csv, model_never_loads
