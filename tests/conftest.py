@@ -88,6 +88,17 @@ def save_tiny_bert(d, *, hidden_size: int = 32, intermediate_size: int = 48) -> 
     return str(d)
 
 
+@pytest.fixture()
+def one_torch_thread():
+    """torch on one thread for the test, then as it was."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory):
     """A tiny randomly initialised BERT classifier with MiniLM's real tokenizer."""

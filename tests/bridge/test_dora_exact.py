@@ -31,11 +31,8 @@ TOL = 1e-5  # relative to the ideal weight (fp32 fold and magnitude: ~1e-7)
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    """Tiny models: one thread each (faster than two, and no oversubscription)."""
 
 
 def _model(**lora):
