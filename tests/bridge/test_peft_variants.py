@@ -13,6 +13,8 @@ exact, or refused before training in one line, never silently off.
   averaged factors).
 - DoRA on a base another module holds (a tied ``lm_head``; ``layer_replication``):
   refused before training, not half-way through a fold.
+- Clients built with another LoRA scaling than the server's (``lora_alpha`` 16 against
+  8): refused at the first payload (their folds would be off by the ratio).
 """
 
 import re
@@ -37,9 +39,10 @@ def _peft(arch="llama", tie=False, **kw):
         model.config.tie_word_embeddings = True
         model.tie_weights()
     adapter = kw.pop("_adapter", "default")
+    alpha = kw.pop("lora_alpha_override", 8)
     torch.manual_seed(0)
     return get_peft_model(
-        model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **kw), adapter_name=adapter
+        model, LoraConfig(r=4, lora_alpha=alpha, lora_dropout=0.0, **kw), adapter_name=adapter
     ).eval()
 
 
@@ -70,6 +73,17 @@ def _dora_tied():
     return _peft(tie=True, target_modules=["lm_head", "q_proj"], use_dora=True)
 
 
+def _server_alpha_8_clients_16():
+    """The first model built (run_case's global one) with lora_alpha 8, the clients' 16."""
+    built = []
+
+    def make():
+        built.append(1)
+        return _peft(target_modules=T, lora_alpha_override=8 if len(built) == 1 else 16)
+
+    return make
+
+
 CASES = {
     "velora": ("PASS", _variant(velora_config=("VeloraConfig", {"num_groups": 4}))),
     "mica": ("PASS", _variant(init_lora_weights="mica")),
@@ -83,6 +97,10 @@ CASES = {
     "two active adapters": ("are active at once", _two_active),
     "bf16 factors": ("keep the adapter in fp32", _bf16_factors),
     "dora, tied lm_head": ("holds too (tied or replicated)", _dora_tied),
+    "server and clients of other scales": (
+        "the client's LoRA scaling is 4, the server's 2",
+        _server_alpha_8_clients_16(),
+    ),
     "dora, layer_replication": (
         "holds too (tied or replicated)",
         lambda: _peft(target_modules=T, use_dora=True, layer_replication=[[0, 2], [1, 2]]),

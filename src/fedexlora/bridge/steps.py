@@ -74,12 +74,28 @@ def apply_payload(
             in that adapter's rank and scale); default: the active one.
 
     Raises:
-        ValueError: If the payload's modules or shapes do not match the model.
+        ValueError: If the payload's modules or shapes do not match the model, or its
+            LoRA scaling is not the model's (a client built with another ``lora_alpha``,
+            ``r`` or ``use_rslora`` than the server's: its fold would be off by the ratio).
     """
+    _check_scales(model, payload.scales, adapter)
     if payload.reset:
         load_side_state(model, {})  # back to W0: every layer's accumulated delta dropped
     fold_residuals(model, payload.residuals, adapter, side_rank=side_rank)
     set_state(model, payload.state, adapter=adapter)
+
+
+def _check_scales(model, scales: Mapping[str, float], adapter: str | None) -> None:
+    adapter = _adapter_name(model, adapter)
+    for name, layer in lora_layers(model, adapter).items():
+        want = scales.get(name)
+        have = float(layer.scaling[adapter])
+        if want is not None and not math.isclose(have, want, rel_tol=1e-6):
+            raise ValueError(
+                f"module {name!r}: the client's LoRA scaling is {have:g}, the server's "
+                f"{want:g}; build every party with the same LoraConfig (lora_alpha, r, "
+                "use_rslora)"
+            )
 
 
 def client_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -46,6 +46,10 @@ class Payload:
             when the server expects the client to be away longer than its history will
             reach: its next payload will be a ``reset`` one anyway, so the client may
             drop its state after training (a Flower client does).
+        scales: Module -> the LoRA scaling the server's residuals assume for this client
+            (``alpha / r``, or rsLoRA's), which :func:`fedexlora.bridge.steps.apply_payload`
+            checks against the client's model. In-process only: not in :meth:`to_flat` or
+            :meth:`to_bytes` (a Flower client checks the run's fingerprint instead).
     """
 
     round: int
@@ -54,6 +58,7 @@ class Payload:
     residuals: dict[str, Residual] = field(default_factory=dict)
     reset: bool = False
     keep: bool = True
+    scales: dict[str, float] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:

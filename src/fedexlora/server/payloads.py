@@ -138,6 +138,7 @@ class Payloads:
             residuals=residuals,
             reset=reset,
             keep=keep,
+            scales={n: x.scale for n, x in self.client_layers.get(client_id, self.layers).items()},
         )
 
     def history_reach(self) -> float:
