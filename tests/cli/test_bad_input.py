@@ -490,3 +490,15 @@ def test_a_non_finite_compare_target_is_refused(tmp_path):
     _clear(_run("compare", "--out", tmp_path / "c", "--target", "nan"),
            "--target must be a finite number, got nan")  # fmt: skip
     assert not (tmp_path / "c").exists()
+
+
+def test_an_encoder_on_a_generation_task_is_refused(tmp_path, tiny_bert_dir):
+    """A BERT loaded as a causal LM attends both ways and was trained and scored (exact
+    match 0) without a word."""
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i} + 1 =", "response": "{i + 1}"}}\n'
+                            for i in range(40)))  # fmt: skip
+    out = tmp_path / "o"
+    _clear(_tiny(tiny_bert_dir, data, out),
+           f"model {str(tiny_bert_dir)!r} is an encoder (bert: it attends both ways)")  # fmt: skip
+    assert not out.exists()

@@ -240,6 +240,12 @@ def load_model(
     """
     spec = resolve_model(name)
     config = _load_config(spec)
+    if causal and config.model_type in _ENCODERS and not getattr(config, "is_decoder", False):
+        raise ValueError(
+            f"model {name!r} is an encoder ({config.model_type}: it attends both ways), and "
+            "this task generates text, which needs a causal LM; fix: a decoder such as "
+            "smollm2-135m, or a classification task"
+        )
     model, tokenizer = load_base(
         name, causal=causal, num_labels=num_labels, dtype=dtype, quantization=quantization,
         double_quant=double_quant, seed=seed,
@@ -360,6 +366,15 @@ def _load_base(spec, name, causal, num_labels, dtype, quantization, double_quant
     if not causal and model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+# encoders transformers also builds as a causal LM (BertLMHeadModel, ...): without
+# `is_decoder` in their config they attend both ways, so "generation" sees the answer
+_ENCODERS = frozenset({
+    "bert", "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "electra", "ernie",
+    "data2vec-text", "rembert", "roformer", "xmod", "megatron-bert", "big_bird",
+    "bert-generation", "distilbert", "albert", "mpnet", "deberta", "deberta-v2",
+})  # fmt: skip
 
 
 # a local model directory holds its tokenizer in one of these (a GGUF file embeds it):
