@@ -70,7 +70,7 @@ def test_a_value_out_of_its_range_is_refused_naming_the_key(key, value, message)
 # the edge of each range, and values no check may refuse
 GOOD = [
     ("lora_dropout", 0.0), ("warmup_ratio", 0.0), ("weight_decay", 0.0), ("max_length", 8),
-    ("fraction", 1.0), ("seed", -3), ("local_steps", 1), ("residual_rank", 1),
+    ("fraction", 1.0), ("seed", 0), ("seed", 2**32 - 1), ("local_steps", 1), ("residual_rank", 1),
     ("dp_epsilon", 1e6), ("weighting", "uniform"), ("quantization", None),
 ]  # fmt: skip
 

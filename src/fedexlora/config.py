@@ -145,6 +145,8 @@ class Option:
 
 def _number(x: float | None) -> str:
     """A bound as the help and the errors write it: ``0``, ``1``, ``1e-5``."""
+    if isinstance(x, int) and abs(x) >= 10**6:  # an integer bound written whole (a seed's)
+        return str(x)
     text = format(x, "g")
     return re.sub(r"e([+-])0*(\d)", lambda m: "e" + m.group(1).replace("+", "") + m.group(2), text)
 
@@ -476,8 +478,9 @@ class RunConfig:
     export_format: str | None = setting(
         help="adapter or merged",
         panel=EXPORT,
-        default_text="adapter when the run keeps a side branch (an exact method's default; "
-        "bf16/fp16/quantized bases), merged otherwise (--no-fp32-side-branch)",
+        default_text="adapter when the run keeps a side branch, as an exact method does "
+        "unless told otherwise and every bf16/fp16/quantized base does; merged otherwise, "
+        "as after --no-fp32-side-branch",
         choices=_EXPORT_FORMATS,
     )
     export_dtype: str = setting("fp32", help="Merged export dtype", panel=EXPORT, choices=_DTYPES)

@@ -21,8 +21,8 @@ def export_cmd(
         None,
         "--format",
         help="adapter (PEFT, exact on the unchanged base) or merged, a Hugging Face model "
-        "(default: adapter for a run that kept a side branch, which an exact method does "
-        "by default and every bf16/fp16/quantized base does; merged otherwise, as after "
+        "(default: adapter for a run that kept a side branch, as an exact method does unless "
+        "told otherwise and every bf16/fp16/quantized base does; merged otherwise, as after "
         "--no-fp32-side-branch).",
     ),
     dtype: str | None = typer.Option(None, "--dtype", help="Merged model dtype (default: fp32)."),
