@@ -6,7 +6,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from transformers.pytorch_utils import Conv1D
 
-__all__ = ["lora_layers", "storage_groups"]
+__all__ = ["lora_layers", "other_holders", "storage_groups"]
 
 _BNB_LAYERS = {"Linear4bit", "LinearNF4", "LinearFP4", "Linear8bitLt"}
 
@@ -92,6 +92,19 @@ def _base_name(layer_name: str, layer: torch.nn.Module) -> str:
     return f"{layer_name}.base_layer.weight"
 
 
+def other_holders(groups: dict, name: str, layer: LoraLayer) -> list[tuple[str, torch.Tensor]]:
+    """What else holds the layer's base weight: parameters and buffers sharing its storage.
+
+    ``groups`` is :func:`storage_groups` of the model; the base weight itself is left out.
+    """
+    weight = getattr(layer.get_base_layer(), "weight", None)
+    key = None if weight is None else _key(weight)
+    if key is None:
+        return []
+    own = _base_name(name, layer)
+    return [(n, t) for n, t in groups.get(key, []) if n != own]
+
+
 def _check_dora_unshared(model: torch.nn.Module, layers: dict[str, LoraLayer], adapter: str):
     """Refuses DoRA on a base weight another module holds (tied, replicated).
 
@@ -103,14 +116,11 @@ def _check_dora_unshared(model: torch.nn.Module, layers: dict[str, LoraLayer], a
         return
     groups = storage_groups(model)
     for name, layer in dora.items():
-        weight = getattr(layer.get_base_layer(), "weight", None)
-        key = None if weight is None else _key(weight)
-        own = _base_name(name, layer)
-        others = [n for n, _ in groups.get(key, []) if n != own] if key is not None else []
+        others = other_holders(groups, name, layer)
         if others:
             raise ValueError(
                 f"module {name!r} uses DoRA (use_dora=True) on a base weight that "
-                f"{others[0]!r} holds too (tied or replicated), which fedex-lora cannot fold "
+                f"{others[0][0]!r} holds too (tied or replicated), which fedex-lora cannot fold "
                 "into exactly; leave it out of target_modules or set use_dora=False"
             )
 

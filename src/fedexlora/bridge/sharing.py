@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from fedexlora.bridge.layers import _adapter_name, _base_name, _key, lora_layers, storage_groups
+from fedexlora.bridge.layers import _adapter_name, lora_layers, other_holders, storage_groups
 
 __all__ = ["SHARED", "base_holders", "route_shared", "storage_groups"]
 
@@ -44,12 +44,7 @@ def base_holders(
     groups = storage_groups(model)
     out = {}
     for name, layer in lora_layers(model, _adapter_name(model, adapter)).items():
-        weight = getattr(layer.get_base_layer(), "weight", None)
-        key = None if weight is None else _key(weight)
-        if key is None:
-            continue
-        own = _base_name(name, layer)
-        others = [(n, t) for n, t in groups.get(key, []) if n != own]
+        others = other_holders(groups, name, layer)
         if others:
             out[name] = others
     return out
