@@ -139,6 +139,18 @@ def test_an_out_that_holds_a_run_is_refused_before_the_model_loads(
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_compare_into_a_runs_directory_is_refused_without_a_resume_hint(
+    tmp_path, tiny_bert_dir, tiny_csv, model_never_loads
+):
+    out = tmp_path / "run"
+    _a_run_of_two_rounds(out, tiny_bert_dir, tiny_csv)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    res = _run("compare", "--out", out, "--model", tiny_bert_dir, "--task", tiny_csv)
+    _clear(res, f"--out {str(out)!r} holds a run of `fedexlora run`, not a compare grid")
+    assert "--resume" not in res.output  # compare has no --resume
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_an_out_that_is_a_file_is_refused_before_the_model_loads(
     tmp_path, tiny_bert_dir, tiny_csv, model_never_loads
 ):
@@ -167,4 +179,14 @@ def test_a_side_budget_below_one_rank_is_refused_and_leaves_nothing(
     res = _tiny(tiny_bert_dir, tiny_csv, out, "--dtype", "bf16", "--side-budget", "0.1")
     _clear(res, "--side-budget 0.1 holds less than one rank of side branch in",
            "takes 0.125 of its base's bytes", "fix: --side-budget 0.13 or more")  # fmt: skip
+    assert not out.exists()
+
+
+def test_a_test_fraction_that_leaves_too_few_rows_is_named_not_the_clients(
+    tmp_path, tiny_bert_dir, tiny_csv, model_never_loads
+):
+    out = tmp_path / "o"
+    res = _tiny(tiny_bert_dir, tiny_csv, out, "--test-fraction", "0.99")
+    _clear(res, "has 2 training rows left after its test split (--test-fraction 0.99)",
+           "fewer than --num-clients 3; fix: a lower --test-fraction")  # fmt: skip
     assert not out.exists()

@@ -259,6 +259,42 @@ def test_csv_header_only(tmp_path) -> None:
         load_task(str(path))
 
 
+def test_a_file_not_in_utf8_is_named_with_its_line_not_read_with_replacements(tmp_path):
+    path = tmp_path / "latin.csv"
+    path.write_bytes(b"text,label\nnice,1\ncaf\xe9 au lait,0\nbad,0\n")
+    with pytest.raises(ValueError, match=r"'.*latin\.csv' is not UTF-8 \(byte 0xe9 on line 3\)"):
+        load_task(str(path))
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_a_file_whose_texts_are_all_empty_is_refused(tmp_path, suffix) -> None:
+    path = tmp_path / f"blank{suffix}"
+    rows = [{"text": " " * (i % 2), "label": i % 2} for i in range(20)]
+    if suffix == ".csv":
+        path.write_text("text,label\n" + "".join(f"{r['text']},{r['label']}\n" for r in rows))
+    else:
+        _write_jsonl(path, rows)
+    with pytest.raises(ValueError, match=r"every row's 'text' is empty"):
+        load_task(str(path))
+
+
+def test_some_empty_texts_are_kept_and_counted_in_a_warning(tmp_path) -> None:
+    path = tmp_path / "holes.jsonl"
+    rows = [{"text": "" if i in (3, 7) else f"t{i}", "label": i % 2} for i in range(20)]
+    _write_jsonl(path, rows)
+    said = r"2 of 20 rows have an empty 'text' \(the first is row 3\)"
+    with pytest.warns(UserWarning, match=said):
+        task = load_task(str(path))
+    assert len(task.train) + len(task.test) == 20
+
+
+def test_a_response_column_of_empty_texts_is_refused(tmp_path) -> None:
+    path = tmp_path / "qa.jsonl"
+    _write_jsonl(path, [{"prompt": f"q{i}", "response": ""} for i in range(10)])
+    with pytest.raises(ValueError, match=r"every row's 'response' is empty"):
+        load_task(str(path))
+
+
 def test_missing_columns_named(tmp_path) -> None:
     path = tmp_path / "wrong.csv"
     path.write_text("sentence,target\nhello,1\nbye,0\n")

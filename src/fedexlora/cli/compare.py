@@ -317,7 +317,14 @@ def compare_cmd(**given) -> None:
                 f"--settings: cannot parse {s!r}; use iid-K, dirA-K or group-K (K clients, "
                 "Dirichlet alpha A, whole groups per client), e.g. iid-3,dir0.1-5"
             )
+    for s in parsed:
+        if s.num_clients < 1:
+            fail(f"--settings: {s.name!r} has {s.num_clients} clients; K must be >= 1")
+        if s.partition == "dirichlet" and not (math.isfinite(s.alpha) and s.alpha > 0):
+            fail(f"--settings: {s.name!r} has Dirichlet alpha {s.alpha}; A must be > 0")
     rank_list = ints("--ranks", opts["ranks"])
+    if any(r < 1 for r in rank_list):
+        fail(f"--ranks must all be >= 1, got {opts['ranks']!r}")
     seed_list = ints("--seeds", opts["seeds"])
     steps_list = ints("--local-steps", opts["local_steps"])
     if any(x < 1 for x in steps_list):
@@ -384,7 +391,7 @@ def _check_paths(cfg, out: Path, report: Path | None, rows_only: bool = False) -
     with its GPU or its data, is reported here), only where the report goes.
     """
     from fedexlora.run.export import output_dir_error
-    from fedexlora.run.layout import RunError
+    from fedexlora.run.layout import RunError, RunLayout
     from fedexlora.run.preflight import check_inputs
 
     if rows_only:
@@ -392,6 +399,11 @@ def _check_paths(cfg, out: Path, report: Path | None, rows_only: bool = False) -
         if problem is not None:
             fail(f"--out {str(out)!r}: {problem}")
     else:
+        if RunLayout(out).holds_run():  # a grid holds its cells' runs in subdirectories
+            fail(
+                f"--out {str(out)!r} holds a run of `fedexlora run`, not a compare grid; "
+                "choose another directory"
+            )
         try:  # --out may hold an earlier grid, whose cells are reused
             check_inputs(cfg, out)
         except RunError as exc:

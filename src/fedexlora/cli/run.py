@@ -184,6 +184,7 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
         rows = run_one(cfg, out, resume)
         _print_final_table(rows, cfg.recipe)
         console.print(f"wrote {layout.metrics}, {layout.summary}")
+        _fail_if_diverged(rows, cfg, out)
     except (RunError, CheckpointError, ValueError, DPCheckError) as exc:
         fail(str(exc))
     except WorkerGroupError as exc:  # a rank died: the rounds done are checkpointed
@@ -204,6 +205,21 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
                 f"export it again with: fedexlora export {out} DEST"
             )
         console.print(f"exported {cfg.methods[0]} global model to {res.path} ({res.note})")
+
+
+def _fail_if_diverged(rows: list[dict], cfg, out: Path) -> None:
+    """Exit 1, before any export, when a method's training loss became NaN or Inf."""
+    from fedexlora.run.report import diverged
+
+    gone = diverged(rows)
+    if gone:
+        which = ", ".join(f"{m} in round {r}" for m, r in gone.items())
+        fail(
+            f"training diverged ({which}): the clients' training loss is not a finite "
+            "number, and an upload that is not finite is rejected; the rows are kept in "
+            f"{str(out)!r}, nothing is exported. Lower --lr (now {cfg.lr:g})",
+            code=1,
+        )
 
 
 def _print_final_table(rows: list[dict], recipe: str | None = None) -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "Prepared",
     "autocast_dtype",
     "check_max_length",
+    "check_train_rows",
     "client_adapter",
     "effective_partition",
     "new_model",
@@ -257,6 +258,21 @@ def check_max_length(cfg: RunConfig, model) -> None:
             return
 
 
+def check_train_rows(cfg: RunConfig, task) -> None:
+    """Refuses a training split smaller than the clients, naming its cause: the split.
+
+    Raises:
+        ValueError: If ``task`` has fewer training rows than ``cfg.num_clients``.
+    """
+    if len(task.train) < cfg.num_clients:
+        limit = f", --max-train {cfg.max_train}" if cfg.max_train is not None else ""
+        raise ValueError(
+            f"task {cfg.task!r} has {len(task.train)} training rows left after its test "
+            f"split (--test-fraction {cfg.test_fraction}{limit}), fewer than --num-clients "
+            f"{cfg.num_clients}; fix: a lower --test-fraction, or fewer clients"
+        )
+
+
 def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
     """Partitions a loaded task and tokenizes both splits."""
     if cfg.trainer == "trl" and task.kind != "causal_lm":
@@ -266,6 +282,7 @@ def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
         )
     from fedexlora.tasks.partition import describe_partitions, partition, partition_like
 
+    check_train_rows(cfg, task)
     scheme, note = effective_partition(cfg, task)
     parts = partition(
         task.train,

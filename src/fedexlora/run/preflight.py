@@ -143,12 +143,15 @@ def _max_length_error(cfg: RunConfig) -> str | None:
 
 def _task_error(cfg: RunConfig) -> str | None:
     """Why ``cfg.task`` cannot be loaded, or ``None``; a hub task's name only is checked."""
+    from fedexlora.run.build import check_train_rows
     from fedexlora.run.stopping import stop_metric_error
     from fedexlora.tasks.data import hub_task
 
     try:
         if not hub_task(cfg.task):  # a file, an embedded task or an unknown name: quick
-            return stop_metric_error(cfg, load_task_for(cfg).metric_names)
+            task = load_task_for(cfg)
+            check_train_rows(cfg, task)
+            return stop_metric_error(cfg, task.metric_names)
     except ValueError as exc:
         return str(exc)
     return None  # a hub task's metrics are checked once it loads (Run.start)

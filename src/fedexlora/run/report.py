@@ -12,6 +12,7 @@ from fedexlora.run.layout import RunLayout
 
 __all__ = [
     "best_value",
+    "diverged",
     "final_rows",
     "higher_is_better",
     "intact_rows",
@@ -234,6 +235,20 @@ def _rounding(rows: list[dict]) -> list[str]:
     return out
 
 
+def diverged(rows: list[dict]) -> dict[str, int]:
+    """Each method whose clients' training loss stopped being a finite number, and its round.
+
+    The first such round of each. A DP row's ``train_loss`` is ``null`` (not sent), never
+    a divergence.
+    """
+    out: dict[str, int] = {}
+    for r in rows:
+        loss = r.get("train_loss")
+        if isinstance(loss, float) and not math.isfinite(loss) and r["method"] not in out:
+            out[r["method"]] = r["round"]
+    return out
+
+
 def _no_clients(rows: list[dict]) -> str:
     """``; `centralized` sends nothing`` for the methods of ``rows`` without clients."""
     from fedexlora.core.methods import REGISTRY
@@ -348,6 +363,12 @@ def write_summary(
             "alone. This is one run, one seed: a difference between methods here carries "
             "no seed-to-seed variation and no paired test. `fedexlora compare` runs seeds "
             "and gives paired 95% confidence intervals and p-values."
+        )
+    for method, rnd in diverged(rows).items():
+        parts.append(
+            f"- **`{method}` diverged** in round {rnd}: its clients' training loss is not a "
+            "finite number. An upload that is not finite is rejected, so the global model "
+            "keeps the last round whose uploads were. Lower the learning rate (`lr`)."
         )
     if folded_fp32:
         parts += _rounding(rows)

@@ -19,10 +19,12 @@ from __future__ import annotations
 import csv
 import functools
 import importlib.util
+import io
 import json
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -428,14 +430,21 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise ValueError(f"data file not found: {str(path)!r}")
     suffix = path.suffix.lower()
+    raw = path.read_bytes()
+    try:  # strict: a replaced character would silently change what the model reads
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise ValueError(
+            f"data file {str(path)!r} is not UTF-8 (byte {raw[err.start]:#04x} on line "
+            f"{line}); save it as UTF-8, e.g. iconv -f latin1 -t utf-8 FILE > NEW"
+        ) from None
     if suffix == ".csv":
-        with path.open(encoding="utf-8-sig", errors="replace", newline="") as fh:
-            reader = csv.DictReader(fh)
-            if not reader.fieldnames:
-                raise ValueError(f"data file {str(path)!r} is empty")
-            return [dict(row) for row in reader]
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        if not reader.fieldnames:
+            raise ValueError(f"data file {str(path)!r} is empty")
+        return [dict(row) for row in reader]
 
-    text = path.read_text(encoding="utf-8-sig", errors="replace")
     if not text.strip():
         raise ValueError(f"data file {str(path)!r} is empty")
     if suffix == ".json" and text.lstrip().startswith("["):
@@ -479,6 +488,19 @@ def _column(rows: list[dict[str, Any]], key: str, path: Path) -> list[Any]:
     return values
 
 
+def _check_texts(texts: list[str], key: str, path: Path) -> None:
+    """Refuses a column of blank texts; warns of some blank ones, naming the first."""
+    blank = [i for i, t in enumerate(texts) if not t.strip()]
+    if len(blank) == len(texts):
+        raise ValueError(f"data file {str(path)!r}: every row's {key!r} is empty")
+    if blank:
+        warnings.warn(
+            f"data file {str(path)!r}: {len(blank)} of {len(texts)} rows have an empty "
+            f"{key!r} (the first is row {blank[0]}); they are kept as they are",
+            stacklevel=2,
+        )
+
+
 def _int_label(value: Any) -> int | None:
     """Return ``value`` as an int if it is an integer (or an integer-valued string/float)."""
     if isinstance(value, bool):
@@ -502,6 +524,7 @@ def _load_file(name: str, *, seed: int, test_fraction: float) -> Task:
     if {"text", "label"} <= set(present):
         raw_labels = _column(rows, "label", path)
         columns: dict[str, list[Any]] = {"text": [str(v) for v in _column(rows, "text", path)]}
+        _check_texts(columns["text"], "text", path)
         if "text_pair" in present:
             columns["text_pair"] = [str(v) for v in _column(rows, "text_pair", path)]
         as_int = [_int_label(v) for v in raw_labels]
@@ -538,6 +561,8 @@ def _load_file(name: str, *, seed: int, test_fraction: float) -> Task:
 
     if {"prompt", "response"} <= set(present):
         columns = {k: [str(v) for v in _column(rows, k, path)] for k in ("prompt", "response")}
+        for key in ("prompt", "response"):
+            _check_texts(columns[key], key, path)
         if "answer" in present:
             columns["answer"] = [str(v).strip() for v in _column(rows, "answer", path)]
         return _causal_task(name, columns, seed=seed, test_fraction=test_fraction)

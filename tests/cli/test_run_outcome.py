@@ -1,0 +1,57 @@
+"""What a finished run says about itself: a divergence is an error, not a result; the
+run's own warnings are one line each."""
+
+import json
+
+from typer.testing import CliRunner
+
+from fedexlora.cli import app
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def _flat(res) -> str:
+    return "".join(res.output.split())
+
+
+def test_a_run_whose_training_diverges_exits_1_keeps_its_rows_and_exports_nothing(
+    tmp_path, tiny_bert_dir, tiny_csv, one_torch_thread
+):
+    out, export = tmp_path / "run", tmp_path / "exported"
+    res = _run("run", "--model", tiny_bert_dir, "--task", tiny_csv, "--min-partition-size", "5",
+               "--rounds", "2", "--local-steps", "2", "--max-length", "16", "--lr", "1e10",
+               "--out", out, "--export", export, "--no-progress")  # fmt: skip
+    assert res.exit_code == 1, res.output
+    assert "Traceback" not in res.output
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first = next(r["round"] for r in rows if r["train_loss"] != r["train_loss"])  # NaN
+    assert f"trainingdiverged(fedexinround{first})" in _flat(res)
+    assert "Lower--lr(now1e+10)" in _flat(res)
+    assert f"`fedex` diverged** in round {first}" in (out / "summary.md").read_text()
+    assert not export.exists()
+
+
+def test_a_healthy_run_is_not_called_diverged(tmp_path, tiny_bert_dir, tiny_csv, one_torch_thread):
+    out = tmp_path / "run"
+    res = _run("run", "--model", tiny_bert_dir, "--task", tiny_csv, "--min-partition-size", "5",
+               "--rounds", "1", "--local-steps", "1", "--max-length", "16", "--out", out,
+               "--no-progress")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "diverged" not in res.output and "diverged" not in (out / "summary.md").read_text()
+
+
+def test_the_runs_own_warnings_print_as_one_line_and_others_as_python_prints_them():
+    import warnings
+
+    import fedexlora.tasks.data as data
+    from fedexlora.quiet import quiet_libraries
+
+    quiet_libraries()  # what every command calls
+    mine = warnings.formatwarning("3 of 9 rows are empty", UserWarning, data.__file__, 12)
+    assert mine == "warning: 3 of 9 rows are empty\n"
+    theirs = warnings.formatwarning("deprecated", UserWarning, "/site/lib/torch/x.py", 7, "")
+    assert theirs.startswith("/site/lib/torch/x.py:7: UserWarning: deprecated")
