@@ -134,6 +134,32 @@ def test_config_file_and_flags_override(tiny_bert_dir, tiny_csv, tmp_path):
     assert res.exit_code == 2 and "method 'flora' is not in this run" in res.output
 
 
+def test_validate_names_what_run_would_refuse_in_the_inputs_a_config_names(
+    tmp_path, tiny_bert_dir, tiny_csv, model_never_loads
+):
+    """Settings that are each valid, but name a missing file, a device this machine
+    lacks, a metric the task has not: validate lists them all, as run would refuse them."""
+    import torch
+
+    cfg = tmp_path / "c.toml"
+    lines = [f'model = "{tiny_bert_dir}"', f'task = "{tmp_path / "missing.csv"}"',
+             'stop_metric = "bleu"', "stop_patience = 2"]  # fmt: skip
+    if not torch.cuda.is_available():
+        lines.append('device = "cuda"')
+    cfg.write_text("\n".join(lines) + "\n")
+    res = _run("validate", str(cfg))
+    assert res.exit_code == 2, res.output
+    flat = "".join(res.output.split())
+    assert "".join(f"data file not found: '{tmp_path / 'missing.csv'}'".split()) in flat
+    if not torch.cuda.is_available():
+        assert "`device`is'cuda'butnoCUDAGPUisavailable" in flat
+    assert _run("run", "--config", cfg, "--out", tmp_path / "o").exit_code == 2
+    cfg.write_text("\n".join([f'model = "{tiny_bert_dir}"', f'task = "{tiny_csv}"',
+                              'stop_metric = "bleu"', "stop_patience = 2"]) + "\n")  # fmt: skip
+    res = _run("validate", str(cfg))
+    assert res.exit_code == 2 and "--stop-metric 'bleu' is not a metric of task" in res.output
+
+
 @pytest.mark.parametrize(
     "args,match",
     [

@@ -19,7 +19,7 @@ from fedexlora.run.export import export_dest_error, output_dir_error
 from fedexlora.run.layout import RunError, RunLayout
 from fedexlora.run.restore import load_task_for
 
-__all__ = ["check_inputs"]
+__all__ = ["check_inputs", "input_problems"]
 
 
 _FLOWER_FIX = "fix: pip install 'fedex-lora[flower]'"
@@ -50,8 +50,6 @@ def check_inputs(
     Raises:
         RunError: Naming the first problem and the input it comes from.
     """
-    from fedexlora.run.build import resolve_device
-
     if not resume:
         problem = output_dir_error(out)
         if problem is not None:
@@ -75,33 +73,62 @@ def check_inputs(
         if problem is not None:
             raise RunError(problem)
     if cfg.export:
-        problem = export_dest_error(cfg.export)
         exp, run = Path(cfg.export).expanduser().resolve(), Path(out).expanduser().resolve()
-        if problem is None and (exp == run or exp in run.parents):
-            problem = "is --out or holds it; fix: export to a directory outside the run's"
+        if exp == run or exp in run.parents:
+            raise RunError(
+                f"--export {str(cfg.export)!r} is --out or holds it; fix: export to a "
+                "directory outside the run's"
+            )
+    problems = input_problems(cfg, tasks)
+    if problems:
+        raise RunError(problems[0])
+
+
+def input_problems(cfg: RunConfig, tasks: Sequence[str] = ()) -> list[str]:
+    """Every problem with what ``cfg`` reads and needs, its run directory aside.
+
+    The export directory, Flower (and its simulation) when the run needs them, the
+    device, each task (loaded when local; a hub task by its name and metrics) and the
+    maximum length against the model's positions. ``fedexlora validate`` lists them all;
+    :func:`check_inputs` raises the first.
+
+    Args:
+        cfg: A validated configuration.
+        tasks: The tasks of a multi-task recipe (default: ``cfg.task``).
+
+    Returns:
+        One message per problem, each naming its input; empty when there is none.
+    """
+    from fedexlora.run.build import resolve_device
+
+    problems = []
+    if cfg.export:
+        problem = export_dest_error(cfg.export)
         if problem is not None:
-            raise RunError(f"--export {str(cfg.export)!r} {problem}")
+            problems.append(f"--export {str(cfg.export)!r} {problem}")
     if cfg.engine == "flower" or cfg.secure_aggregation:
         what = "--engine flower" if cfg.engine == "flower" else "--secure-aggregation"
         try:
             import flwr  # noqa: F401
         except ImportError as exc:
-            raise RunError(
+            problems.append(
                 f"{what} needs Flower (flwr), which cannot be imported ({exc}); {_FLOWER_FIX}"
-            ) from None
-        if cfg.engine == "flower" and importlib.util.find_spec("ray") is None:
-            raise RunError(f"--engine flower needs Flower's simulation (ray); {_FLOWER_FIX}")
+            )
+        else:
+            if cfg.engine == "flower" and importlib.util.find_spec("ray") is None:
+                problems.append(f"--engine flower needs Flower's simulation (ray); {_FLOWER_FIX}")
     try:
         resolve_device(cfg.device)
     except ValueError as exc:
-        raise RunError(str(exc)) from None
+        problems.append(str(exc))
     for task in tasks or (cfg.task,):
         problem = _task_error(cfg.replace(task=task))
         if problem is not None:
-            raise RunError(problem)
+            problems.append(problem)
     problem = _max_length_error(cfg)
     if problem is not None:
-        raise RunError(problem)
+        problems.append(problem)
+    return problems
 
 
 def _rounds_done_error(cfg: RunConfig, out: str | Path) -> str | None:
