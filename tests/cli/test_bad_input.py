@@ -502,3 +502,25 @@ def test_an_encoder_on_a_generation_task_is_refused(tmp_path, tiny_bert_dir):
     _clear(_tiny(tiny_bert_dir, data, out),
            f"model {str(tiny_bert_dir)!r} is an encoder (bert: it attends both ways)")  # fmt: skip
     assert not out.exists()
+
+
+@pytest.mark.parametrize("damage", ["tensors half-written", "meta.json torn", "no checkpoint"])
+def test_exporting_a_damaged_checkpoint_names_it(tmp_path, finished_run, damage):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    ckpt = run / "checkpoints" / "fedex" / "round-0001"
+    if damage == "tensors half-written":
+        f = ckpt / "tensors.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        why = f"checkpoint {str(ckpt)!r} is unreadable or corrupt"
+    elif damage == "meta.json torn":
+        (ckpt / "meta.json").write_text('{"files": {"tens')
+        why = f"checkpoint {str(ckpt)!r} is unreadable or corrupt"
+    else:
+        shutil.rmtree(ckpt)
+        why = f"run {str(run)!r} has no checkpoint for method 'fedex'"
+    res = _run("export", run, tmp_path / "exported")
+    _clear(res, why)
+    assert not (tmp_path / "exported").exists()

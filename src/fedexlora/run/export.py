@@ -35,9 +35,9 @@ from fedexlora.bridge.models import portable_reference
 from fedexlora.bridge.sharing import base_holders
 from fedexlora.config import load_run_config
 from fedexlora.core.aggregation import Residual
-from fedexlora.run.checkpoint import config_fingerprint, latest_checkpoint
+from fedexlora.run.checkpoint import config_fingerprint
 from fedexlora.run.layout import RunError, RunLayout
-from fedexlora.run.restore import load_task_for, restore_model
+from fedexlora.run.restore import load_task_for, restore_latest
 
 __all__ = ["ExportResult", "export_dest_error", "export_model", "output_dir_error", "save_adapter"]
 
@@ -216,11 +216,13 @@ def export_model(
     problem = export_dest_error(dest)  # before the model is loaded
     if problem is not None:
         raise RunError(f"export destination {str(dest)!r} {problem}")
-    ckpt = latest_checkpoint(layout.checkpoints(method))
-    if ckpt is None:
+    if not any(layout.checkpoints(method).glob("round-*")):
         raise RunError(f"run {str(run)!r} has no checkpoint for method {method!r}")
     task = load_task_for(cfg)
-    model, tokenizer, server, _ = restore_model(cfg, task, method, ckpt, config_fingerprint(cfg))
+    # the newest intact checkpoint; a damaged one is named (and an older one used, said)
+    model, tokenizer, server, _ = restore_latest(
+        cfg, task, method, layout.checkpoints(method), config_fingerprint(cfg)
+    )
     labels = _name_labels(model, task)  # into config.json: predictions carry the task's names
     dest = Path(dest).expanduser()
     dest.parent.mkdir(parents=True, exist_ok=True)
