@@ -104,6 +104,29 @@ def test_cli_json_and_table():
     assert "unknown ['gpt5']" in res.output
 
 
+def test_fedsb_rank_is_at_most_a_layers_side_as_in_a_run():
+    """Fed-SB's core is at most a layer's smaller side (a run refuses more): an explicit
+    rank beyond it is refused, the default (64) is brought down to it."""
+    small = ModelShape("small", (LayerShape("w", 16, 24, 2),))
+    by = _by_method(comm_table(small, 4, 3))
+    assert by["fedsb"]["rank"] == 16
+    assert by["fedsb"]["up_per_client"] == 2 * 16 * 16 * F32  # each layer's 16 x 16 core
+    with pytest.raises(ValueError, match=r"`--fedsb-rank` 17 exceeds the smaller side .* \(16\)"):
+        comm_table(small, 4, 3, fedsb_rank=17)
+    res = CliRunner().invoke(
+        _cli(), ["bench", "comm", "--shapes", "roberta-base", "--fedsb-rank", "769"]
+    )
+    assert res.exit_code == 2 and "use --fedsb-rank 768 or less" in res.output
+
+
+def test_a_head_of_no_classes_is_refused(model_never_loads):
+    res = CliRunner().invoke(
+        _cli(), ["bench", "comm", "--shapes", "embedded", "--num-labels", "-1"]
+    )
+    assert res.exit_code == 2, res.output
+    assert "`--num-labels` must be >= 1, got -1" in res.output
+
+
 @pytest.mark.integration
 def test_embedded_shape_is_minilm_qv_with_a_five_class_head():
     shape = embedded_shape(8)

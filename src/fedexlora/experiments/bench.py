@@ -206,6 +206,8 @@ def embedded_shape(
     """
     from fedexlora.bridge.models import load_model
 
+    if num_labels < 1:
+        raise ValueError(f"`--num-labels` must be >= 1, got {num_labels}")
     peft_model, _ = load_model(
         model, causal=False, num_labels=num_labels, r=rank, target_modules=target_modules
     )
@@ -382,7 +384,7 @@ _FIGURES = (
 
 
 def comm_table(
-    shape: ModelShape, rank: int, clients: int, *, seed: int = 0, fedsb_rank: int = 64
+    shape: ModelShape, rank: int, clients: int, *, seed: int = 0, fedsb_rank: int | None = None
 ) -> list[dict]:
     """Bytes of round 2, down and up, for every method of :func:`comm_methods`.
 
@@ -396,8 +398,9 @@ def comm_table(
         clients: The number of clients ``k`` taking part in the round.
         seed: Seed of the random client factors (the bytes do not depend on it unless
             the factors are rank-deficient, which random ones are not).
-        fedsb_rank: Fed-SB's rank (its core is ``fedsb_rank`` squared per layer, capped by
-            the layer's smaller side).
+        fedsb_rank: Fed-SB's rank (its core is ``fedsb_rank`` squared per layer); at most
+            every layer's smaller side, as a run requires. ``None``: 64, or the smallest
+            layer side where that is less.
 
     Returns:
         One dict per method with ``model``, ``method``, ``label``, ``rank``, ``clients``,
@@ -411,7 +414,8 @@ def comm_table(
         ``down_dense_over_factored``.
 
     Raises:
-        ValueError: If ``rank`` or ``clients`` is not positive.
+        ValueError: If ``rank`` or ``clients`` is not positive, or ``fedsb_rank`` exceeds a
+            layer's smaller side.
     """
     import torch
 
@@ -419,6 +423,14 @@ def comm_table(
         raise ValueError(f"`rank` must be positive, got {rank}")
     if clients < 1:
         raise ValueError(f"`clients` must be positive, got {clients}")
+    side = min(min(g.d, g.n) for g in shape.layers)
+    if fedsb_rank is None:
+        fedsb_rank = min(64, side)
+    elif "fedsb" in comm_methods() and fedsb_rank > side:  # a run refuses it (latent.py)
+        raise ValueError(
+            f"`--fedsb-rank` {fedsb_rank} exceeds the smaller side of a layer of "
+            f"{shape.name} ({side}); use --fedsb-rank {side} or less"
+        )
     extra = sum(_nbytes(torch.empty(s, dtype=torch.float32)) for s in shape.extra)
     measured: dict[str, dict] = {}
     for m in comm_methods():
@@ -546,7 +558,12 @@ def comm(
         help="Comma list of embedded (the model above, with --rank/--clients), "
         "roberta-base (q,v, r=4, k=3) and llama-7b (all linear, r=32, k=10).",
     ),
-    fedsb_rank: int = typer.Option(64, help="Fed-SB's rank, for every shape."),
+    fedsb_rank: int | None = typer.Option(
+        None,
+        show_default=False,
+        help="Fed-SB's rank, for every shape (default: 64, or the smallest layer side "
+        "where that is less).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON instead."),
 ) -> None:
     """Bytes of round 2, down and up, per method, from the server's own payloads."""
@@ -563,26 +580,26 @@ def comm(
             highlight=False,
         )
         raise typer.Exit(2)
-    if rank < 1 or clients < 1 or fedsb_rank < 1:
+    if rank < 1 or clients < 1 or (fedsb_rank is not None and fedsb_rank < 1):
         err.print(
             f"[bold red]error:[/bold red] `--rank`, `--clients` and `--fedsb-rank` must be "
             f">= 1, got {rank}, {clients} and {fedsb_rank}"
         )
         raise typer.Exit(2)
     tables = []
-    for s in wanted:
-        if s == "embedded":
-            _quiet_libraries()
-            try:
+    try:
+        for s in wanted:
+            if s == "embedded":
+                _quiet_libraries()
                 shape = embedded_shape(rank, model=model, num_labels=num_labels)
-            except ValueError as exc:
-                err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", highlight=False)
-                raise typer.Exit(2) from None
-            tables.append(comm_table(shape, rank, clients, fedsb_rank=fedsb_rank))
-        elif s == "roberta-base":
-            tables.append(comm_table(roberta_base_shape(), 4, 3, fedsb_rank=fedsb_rank))
-        else:
-            tables.append(comm_table(llama7b_shape(), 32, 10, fedsb_rank=fedsb_rank))
+                tables.append(comm_table(shape, rank, clients, fedsb_rank=fedsb_rank))
+            elif s == "roberta-base":
+                tables.append(comm_table(roberta_base_shape(), 4, 3, fedsb_rank=fedsb_rank))
+            else:
+                tables.append(comm_table(llama7b_shape(), 32, 10, fedsb_rank=fedsb_rank))
+    except ValueError as exc:
+        err.print(f"[bold red]error:[/bold red] {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
     if as_json:
         typer.echo(json.dumps([r for t in tables for r in t], indent=2))
         return
