@@ -444,9 +444,14 @@ def _write_merged(cfg, task, method, model, dest: Path, dtype: torch.dtype) -> s
             base.weight = torch.nn.Parameter(stored.contiguous().to(base.weight.device), False)
         else:
             layer_kinds.base_param(dst).copy_(stored)
+    heads = _trained_copies(plain)  # modules_to_save (a task head), as the run trained them
     # adapters dropped, not merged: the weights already hold them, side branches included
     # (an fp32 model's --fp32-side-branch goes with the LoRA layer that carries it)
-    merged = plain.unload().to(dtype)
+    merged = plain.unload()
+    for name, module in heads.items():  # peft 0.22's unload() restores the untrained original
+        parent, _, child = name.rpartition(".")
+        setattr(merged.get_submodule(parent), child, module)
+    merged = merged.to(dtype)
     if shared:  # saved and loaded as separate tensors, not tied again
         for config in {id(c): c for c in (merged.config, merged.config.get_text_config())}.values():
             config.tie_word_embeddings = False
@@ -458,6 +463,24 @@ def _write_merged(cfg, task, method, model, dest: Path, dtype: torch.dtype) -> s
     if dtype != torch.float32:
         note += f", rounded to {dtype} (--allow-inexact)"
     return note
+
+
+def _trained_copies(model) -> dict[str, torch.nn.Module]:
+    """Each ``modules_to_save`` wrapper's active trained copy, by its name in the base model.
+
+    ``unload()`` returned these copies up to peft 0.21; from 0.22 on, without merging, it
+    returns the wrapper's original (untrained) module, so the export puts them back.
+    """
+    from peft.utils import ModulesToSaveWrapper
+
+    out = {}
+    for name, module in model.get_base_model().named_modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            active = module.active_adapter
+            active = active if isinstance(active, str) else (list(active) or [None])[0]
+            if active in module.modules_to_save:
+                out[name] = module.modules_to_save[active]
+    return out
 
 
 def _copy_dequantized(src, dst) -> None:
