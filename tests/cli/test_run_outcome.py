@@ -3,6 +3,7 @@ run's own warnings are one line each."""
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from fedexlora.cli import app
@@ -55,3 +56,34 @@ def test_the_runs_own_warnings_print_as_one_line_and_others_as_python_prints_the
     assert mine == "warning: 3 of 9 rows are empty\n"
     theirs = warnings.formatwarning("deprecated", UserWarning, "/site/lib/torch/x.py", 7, "")
     assert theirs.startswith("/site/lib/torch/x.py:7: UserWarning: deprecated")
+
+
+def _qa(path, long_prompts: int, rows: int = 40):
+    with open(path, "w") as f:
+        for i in range(rows):
+            q = f"what is {i % 7} plus {i % 5}?" + " and then" * (30 if i < long_prompts else 0)
+            f.write(json.dumps({"prompt": q, "response": f"it is {i % 7 + i % 5}"}) + "\n")
+    return path
+
+
+def test_prompts_that_fill_max_length_are_named_not_called_a_divergence(
+    tmp_path, tiny_llama_dir, one_torch_thread
+):
+    """A prompt that fills --max-length leaves no answer token: its loss is 0/0. All such:
+    refused before training; some: counted in a warning, and the run trains."""
+    every = _qa(tmp_path / "long.jsonl", long_prompts=40)
+    res = _run("run", "--model", tiny_llama_dir, "--task", every, "--max-length", "24",
+               "--rounds", "1", "--local-steps", "1", "--min-partition-size", "5",
+               "--out", tmp_path / "a", "--no-progress")  # fmt: skip
+    assert res.exit_code == 2, res.output
+    assert "every training example's prompt fills --max-length 24 tokens" in " ".join(
+        res.output.split()
+    )
+    assert "raise --max-length" in res.output and "diverged" not in res.output
+    some = _qa(tmp_path / "some.jsonl", long_prompts=8)
+    with pytest.warns(UserWarning, match=r"of \d+ training examples keep no answer token"):
+        res = _run("run", "--model", tiny_llama_dir, "--task", some, "--max-length", "24",
+                   "--rounds", "1", "--local-steps", "1", "--min-partition-size", "5",
+                   "--max-test", "4", "--max-new-tokens", "2", "--out", tmp_path / "b",
+                   "--no-progress")  # fmt: skip
+    assert res.exit_code == 0, res.output

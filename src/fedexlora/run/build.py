@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -273,6 +274,29 @@ def check_train_rows(cfg: RunConfig, task) -> None:
         )
 
 
+def _check_answers_fit(cfg: RunConfig, train) -> None:
+    """Refuses training examples whose prompt fills ``--max-length``; warns of some.
+
+    Such an example leaves no answer token to learn from: a batch of only such examples
+    has a loss of 0/0 (NaN), which would wreck the client's training.
+    """
+    cut = [i for i, labels in enumerate(train.labels) if all(t == -100 for t in labels)]
+    if not cut:
+        return
+    longest = max(len(p) for p in train.prompts)
+    fix = f"raise --max-length (now {cfg.max_length}; the longest prompt has {longest} tokens)"
+    if len(cut) == len(train.labels):
+        raise ValueError(
+            f"every training example's prompt fills --max-length {cfg.max_length} tokens, "
+            f"leaving no answer token to learn from; fix: {fix}"
+        )
+    warnings.warn(
+        f"{len(cut)} of {len(train.labels)} training examples keep no answer token within "
+        f"--max-length {cfg.max_length}: a batch of only such examples has no loss; {fix}",
+        stacklevel=2,
+    )
+
+
 def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
     """Partitions a loaded task and tokenizes both splits."""
     if cfg.trainer == "trl" and task.kind != "causal_lm":
@@ -305,6 +329,8 @@ def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
     test = encode(
         task.test, tokenizer, kind=task.kind, max_length=cfg.max_length, template=task.template
     )
+    if task.kind == "causal_lm":
+        _check_answers_fit(cfg, train)
     classes = task.kind == "classification" and "label" in task.train.column_names
     column = "group" if by_group and "group" in task.test.column_names else "label"
     test_parts = partition_like(  # each client's own test split (personalized methods)
