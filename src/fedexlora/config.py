@@ -704,6 +704,11 @@ def validate_mapping(data: dict[str, Any]) -> tuple[RunConfig | None, list[str]]
     except TypeError as exc:  # pragma: no cover - all keys are checked above
         return None, errs + [str(exc)]
     errs.extend(cfg.errors())
+    if cfg.recipe is not None:
+        from fedexlora.run.recipes import RECIPES
+
+        if cfg.recipe not in RECIPES:
+            errs.append(_unknown_recipe(cfg.recipe))
     return (cfg if not errs else None), errs
 
 
@@ -770,6 +775,9 @@ def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Loads a TOML file, applies ``overrides`` and validates the result.
 
+    A ``recipe`` the file (or ``overrides``) names is applied as ``--recipe`` applies it:
+    its settings, with the file's own keys and the overrides on top.
+
     Raises:
         ConfigError: Listing every error, including a missing or malformed file.
     """
@@ -786,8 +794,22 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
         for spelled in [k for k in data if _key_of(k) == _key_of(key)]:
             del data[spelled]
     data.update(overrides or {})
+    recipe = next((v for k, v in data.items() if _key_of(k) == "recipe"), None)
+    if recipe:  # applied as --recipe applies it: the file's keys and the flags on top
+        from fedexlora.run.recipes import RECIPES, apply_recipe
+
+        if recipe not in RECIPES:
+            raise ConfigError([_unknown_recipe(recipe)])
+        rest = {_key_of(k): v for k, v in data.items() if _key_of(k) != "recipe"}
+        data = apply_recipe(RECIPES[recipe], rest)[0]
     cfg, errs = validate_mapping(data)
     if errs:
         raise ConfigError(errs)
     assert cfg is not None
     return cfg
+
+
+def _unknown_recipe(name: Any) -> str:
+    from fedexlora.run.recipes import RECIPES
+
+    return f"`recipe`: unknown recipe {name!r}; choose from {', '.join(RECIPES)}"

@@ -138,6 +138,40 @@ def test_unknown_recipe(tmp_path):
     assert res.exit_code == 2 and "unknown recipe 'paper-nope'; choose from" in res.output
 
 
+def test_a_recipe_in_a_config_file_is_applied_or_refused_before_training(
+    tmp_path, model_never_loads
+):
+    """``recipe = ...`` in a TOML file is --recipe: its settings under the file's own keys;
+    an unknown name is refused by validate and by run, before anything loads."""
+    from fedexlora.config import load_config
+
+    good = tmp_path / "good.toml"
+    good.write_text('recipe = "paper-glue-roberta-base"\nlora-alpha = 3.0\n')
+    cfg = load_config(good)
+    assert (cfg.lora_r, cfg.lora_alpha, cfg.task) == (4, 3.0, "glue/cola")  # recipe's r = 4
+    assert load_config(good, {"lora_r": 2}).lora_r == 2  # a flag on top of both
+    bad = tmp_path / "bad.toml"
+    bad.write_text('recipe = "paper-nope"\n')
+    for res in (runner.invoke(app, ["validate", str(bad)]),
+                _run(tmp_path, "--config", str(bad))):  # fmt: skip
+        assert res.exit_code == 2, res.output
+        assert "`recipe`: unknown recipe 'paper-nope'; choose from" in " ".join(res.output.split())
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_recipe_in_a_config_file_runs_every_task(tmp_path, hub_dir, tiny_bert_dir):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'recipe = "paper-glue-roberta-base"\nmodel = "{tiny_bert_dir}"\n'
+                   f'data_dir = "{hub_dir}"\nrounds = 1\nlocal_steps = 1\nbatch_size = 8\n'
+                   'max_length = 16\nmin_partition_size = 2\nmethods = ["fedex"]\n')  # fmt: skip
+    res = _run(tmp_path, "--config", str(cfg))
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "run"
+    for task in ("cola", "rte", "mrpc", "sst2", "qnli", "stsb"):
+        assert (run / f"glue-{task}" / "metrics.jsonl").is_file()
+    assert _paper_rows((run / "summary.md").read_text())["fedex"][0] == 84.39
+
+
 def _paper_rows(text: str) -> dict[str, tuple[float, float, float]]:
     out = {}
     for ln in text.split("this run − paper |")[1].splitlines()[2:]:

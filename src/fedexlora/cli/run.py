@@ -82,6 +82,10 @@ def run_cmd(**given) -> None:
             cfg, recipe_tasks = _recipe_config(overrides, config)
         elif config is not None:
             cfg = load_config(config, overrides)
+            if cfg.recipe is not None and not _names_task(config, overrides):
+                from fedexlora.run.recipes import get_recipe  # every task, as --recipe runs
+
+                recipe_tasks = get_recipe(cfg.recipe).tasks
         else:
             cfg_or_none, errs = validate_mapping(overrides)
             if errs:
@@ -103,6 +107,14 @@ def run_cmd(**given) -> None:
         out = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     progress = not given["no_progress"]
     _execute(cfg, out, resume=resume is not None, progress=progress, tasks=recipe_tasks)
+
+
+def _names_task(config: Path, overrides: dict) -> bool:
+    """Whether ``--task`` or the (valid) config file picks a task."""
+    import tomllib
+
+    data = tomllib.loads(Path(config).read_text())
+    return "task" in overrides or any(k.replace("-", "_") == "task" for k in data)
 
 
 def _resumed_config(resume: Path, overrides: dict, config: Path | None, out: Path | None):
