@@ -396,3 +396,31 @@ def test_a_finished_method_is_kept_from_its_rows_and_a_torn_line_is_skipped(tiny
     strip = [{k: v for k, v in r.items() if "seconds" not in k} for r in again]
     assert strip == [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]
     assert (tmp_path / "checkpoints" / "fedex" / "round-0002").is_dir()
+
+
+def test_a_resume_that_adds_rounds_records_them_and_a_plain_resume_then_succeeds(
+    tiny_bert_dir, tiny_csv, tmp_path
+):
+    """config.toml says how the run goes on: after ``--resume --rounds 3`` it says 3, so a
+    later plain ``--resume`` has nothing left to do, rather than failing on --rounds 2."""
+    from typer.testing import CliRunner
+
+    from fedexlora.cli import app
+    from fedexlora.config import load_run_config
+
+    out = tmp_path / "run"
+
+    def run(*args):
+        res = CliRunner().invoke(app, ["run", *map(str, args), "--no-progress"])
+        assert res.exit_code == 0, res.output
+        return res
+
+    run("--model", tiny_bert_dir, "--task", tiny_csv, "--rounds", "2", "--local-steps", "1",
+        "--min-partition-size", "5", "--max-length", "16", "--out", out)  # fmt: skip
+    before = load_run_config(out / "config.toml")
+    run("--resume", out, "--rounds", "3")
+    after = load_run_config(out / "config.toml")
+    assert after.rounds == 3 and after.replace(rounds=2) == before
+    assert max(r["round"] for r in read_metrics(out / "metrics.jsonl")) == 3
+    run("--resume", out)
+    assert len(read_metrics(out / "metrics.jsonl")) == 3

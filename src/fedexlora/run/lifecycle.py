@@ -204,6 +204,11 @@ class Run:
             restored, done_rows = restore_run(
                 cfg, task, layout.root, config_fingerprint(cfg), say, kept=kept
             )
+            # checked against it: config.toml now says how the run goes on, with what a
+            # resume may change (--rounds...), still listing every method it holds rows of
+            # (a compare cell gaining a method runs that one alone)
+            held = list(dict.fromkeys([*(ran.methods if ran else ()), *cfg.methods]))
+            write_atomic(layout.config, cfg.replace(methods=held).to_toml())
         else:
             layout.metrics.write_text("")
         trackers = open_trackers(cfg, layout.root, resume)
