@@ -323,7 +323,7 @@ def _worker_errors(cfg, errs: list[str]) -> None:
             cannot.append("--dora under --distributed fsdp (--distributed ddp can)")
         if not cfg.side_branch and cfg.methods_where(lambda s: s.keeps_residual):
             cannot.append(
-                "--fp32-side-branch false under --distributed fsdp (a sharded fp32 base "
+                "--no-fp32-side-branch under --distributed fsdp (a sharded fp32 base "
                 "cannot take the residuals folded in; the side branch is sharded)"
             )
     if cannot:

@@ -214,6 +214,9 @@ def test_readme_resume_flags_are_exactly_those_that_leave_results_alone():
     )
     named = set(re.findall(r"`(--[a-z-]+)`", said.group(1)))
     assert named == {flag_of[k] for k in RESUME_SAFE} | {"--no-progress"}
+    reliability = (README.parent / "docs" / "RELIABILITY.md").read_text()
+    said = re.search(r"Flags on `--resume`:(.*?) apply", reliability, re.S)
+    assert set(re.findall(r"`(--[a-z-]+)`", said.group(1))) == named
 
 
 def test_readme_extras_are_the_packages_extras():

@@ -215,8 +215,17 @@ def test_pyproject_declares_the_apps_and_every_key():
     assert flwr["publisher"]
     cfg, _ = resolve_run_config(flwr["config"])  # the defaults form a valid run
     assert cfg.engine == "flower"
-    # `flwr run -c` overrides only declared keys: every setting must be there
-    everything = to_run_config(RunConfig(max_train=1, local_steps=1, max_test=1))
+    # `flwr run -c` overrides only declared keys: every setting must be there, those
+    # unset by default too (to_dict() leaves a None out: each field, by its name)
+    from dataclasses import fields
+
+    from fedexlora.flower.records import _LOCAL_ONLY
+
+    everything = {
+        "method" if f.name == "methods" else f.name.replace("_", "-")
+        for f in fields(RunConfig)
+        if f.name not in _LOCAL_ONLY
+    }
     assert set(FLOWER_KEYS) | set(everything) <= set(flwr["config"])
     # and at the configuration's defaults ("" for unset), but for the deployment guide's
     # two SuperNodes (docs/DEPLOY.md): one source, which this copy Flower needs follows

@@ -24,7 +24,7 @@ from fedexlora.run import workers
         ({"distributed": "fsdp", "trainer": "trl"}, r"--trainer trl under --distributed fsdp"),
         (
             {"distributed": "fsdp", "fp32_side_branch": False},
-            r"--fp32-side-branch false under --distributed fsdp",
+            r"--no-fp32-side-branch under --distributed fsdp",
         ),
         ({"distributed": "mpi"}, r"`distributed`.*'mpi'"),
         ({"launcher": "mpirun"}, r"`launcher`.*'mpirun'"),
