@@ -76,7 +76,10 @@ def test_cuda_without_gpu(tmp_path, tiny_bert_dir, tiny_csv):
 def test_too_few_examples_per_client(tiny_bert_dir, tiny_csv, tmp_path):
     res = _run_tiny(tiny_bert_dir, tiny_csv, tmp_path, "--num-clients", "40")
     assert res.exit_code == 2
-    assert "min_partition_size" in res.output or "num_clients" in res.output
+    said = " ".join(res.output.split())
+    assert "but --num-clients 40 clients with at least --min-partition-size" in said
+    assert "a smaller --min-partition-size" in said  # the flags typed, not the arguments
+    assert "num_clients" not in said and "min_partition_size" not in said
     assert "Traceback" not in res.output
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -297,6 +298,18 @@ def _check_answers_fit(cfg: RunConfig, train) -> None:
     )
 
 
+_PARTITION_ARGS = {"num_clients": "--num-clients", "min_partition_size": "--min-partition-size",
+                   "alpha": "--alpha"}  # fmt: skip
+
+
+def _as_flags(message: str) -> str:
+    """``partition``'s message with its arguments spelled as ``fedexlora run``'s flags."""
+    for arg, flag in _PARTITION_ARGS.items():
+        message = re.sub(rf"\b{arg}=", f"{flag} ", message)
+        message = re.sub(rf"\b(a smaller|lower|increase) {arg}\b", rf"\1 {flag}", message)
+    return message
+
+
 def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
     """Partitions a loaded task and tokenizes both splits."""
     if cfg.trainer == "trl" and task.kind != "causal_lm":
@@ -308,14 +321,17 @@ def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
 
     check_train_rows(cfg, task)
     scheme, note = effective_partition(cfg, task)
-    parts = partition(
-        task.train,
-        cfg.num_clients,
-        scheme=scheme,
-        alpha=cfg.alpha,
-        seed=cfg.seed,
-        min_partition_size=cfg.min_partition_size,
-    )
+    try:
+        parts = partition(
+            task.train,
+            cfg.num_clients,
+            scheme=scheme,
+            alpha=cfg.alpha,
+            seed=cfg.seed,
+            min_partition_size=cfg.min_partition_size,
+        )
+    except ValueError as exc:  # named as the run's flags, not the function's arguments
+        raise ValueError(_as_flags(str(exc))) from None
     by_group = scheme == "group"  # whole groups per client (deepmind-math's modules)
     if by_group:
         table = describe_partitions(task.train, parts, label_column="group")
