@@ -160,13 +160,22 @@ def test_an_out_that_is_a_file_is_refused_before_the_model_loads(
     assert out.read_text() == "mine\n"
 
 
-def test_max_length_beyond_the_positions_is_refused_before_the_model_loads(
-    tmp_path, tiny_bert_dir, tiny_csv, model_never_loads
+@pytest.mark.parametrize(
+    "flags,said",
+    [
+        (["--max-length", "100000"], ["--max-length 100000 exceeds the 128 positions model",
+                                      "(max_position_embeddings); use --max-length 128 or less"]),
+        # the split leaves too few rows: named, not the client count
+        (["--test-fraction", "0.99"],
+         ["has 2 training rows left after its test split (--test-fraction 0.99)",
+          "fewer than --num-clients 3; fix: a lower --test-fraction"]),
+    ],
+)  # fmt: skip
+def test_a_setting_the_task_or_model_cannot_take_is_refused_before_the_model_loads(
+    flags, said, tmp_path, tiny_bert_dir, tiny_csv, model_never_loads
 ):
     out = tmp_path / "o"
-    res = _tiny(tiny_bert_dir, tiny_csv, out, "--max-length", "100000")
-    _clear(res, "--max-length 100000 exceeds the 128 positions model",
-           "(max_position_embeddings); use --max-length 128 or less")  # fmt: skip
+    _clear(_tiny(tiny_bert_dir, tiny_csv, out, *flags), *said)
     assert not out.exists()
 
 
@@ -179,14 +188,4 @@ def test_a_side_budget_below_one_rank_is_refused_and_leaves_nothing(
     res = _tiny(tiny_bert_dir, tiny_csv, out, "--dtype", "bf16", "--side-budget", "0.1")
     _clear(res, "--side-budget 0.1 holds less than one rank of side branch in",
            "takes 0.125 of its base's bytes", "fix: --side-budget 0.13 or more")  # fmt: skip
-    assert not out.exists()
-
-
-def test_a_test_fraction_that_leaves_too_few_rows_is_named_not_the_clients(
-    tmp_path, tiny_bert_dir, tiny_csv, model_never_loads
-):
-    out = tmp_path / "o"
-    res = _tiny(tiny_bert_dir, tiny_csv, out, "--test-fraction", "0.99")
-    _clear(res, "has 2 training rows left after its test split (--test-fraction 0.99)",
-           "fewer than --num-clients 3; fix: a lower --test-fraction")  # fmt: skip
     assert not out.exists()
