@@ -272,12 +272,9 @@ def run_grid(
             say(f"{label}: {why}")
         else:
             say(label)
-        ran = _saved_config(d) if action == "resume" else None  # before the run rewrites it
+        # a resumed cell's config.toml then records the rounds run and, beside this
+        # invocation's methods, every method it holds rows of (fedexlora.run.lifecycle)
         run_experiment(cfg, d, resume=action == "resume", progress=progress, console=console)
-        if ran is not None:  # the cell's config.toml: the rounds run, the defaults as it
-            held = list(dict.fromkeys([*ran.methods, *cfg.methods]))  # resolved them, and
-            # every method it holds rows of (this invocation's run wrote its own alone)
-            RunLayout(d).config.write_text(cfg.resolved(ran).replace(methods=held).to_toml())
     elapsed = time.perf_counter() - t0
     # each method's rows up to where this invocation's stopping rule stops it
     rows = {cell: until_stop(cfg, _rows_of(cfg, out / cell.dirname())) for cell, cfg in plan}
