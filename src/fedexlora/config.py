@@ -30,6 +30,8 @@ __all__ = [
     "load_run_config",
     "resumed_config",
     "load_config",
+    "read_config",
+    "setting_name",
     "model_name_error",
     "validate_mapping",
 ]
@@ -653,7 +655,7 @@ _FLAG_NAMES = {
 field's :class:`Option`; ``method`` is accepted as the key ``methods``."""
 
 
-def _key_of(name: str) -> str:
+def setting_name(name: str) -> str:
     """The setting a mapping's key names: dashes read as underscores, ``method`` as ``methods``."""
     norm = name.replace("-", "_")
     return "methods" if norm == "method" else norm
@@ -663,7 +665,7 @@ def _same_key_twice(data: dict[str, Any]) -> list[str]:
     """One message per setting that ``data`` gives under two spellings (``method``, ``methods``)."""
     spellings: dict[str, list[str]] = {}
     for key in data:
-        spellings.setdefault(_key_of(key), []).append(key)
+        spellings.setdefault(setting_name(key), []).append(key)
     return [
         f"`{keys[0]}` and `{keys[1]}` are the same setting, given twice; keep one"
         for keys in spellings.values()
@@ -704,11 +706,6 @@ def validate_mapping(data: dict[str, Any]) -> tuple[RunConfig | None, list[str]]
     except TypeError as exc:  # pragma: no cover - all keys are checked above
         return None, errs + [str(exc)]
     errs.extend(cfg.errors())
-    if cfg.recipe is not None:
-        from fedexlora.run.recipes import RECIPES
-
-        if cfg.recipe not in RECIPES:
-            errs.append(_unknown_recipe(cfg.recipe))
     return (cfg if not errs else None), errs
 
 
@@ -772,14 +769,11 @@ def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -
     return load_config(path, {**then, **(overrides or {})})
 
 
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Loads a TOML file, applies ``overrides`` and validates the result.
-
-    A ``recipe`` the file (or ``overrides``) names is applied as ``--recipe`` applies it:
-    its settings, with the file's own keys and the overrides on top.
+def read_config(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A TOML file's settings with ``overrides`` on top, as keys, not yet validated.
 
     Raises:
-        ConfigError: Listing every error, including a missing or malformed file.
+        ConfigError: If the file is missing, a directory, or not valid TOML.
     """
     p = Path(path)
     if p.is_dir():
@@ -791,25 +785,23 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ru
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError([f"config file {str(p)!r} is not valid TOML: {exc}"]) from None
     for key in overrides or {}:  # a flag replaces the file's setting, whichever its spelling
-        for spelled in [k for k in data if _key_of(k) == _key_of(key)]:
+        for spelled in [k for k in data if setting_name(k) == setting_name(key)]:
             del data[spelled]
     data.update(overrides or {})
-    recipe = next((v for k, v in data.items() if _key_of(k) == "recipe"), None)
-    if recipe:  # applied as --recipe applies it: the file's keys and the flags on top
-        from fedexlora.run.recipes import RECIPES, apply_recipe
+    return data
 
-        if recipe not in RECIPES:
-            raise ConfigError([_unknown_recipe(recipe)])
-        rest = {_key_of(k): v for k, v in data.items() if _key_of(k) != "recipe"}
-        data = apply_recipe(RECIPES[recipe], rest)[0]
-    cfg, errs = validate_mapping(data)
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Loads a TOML file, applies ``overrides`` and validates the result.
+
+    A ``recipe`` it names is a label here; :func:`fedexlora.run.recipes.load_config_file`
+    (what ``fedexlora run --config`` and ``validate`` read) applies it.
+
+    Raises:
+        ConfigError: Listing every error, including a missing or malformed file.
+    """
+    cfg, errs = validate_mapping(read_config(path, overrides))
     if errs:
         raise ConfigError(errs)
     assert cfg is not None
     return cfg
-
-
-def _unknown_recipe(name: Any) -> str:
-    from fedexlora.run.recipes import RECIPES
-
-    return f"`recipe`: unknown recipe {name!r}; choose from {', '.join(RECIPES)}"

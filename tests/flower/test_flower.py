@@ -254,6 +254,8 @@ def test_flwr_run_validates_as_fedexlora_validate_does(tiny_cfg, tmp_path):
     rc = to_run_config(tiny_cfg)
     with pytest.raises(ConfigError, match="`client_ranks` needs one rank per client"):
         resolve_run_config({**rc, "client-ranks": "2,4"})
+    with pytest.raises(ConfigError, match="`recipe`: unknown recipe 'paper-nope'; choose from"):
+        resolve_run_config({**rc, "recipe": "paper-nope"})
     run_dir = tmp_path / "run"
     with pytest.raises(ConfigError, match="'centralized' has no clients"):
         bad = tiny_cfg.replace(methods=["centralized"])

@@ -143,7 +143,7 @@ def test_a_recipe_in_a_config_file_is_applied_or_refused_before_training(
 ):
     """``recipe = ...`` in a TOML file is --recipe: its settings under the file's own keys;
     an unknown name is refused by validate and by run, before anything loads."""
-    from fedexlora.config import load_config
+    from fedexlora.run.recipes import load_config_file as load_config
 
     good = tmp_path / "good.toml"
     good.write_text('recipe = "paper-glue-roberta-base"\nlora-alpha = 3.0\n')

@@ -67,7 +67,7 @@ def _params() -> list[inspect.Parameter]:
 def run_cmd(**given) -> None:
     """Federated LoRA fine-tuning: every method on identical partitions, reported side by side."""
     quiet_libraries()
-    from fedexlora.config import RunConfig, load_config, validate_mapping
+    from fedexlora.config import RunConfig, validate_mapping
 
     config, out, resume = given["config"], given["out"], given["resume"]
     overrides, errs = from_flags(given)
@@ -81,11 +81,11 @@ def run_cmd(**given) -> None:
         elif "recipe" in overrides:
             cfg, recipe_tasks = _recipe_config(overrides, config)
         elif config is not None:
-            cfg = load_config(config, overrides)
-            if cfg.recipe is not None and not _names_task(config, overrides):
-                from fedexlora.run.recipes import get_recipe  # every task, as --recipe runs
+            from fedexlora.run.recipes import get_recipe, load_config_file
 
-                recipe_tasks = get_recipe(cfg.recipe).tasks
+            cfg = load_config_file(config, overrides)  # a recipe it names, applied
+            if cfg.recipe is not None and not _names_task(config, overrides):
+                recipe_tasks = get_recipe(cfg.recipe).tasks  # every task, as --recipe runs
         else:
             cfg_or_none, errs = validate_mapping(overrides)
             if errs:

@@ -20,11 +20,12 @@ def validate_cmd(config: Path = typer.Argument(..., help="A TOML config file."))
     Exits 2 when there is an error, as `fedexlora run --config CONFIG` does.
     """
     quiet_libraries()  # before the imports: peft imports bitsandbytes, which logs
-    from fedexlora.config import ConfigError, load_config
+    from fedexlora.config import ConfigError
     from fedexlora.run.preflight import input_problems
+    from fedexlora.run.recipes import load_config_file
 
     try:
-        cfg = load_config(config)
+        cfg = load_config_file(config)  # a recipe it names, applied as run applies it
     except ConfigError as exc:
         fail(str(exc))
     problems = input_problems(cfg)

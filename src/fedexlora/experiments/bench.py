@@ -399,8 +399,8 @@ def comm_table(
         seed: Seed of the random client factors (the bytes do not depend on it unless
             the factors are rank-deficient, which random ones are not).
         fedsb_rank: Fed-SB's rank (its core is ``fedsb_rank`` squared per layer); at most
-            every layer's smaller side, as a run requires. ``None``: 64, or the smallest
-            layer side where that is less.
+            every layer's smaller side, as a run requires (``synthetic_factors`` refuses
+            more). ``None``: 64, or the smallest layer side where that is less.
 
     Returns:
         One dict per method with ``model``, ``method``, ``label``, ``rank``, ``clients``,
@@ -423,14 +423,8 @@ def comm_table(
         raise ValueError(f"`rank` must be positive, got {rank}")
     if clients < 1:
         raise ValueError(f"`clients` must be positive, got {clients}")
-    side = min(min(g.d, g.n) for g in shape.layers)
-    if fedsb_rank is None:
-        fedsb_rank = min(64, side)
-    elif "fedsb" in comm_methods() and fedsb_rank > side:  # a run refuses it (latent.py)
-        raise ValueError(
-            f"`--fedsb-rank` {fedsb_rank} exceeds the smaller side of a layer of "
-            f"{shape.name} ({side}); use --fedsb-rank {side} or less"
-        )
+    if fedsb_rank is None:  # 64, unless a layer is smaller (a larger one a run refuses)
+        fedsb_rank = min(64, *(min(g.d, g.n) for g in shape.layers))
     extra = sum(_nbytes(torch.empty(s, dtype=torch.float32)) for s in shape.extra)
     measured: dict[str, dict] = {}
     for m in comm_methods():

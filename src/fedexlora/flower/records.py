@@ -17,6 +17,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from fedexlora.config import ConfigError, RunConfig, validate_mapping
+from fedexlora.run.recipes import unknown_recipe
 
 __all__ = [
     "FLOWER_KEYS",
@@ -155,6 +156,8 @@ def resolve_run_config(run_config: Mapping[str, Any]) -> tuple[RunConfig, Flower
     data["engine"] = "flower"  # validated as the Flower engine runs it
     cfg, cfg_errs = validate_mapping(data)
     errs.extend(cfg_errs)
+    if cfg is not None and cfg.recipe is not None and unknown_recipe(cfg.recipe):
+        errs.append(unknown_recipe(cfg.recipe))
     settings = None
     try:
         settings = FlowerSettings(**{k: _coerce(k, v) for k, v in flower.items()})

@@ -23,9 +23,11 @@ __all__ = [
     "Recipe",
     "apply_recipe",
     "get_recipe",
+    "load_config_file",
     "paper_beside",
     "paper_section",
     "recipe_table",
+    "unknown_recipe",
 ]
 
 PAPER_METHODS = ("centralized", "fedit", "ffa", "fedex")
@@ -223,6 +225,38 @@ def apply_recipe(recipe: Recipe, overrides: Mapping[str, Any]) -> tuple[dict, li
         out[key] = value
     out["recipe"] = recipe.name
     return out, notes
+
+
+def unknown_recipe(name) -> str | None:
+    """Why ``name`` (a config's ``recipe``) names no recipe, or ``None`` when it names one."""
+    if name in RECIPES:
+        return None
+    return f"`recipe`: unknown recipe {name!r}; choose from {', '.join(RECIPES)}"
+
+
+def load_config_file(path, overrides: Mapping[str, Any] | None = None):
+    """A config file's :class:`~fedexlora.config.RunConfig`, a recipe it names applied.
+
+    ``recipe = NAME`` in the file is ``--recipe NAME``: the recipe's settings, with the
+    file's own keys and ``overrides`` (the flags) on top. What ``fedexlora run --config``
+    and ``fedexlora validate`` read.
+
+    Raises:
+        ConfigError: Listing every error: the file's, its values', an unknown recipe.
+    """
+    from fedexlora.config import ConfigError, read_config, setting_name, validate_mapping
+
+    data = read_config(path, dict(overrides or {}))
+    name = next((v for k, v in data.items() if setting_name(k) == "recipe"), None)
+    if name:
+        if unknown_recipe(name):
+            raise ConfigError([unknown_recipe(name)])
+        rest = {setting_name(k): v for k, v in data.items() if setting_name(k) != "recipe"}
+        data = apply_recipe(RECIPES[name], rest)[0]
+    cfg, errs = validate_mapping(data)
+    if errs:
+        raise ConfigError(errs)
+    return cfg
 
 
 def _show(v) -> str:

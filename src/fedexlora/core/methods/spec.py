@@ -486,11 +486,21 @@ class MethodSpec:
         """Random global ``(A, B)`` of one ``(d, n)`` layer in the server's coordinates.
 
         For benchmarks that drive a server without a model: a latent method's are
-        ``(I, R)`` at its own rank (capped by the layer's sides).
+        ``(I, R)`` at its own rank.
+
+        Raises:
+            ValueError: If a latent method's rank exceeds the layer's smaller side, as a
+                run refuses it (:mod:`fedexlora.bridge.latent`).
         """
         if self.latent:
-            q = min(latent_rank, d, n)
-            return torch.eye(q), torch.randn(q, q, generator=generator)
+            if latent_rank > min(d, n):
+                raise ValueError(
+                    f"`--fedsb-rank` {latent_rank} exceeds a {d} x {n} layer's smaller side; "
+                    f"use --fedsb-rank {min(d, n)} or less"
+                )
+            return torch.eye(latent_rank), torch.randn(
+                latent_rank, latent_rank, generator=generator
+            )
         A = torch.randn(rank, n, generator=generator) / n**0.5
         B = torch.randn(d, rank, generator=generator) / d**0.5
         return A, B
