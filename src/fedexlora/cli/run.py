@@ -111,10 +111,9 @@ def run_cmd(**given) -> None:
 
 def _names_task(config: Path, overrides: dict) -> bool:
     """Whether ``--task`` or the (valid) config file picks a task."""
-    import tomllib
+    from fedexlora.config import read_config, setting_name
 
-    data = tomllib.loads(Path(config).read_text())
-    return "task" in overrides or any(k.replace("-", "_") == "task" for k in data)
+    return any(setting_name(k) == "task" for k in read_config(config, overrides))
 
 
 def _resumed_config(resume: Path, overrides: dict, config: Path | None, out: Path | None):
