@@ -256,6 +256,7 @@ def test_delta_must_be_below_one_over_the_smallest_client():
         (["--dp-epsilon", "1", "--method", "fedex,centralized"], "method 'centralized'"),
         (["--dp-epsilon", "1", "--gradient-checkpointing"], "--gradient-checkpointing"),
         (["--dp-epsilon", "1", "--dp-delta", "0.5"], "--dp-delta 0.5 must be below 1 /"),
+        (["--dp-epsilon", "1e-9"], "--dp-epsilon 1e-09 at --dp-delta 1e-05 cannot be met"),
     ],
 )
 def test_bad_dp_input_is_one_line_and_exit_2(tiny_bert_dir, tiny_csv, tmp_path, extra, message):
@@ -272,3 +273,4 @@ def test_bad_dp_input_is_one_line_and_exit_2(tiny_bert_dir, tiny_csv, tmp_path, 
     assert res.exit_code == 2, res.output
     assert message in " ".join(res.output.split())
     assert "Traceback" not in res.output
+    assert not (tmp_path / "run" / "config.toml").exists()  # refused before anything is written

@@ -188,9 +188,11 @@ class Run:
         first_model, tokenizer = new_model(cfg, task, first)
         prep = prepare(cfg, tokenizer, task)
         if cfg.dp:  # each client checks its own too; this names the problem before round 1
-            from fedexlora.training.privacy import check_delta
+            from fedexlora.training.privacy import check_delta, plan
 
-            check_delta(cfg.dp_delta, [len(p) for p in prep.parts])
+            sizes = [len(p) for p in prep.parts]
+            check_delta(cfg.dp_delta, sizes)
+            plan(cfg, sizes)  # an epsilon no noise meets is refused before a file is written
         layout.root.mkdir(parents=True, exist_ok=True)
         if not resume:
             write_atomic(layout.config, cfg.to_toml())
