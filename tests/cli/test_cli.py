@@ -160,7 +160,13 @@ def test_validate_names_what_run_would_refuse_in_the_inputs_a_config_names(
     cfg.write_text("\n".join([f'model = "{tiny_bert_dir}"', f'task = "{tiny_csv}"',
                               'stop_metric = "bleu"', "stop_patience = 2"]) + "\n")  # fmt: skip
     res = _run("validate", str(cfg))
-    assert res.exit_code == 2 and "--stop-metric 'bleu' is not a metric of task" in res.output
+    # named as the file spells it: its key, not the flag that run's own check names
+    assert res.exit_code == 2 and "`stop_metric` 'bleu' is not a metric of task" in res.output
+    cfg.write_text(f'model = "{tiny_bert_dir}"\ntask = "{tiny_csv}"\nmax_length = 100000\n')
+    res = _run("validate", str(cfg))
+    flat = " ".join(res.output.split())
+    assert res.exit_code == 2 and "`max_length` 100000 exceeds the" in flat, res.output
+    assert "use `max_length` " in flat and "--max-length" not in flat
 
 
 @pytest.mark.parametrize(

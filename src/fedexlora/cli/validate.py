@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import typer
@@ -28,7 +29,22 @@ def validate_cmd(config: Path = typer.Argument(..., help="A TOML config file."))
         cfg = load_config_file(config)  # a recipe it names, applied as run applies it
     except ConfigError as exc:
         fail(str(exc))
-    problems = input_problems(cfg)
+    problems = [_as_keys(p) for p in input_problems(cfg)]
     if problems:
         fail("\n".join([f"{config}:", *(f"  - {p}" for p in problems)]))
     console.print(f"{config}: valid")
+
+
+def _as_keys(problem: str) -> str:
+    """A problem as the file spells its settings: ``--max-length`` becomes ```max_length```.
+
+    The checks are the ones ``run`` makes, which name the flag typed; a file has keys.
+    """
+    from fedexlora.config import FLAGS
+
+    key_of = {flag: key for key, flag in FLAGS.items()}
+    return re.sub(
+        r"(?<![\w`-])--[a-z][a-z0-9-]*",
+        lambda m: f"`{key_of[m.group()]}`" if m.group() in key_of else m.group(),
+        problem,
+    )
