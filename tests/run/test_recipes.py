@@ -159,6 +159,28 @@ def test_a_recipe_in_a_config_file_is_applied_or_refused_before_training(
     assert not (tmp_path / "run").exists()
 
 
+def test_a_recipe_in_a_flower_run_config_labels_and_the_summary_says_how_it_departs():
+    """A Flower run config declares every key, so there ``recipe`` fixes nothing: the
+    summary's paper section lists each setting the run holds otherwise, read from the
+    configuration itself (as for flags over --recipe)."""
+    import tomllib
+    from pathlib import Path
+
+    from fedexlora.flower.records import resolve_run_config
+    from fedexlora.run.recipes import RECIPES, recipe_section
+
+    root = Path(__file__).resolve().parents[2]
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    name = "paper-glue-roberta-base"
+    cfg, _ = resolve_run_config({**declared["config"], "recipe": name})
+    rows = [{"method": "fedex", "round": 1, "metrics": {"mcc": 0.5}}]
+    text = " ".join(recipe_section(cfg, rows).split())
+    assert "This run departs from the recipe: task = bbc-news (recipe: glue/cola, " in text
+    assert "lora_r = 8 (recipe: 4)" in text and "rounds = 3 (recipe: 50)" in text
+    agrees = cfg.replace(task="glue/cola", **RECIPES[name].settings)
+    assert "departs" not in recipe_section(agrees, rows)
+
+
 def test_a_recipe_in_a_config_file_runs_every_task(tmp_path, hub_dir, tiny_bert_dir):
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'recipe = "paper-glue-roberta-base"\nmodel = "{tiny_bert_dir}"\n'
@@ -201,6 +223,9 @@ def test_llm_recipe_end_to_end_with_the_paper_beside(tmp_path, hub_dir, tiny_lla
     assert f'recipe = "{recipe}"' in cfg and "lora_r = 32" in cfg and 'dtype = "bf16"' in cfg
     rows = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [r["method"] for r in rows] == ["centralized", "fedit", "ffa", "fedex"]
+    summary = " ".join((tmp_path / "run/summary.md").read_text().split())
+    assert f"This run departs from the recipe: model = {tiny_llama_dir} (recipe: " in summary
+    assert "max_new_tokens = 4 (recipe: 512)" in summary and "lora_r = 32 (" not in summary
     table = _paper_rows((tmp_path / "run/summary.md").read_text())
     for r in rows:
         paper, ours, diff = table[r["method"]]

@@ -438,7 +438,7 @@ def run_tasks(
             run_one(cfg.replace(task=task), sub.root, resume)
         per_task[task] = read_metrics(sub.metrics)
     title = f"# fedex-lora recipe {recipe.name}\n\n" if recipe is not None else "# fedex-lora\n\n"
-    text = title + (paper_section(recipe, per_task) if recipe is not None else "")
+    text = title + (paper_section(recipe, per_task, cfg) if recipe is not None else "")
     layout.summary.write_text(text)
     say(text)
     return per_task

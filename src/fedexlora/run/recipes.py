@@ -22,6 +22,7 @@ __all__ = [
     "RECIPES",
     "Recipe",
     "apply_recipe",
+    "departures",
     "get_recipe",
     "load_config_file",
     "paper_beside",
@@ -324,12 +325,35 @@ def _every_metric(rows: list[dict]) -> list[str]:
     return [*lines, ""]
 
 
-def paper_section(recipe: Recipe, per_task: Mapping[str, list[dict]]) -> str:
+def departures(recipe: Recipe, cfg) -> list[str]:
+    """Each setting the recipe fixes that ``cfg`` runs otherwise: ``lora_r = 8 (recipe: 4)``.
+
+    Read from the configuration the run ran, whichever way it got there: flags over
+    ``--recipe``, a config file's keys, or a Flower run config (which declares every key,
+    so that there ``recipe`` names the paper's figures and fixes nothing).
+    """
+    out = []
+    if cfg.task is not None and cfg.task not in recipe.tasks:
+        out.append(f"task = {cfg.task} (recipe: {', '.join(recipe.tasks)})")
+    for key, want in recipe.settings.items():
+        have = getattr(cfg, key)
+        if isinstance(have, (list, tuple)) and isinstance(want, (list, tuple)):
+            same = list(have) == list(want)
+        else:
+            same = have == want
+        if not same:
+            out.append(f"{key} = {_show(have)} (recipe: {_show(want)})")
+    return out
+
+
+def paper_section(recipe: Recipe, per_task: Mapping[str, list[dict]], cfg=None) -> str:
     """Markdown: the paper's figure beside the measured one, and the difference.
 
     Args:
         recipe: The recipe run.
         per_task: Each task's metrics rows (one task for a single-task recipe).
+        cfg: The run's configuration: the settings in which it departs from the recipe
+            are listed.
     """
     measured = {t: _measured(rows, recipe.metric) for t, rows in per_task.items()}
     methods = [m for m in PAPER_METHODS if any(m in v for v in measured.values())]
@@ -358,6 +382,9 @@ def paper_section(recipe: Recipe, per_task: Mapping[str, list[dict]]) -> str:
             f"average over {', '.join(recipe.tasks)}."
         )
     lines += [f"- {n}" for n in recipe.notes]
+    differ = departures(recipe, cfg) if cfg is not None else []
+    if differ:
+        lines.append(f"- This run departs from the recipe: {'; '.join(differ)}.")
     lines.append(
         "- The paper's figures are for its full setting; a run with fewer rounds, "
         "examples or a smaller model is not expected to match them."
@@ -370,4 +397,4 @@ def recipe_section(cfg, rows: list[dict]) -> str | None:
     if cfg.recipe is None:
         return None
     r = get_recipe(cfg.recipe)
-    return paper_section(r, {cfg.task or r.tasks[0]: rows})
+    return paper_section(r, {cfg.task or r.tasks[0]: rows}, cfg)
