@@ -33,7 +33,8 @@ def lora_layers(model: torch.nn.Module, adapter: str | None = None) -> dict[str,
     Raises:
         ValueError: If the model has no LoRA layer, or one is of a kind fedex-lora cannot
             aggregate exactly (DoRA on a half-precision or quantized base, or on other
-            than a linear layer; a grouped convolution, an unreadable quantized base, an
+            than a linear layer; a grouped, dilated or non-zero-padded convolution, an
+            unreadable quantized base, an
             unknown layer type): one line naming the module, the option and the way out.
     """
     adapter = _adapter_name(model, adapter)
@@ -66,6 +67,30 @@ def _key(t: torch.Tensor) -> tuple | None:
         return None
     ptr = t.untyped_storage().data_ptr()
     return None if ptr == 0 else (str(t.device), ptr)
+
+
+def _check_conv_geometry(name: str, base: torch.nn.Module) -> None:
+    """Refuses a convolution whose LoRA branch peft builds with another geometry.
+
+    peft's ``lora_A`` takes the base's kernel, stride and padding, but zero-pads and is
+    undilated: a ``padding_mode`` other than zeros (circular, reflect, replicate) or a
+    dilation makes the branch no longer the convolution by ``B @ A``, so a residual folded
+    into the base weight (which pads and dilates as the base does) would not be the
+    clients' average at the borders (or, dilated, not fit the base's output at all).
+    """
+    pads = base.padding
+    padded = pads != "valid" and (isinstance(pads, str) or any(p != 0 for p in pads))
+    if base.padding_mode != "zeros" and padded:
+        raise ValueError(
+            f"module {name!r}: LoRA on a convolution with padding_mode="
+            f"{base.padding_mode!r} is not linear in B @ A (peft's LoRA branch pads with "
+            f"zeros); {_WAY_OUT}"
+        )
+    if any(d != 1 for d in base.dilation):
+        raise ValueError(
+            f"module {name!r}: LoRA on a dilated convolution (dilation={tuple(base.dilation)})"
+            f" is not linear in B @ A (peft's LoRA branch is undilated); {_WAY_OUT}"
+        )
 
 
 def storage_groups(model: torch.nn.Module) -> dict[tuple, list[tuple[str, torch.Tensor]]]:
@@ -245,6 +270,8 @@ def _check_layer(name: str, module: LoraLayer, adapter: str) -> None:
             f"module {name!r}: LoRA on a grouped convolution (groups={base.groups}) is not "
             f"linear in B @ A; {_WAY_OUT}"
         )
+    if kind == "conv":
+        _check_conv_geometry(name, base)
     supported = (torch.nn.Linear, Conv1D, torch.nn.Embedding, torch.nn.modules.conv._ConvNd)
     if not isinstance(base, supported):
         raise ValueError(
