@@ -470,10 +470,14 @@ def run_case(
             previous = ideal
             ideal = {n: previous[n] + update[n] for n in previous}
             outcome = server.aggregate(uploads)
-            apply_outcome(global_model, server, outcome, uploads)
+            reported = apply_outcome(global_model, server, outcome, uploads)
             worst, where = _worst(effective(global_model), ideal, previous)
             if worst > WEIGHT_TOL:
                 return f"FAIL: round {rnd}: {where} off the ideal by {worst:.1e} of its update"
+            # the model is exact: the run's own report (what a run prints) must say so too
+            said = {k: v for k, v in reported.items() if not v <= WEIGHT_TOL}
+            if said:
+                return f"FAIL: round {rnd}: exact, but the run's report says {said}"
     except Exception as e:  # noqa: BLE001  any error after training started is a failure
         return f"FAIL: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
     with torch.no_grad():  # the live model's own forward: side branches, hooks and all

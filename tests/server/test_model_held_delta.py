@@ -137,3 +137,25 @@ def test_deviation_of_weighted_nearly_identical_clients_matches_dense_fp64(sprea
         warnings.simplefilter("error")
         got = deviation(As, Bs, w)
     assert got == pytest.approx(want, rel=rel)
+
+
+def test_the_model_held_delta_is_read_in_the_active_adapters_units(tiny_bert_dir):
+    """A model with a second adapter, active and of another scale: ``folded_delta`` reads
+    the adapter that is federated, not ``default``. It read ``default``'s scale, 4x off
+    here, so the server distrusted its own model and kept a dense copy, with a warning."""
+    from peft import LoraConfig
+
+    glob = _model(tiny_bert_dir)
+    targets = sorted(glob.peft_config["default"].target_modules)
+    glob.add_adapter("other", LoraConfig(r=4, lora_alpha=32, target_modules=targets))
+    glob.set_adapter("other")
+    server = Server(get_state(glob), layer_info(glob), num_clients=6)
+    server.delta_source = functools.partial(folded_delta, glob)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "is not the server's record" would raise
+        _federate(glob, server)
+        server.deltas()
+    assert server.outgrown == set(server.layers)  # the model's record was trusted
+    for name in server.layers:
+        mine = folded_delta(glob, name).to_dense()
+        assert torch.equal(mine, folded_delta(glob, name, adapter="other").to_dense())

@@ -285,8 +285,10 @@ def adapter_nbytes(model: torch.nn.Module, adapter: str = "default") -> int:
 
 
 @torch.no_grad()
-def folded_delta(model: torch.nn.Module, name: str, adapter: str = "default") -> Residual:
+def folded_delta(model: torch.nn.Module, name: str, adapter: str | None = None) -> Residual:
     """What was folded into module ``name`` since it was loaded, in ``adapter``'s units.
+
+    ``adapter`` defaults to the model's active one: the one federated (``lora_layers``).
 
     That is ``sum R`` over the residuals :func:`fold_residuals` gave it (before the LoRA
     scale): the server's record of its base delta, read from the model instead of kept
@@ -298,7 +300,8 @@ def folded_delta(model: torch.nn.Module, name: str, adapter: str = "default") ->
     Raises:
         ValueError: If ``name`` is not a LoRA layer of the model.
     """
-    layers = lora_layers(model, _adapter_name(model, adapter))
+    adapter = _adapter_name(model, adapter)
+    layers = lora_layers(model, adapter)
     if name not in layers:
         raise ValueError(f"no LoRA layer {name!r} in the model")
     layer = layers[name]

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fedexlora.bridge import layer_kinds
 from fedexlora.bridge.adapters import get_state
 from fedexlora.bridge.layers import lora_layers
 from fedexlora.core.messages import ClientUpload, RoundOutcome
@@ -100,9 +101,11 @@ def _frozen(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     own = set()
     for name, layer in lora_layers(model).items():
         base = layer.get_base_layer()
+        # the tensor it adapts: the weight, or a target_parameters wrapper's parameter
+        attr = layer.parameter_name if layer_kinds.kind(layer) == "param" else "weight"
         for sub, module in layer.named_modules():
             if module is base:
-                own.add(f"{name}.{sub}.weight" if sub else f"{name}.weight")
+                own.add(f"{name}.{sub}.{attr}" if sub else f"{name}.{attr}")
     return {
         n: p
         for n, p in model.named_parameters(remove_duplicate=False)
