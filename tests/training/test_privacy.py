@@ -274,3 +274,53 @@ def test_bad_dp_input_is_one_line_and_exit_2(tiny_bert_dir, tiny_csv, tmp_path, 
     assert message in " ".join(res.output.split())
     assert "Traceback" not in res.output
     assert not (tmp_path / "run" / "config.toml").exists()  # refused before anything is written
+
+
+def test_a_causal_lm_examples_dp_gradient_does_not_depend_on_its_batchmates():
+    """DP-SGD clips each example's gradient to C; that bounds one record's influence only
+    if its gradient is its own. transformers' causal-LM loss is the batch's token mean,
+    under which an example's gradient scaled with its batchmates' lengths (0.33 beside a
+    40-token example, 3.4 beside a 2-token one); the loss DP-SGD trains on is the mean
+    of each example's own token mean."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fedexlora.training.privacy import per_example_loss, wrap
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        pad_token_id=0))  # fmt: skip
+    for name, p in model.named_parameters():
+        p.requires_grad = name.startswith("lm_head")
+
+    def own_gradient(other: int) -> torch.Tensor:
+        width = max(4, other)
+        ids = torch.zeros(2, width, dtype=torch.long)
+        mask, labels = torch.zeros_like(ids), torch.full((2, width), -100)
+        ids[0, :4] = torch.tensor([5, 6, 7, 8])
+        ids[1, :other] = torch.arange(9, 9 + other) % 60 + 1
+        for row, length in ((0, 4), (1, other)):
+            mask[row, :length] = 1
+            labels[row, :length] = ids[row, :length]
+        gsm = wrap(model)
+        per_example_loss(gsm, {"input_ids": ids, "attention_mask": mask,
+                               "labels": labels}).backward()  # fmt: skip
+        got = model.lm_head.weight.grad_sample[0].clone()
+        gsm.to_standard_module()
+        for p in model.parameters():
+            p.grad, p.grad_sample = None, None
+        return got
+
+    # one example alone: its own token mean, which transformers' loss is too
+    one = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "labels": torch.tensor([[-100, -100, 7, 8, 9]])}
+    with torch.no_grad():
+        torch.testing.assert_close(per_example_loss(model, one), model(**one).loss)
+    beside_short, beside_long = own_gradient(2), own_gradient(40)
+    assert beside_short.norm() > 0
+    torch.testing.assert_close(beside_long, beside_short, rtol=1e-4, atol=1e-7)
+    # one label per example (a classifier): the model's own loss, already per example
+    batch = {"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([1])}
+    calls = []
+    per_example_loss(lambda **kw: calls.append(kw) or type("O", (), {"loss": 1.0}), batch)
+    assert calls == [batch]

@@ -248,7 +248,7 @@ def _train_dp(
     """
     from opacus.optimizers import DPOptimizer
 
-    from fedexlora.training.privacy import FirstStepCheck, wrap
+    from fedexlora.training.privacy import FirstStepCheck, per_example_loss, wrap
 
     n = len(data)
     if n == 0:
@@ -297,7 +297,7 @@ def _train_dp(
             if idx:
                 batch = _collate(data.subset(idx), device)
                 with _amp(device, autocast):
-                    loss = gsm(**batch).loss
+                    loss = per_example_loss(gsm, batch)  # each example's own share
                 with warnings.catch_warnings():  # Opacus's hook on the first adapted layer,
                     warnings.filterwarnings(  # whose input needs no gradient: as meant
                         "ignore", "Full backward hook is firing", UserWarning

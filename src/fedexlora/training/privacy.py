@@ -41,6 +41,7 @@ __all__ = [
     "FirstStepCheck",
     "Ledger",
     "budget_for",
+    "per_example_loss",
     "check_delta",
     "check_model",
     "epsilon_spent",
@@ -185,6 +186,36 @@ def wrap(model):
     from opacus import GradSampleModule
 
     return GradSampleModule(model, batch_first=True, loss_reduction="mean", strict=True)
+
+
+def per_example_loss(model, batch: dict):
+    """The batch's loss as the mean of each example's own loss: what DP-SGD trains on.
+
+    Opacus (``loss_reduction="mean"``) takes each example's gradient as the batch size
+    times its share of the loss, then clips it to ``--dp-max-grad-norm``. That bounds one
+    example's influence only if its share depends on it alone. A classifier's loss is a
+    mean over examples, so it does. A causal LM's loss (transformers') is a mean over the
+    batch's answer tokens, so each example's share was scaled by its token count over the
+    batch's: its batchmates changed its gradient, and one added record changed all the
+    others' (the sensitivity was no longer the clipping norm). Here each example's loss
+    is its own tokens' mean, and the batch's loss the mean over examples.
+    """
+    import torch
+
+    labels = batch.get("labels")
+    if labels is None or labels.dim() < 2:  # one label per example: per example already
+        return model(**batch).loss
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    target = labels[:, 1:]  # token t predicts token t + 1, as transformers' causal LM loss
+    tokens = torch.nn.functional.cross_entropy(
+        logits[:, :-1, :].float().reshape(-1, logits.size(-1)),
+        target.reshape(-1),
+        ignore_index=-100,
+        reduction="none",
+    ).view(target.shape)
+    answered = (target != -100).to(tokens.dtype)
+    own = (tokens * answered).sum(dim=1) / answered.sum(dim=1).clamp(min=1)
+    return own.mean()
 
 
 class FirstStepCheck:
