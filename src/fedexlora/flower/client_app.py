@@ -25,8 +25,10 @@ directory). It keeps the last two base versions, under the run's token, and tell
 server which it holds when asked; the server re-syncs from W0 a client that holds none
 of what it expects.
 
-Configuration comes from the run config (``context.run_config``); the partition comes
-from the node config (``partition-id``, ``num-partitions``).
+Configuration comes from the run config (``context.run_config``), the server's word; the
+partition comes from the node config (``partition-id``, ``num-partitions``), and so does
+the node's own floor, which no run config lowers (``secure-aggregation``,
+``max-dp-epsilon``, ``max-dp-delta``, ``dp-reproducible``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -88,7 +91,41 @@ def _resolve(defaults: Mapping[str, Any], context: Context):
             f"config 'dp-reproducible=true' or {SEEDED_DP_CONSENT}=1 to consent, or run "
             "without --dp-reproducible"
         )
+    problem = _below_node_floor(cfg, context.node_config)
+    if problem is not None:
+        raise ValueError(problem)
     return cfg, config_fingerprint(cfg), settings
+
+
+def _below_node_floor(cfg, node: Mapping[str, Any]) -> str | None:
+    """Why the run's configuration (the server's word) falls short of this node's own
+    floor, or ``None``.
+
+    A SuperNode's ``--node-config`` is its operator's, not the server's:
+    ``secure-aggregation=true`` refuses a run that would upload in the clear, and
+    ``max-dp-epsilon`` / ``max-dp-delta`` a run without DP-SGD or with a weaker budget.
+    """
+    said = str(node.get("secure-aggregation", "")).strip().lower()
+    if said in ("1", "true", "yes") and not cfg.secure_aggregation:
+        return (
+            "this node requires secure aggregation (node config secure-aggregation=true) "
+            "and the run is configured without it; the node does not train for this run"
+        )
+    for key, have in (("max-dp-epsilon", cfg.dp_epsilon), ("max-dp-delta", cfg.dp_delta)):
+        cap = node.get(key, "")
+        if str(cap).strip() == "":
+            continue
+        try:
+            cap = float(cap)
+        except ValueError:
+            return f"node config {key}={node[key]!r} is not a number"
+        if not cfg.dp or have is None or float(have) > cap:
+            shown = "no DP-SGD" if not cfg.dp else f"{key.removeprefix('max-')} = {have:g}"
+            return (
+                f"this node allows at most {key.removeprefix('max-')} {cap:g} (node config "
+                f"{key}) and the run asks for {shown}; the node does not train for this run"
+            )
+    return None
 
 
 def _state_root(context: Context, settings, token: str) -> Path | None:
@@ -336,7 +373,18 @@ def _train_step(msg: Message, context: Context, defaults, started: float, clock)
     )
     client.apply(payload, req.since)
     if cfg.dp:  # the accounting is the client's own; the server records what it reports
-        client.budget = client_dp.plan_budget(cfg, req.store, conf, pid, len(client.data))
+        try:
+            client.budget = client_dp.plan_budget(cfg, req.store, conf, pid, len(client.data))
+        except ValueError as exc:
+            if not cfg.secure_aggregation:
+                raise
+            # its reasons name its figures (its example count, its sampling rate), which
+            # under secure aggregation stay on this node: its own log has them
+            warnings.warn(f"partition {pid}: {exc}", stacklevel=2)
+            raise ValueError(
+                f"partition {pid} cannot train under the run's DP-SGD settings (--dp-epsilon, "
+                "--dp-delta); under secure aggregation its reasons stay in its own log"
+            ) from None
     refused, up = client.refuses(), None
     if not refused:
         try:

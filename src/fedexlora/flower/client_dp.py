@@ -55,12 +55,35 @@ def plan_budget(cfg, store, conf, pid: int, n: int):
         )
         budget.steps = budget.planned_steps
         return budget
+    if plan and not saved and not _within(cfg, budget, plan):
+        # the server's word alone: a plan that spends more than this client's budget
+        # (less noise, more steps, another sampling rate) is not one it made
+        raise ValueError(
+            f"partition {pid}: the DP-SGD plan the server sent back is not one this client "
+            "would have made: it spends more than the run's --dp-epsilon at its sampling "
+            "rate; refusing to train on it"
+        )
     if plan:
         budget.noise_multiplier = float(plan["noise_multiplier"])
         budget.sample_rate = float(plan["sample_rate"])
         budget.planned_steps = int(plan["planned_steps"])
     budget.steps = max(int(saved.get("steps", 0)), int(conf.get("dp-steps", 0)))
     return budget
+
+
+def _within(cfg, own, plan: dict) -> bool:
+    """Whether ``plan`` samples at this client's own rate and spends at most its ε."""
+    import math
+
+    from fedexlora.training.privacy import epsilon_spent
+
+    sigma, q, steps = (float(plan["noise_multiplier"]), float(plan["sample_rate"]),
+                       int(plan["planned_steps"]))  # fmt: skip
+    if not (math.isfinite(sigma) and sigma > 0 and steps >= 0):
+        return False
+    if not math.isclose(q, own.sample_rate, rel_tol=1e-9):
+        return False
+    return epsilon_spent(sigma, q, steps, cfg.dp_delta) <= cfg.dp_epsilon * (1 + 1e-9)
 
 
 def report_metrics(budget, delta: float, *, secure: bool = False) -> dict:
