@@ -65,6 +65,32 @@ def test_the_cli_refuses_dp_on_two_processes_in_one_line_before_loading(
     assert not (tmp_path / "run").exists()
 
 
+def test_more_processes_than_the_machine_has_devices_are_refused_before_any_starts(
+    tiny_bert_dir, tiny_csv, tmp_path, model_never_loads, monkeypatch
+):
+    """One rank per CPU core (or GPU): 200 ranks on a 2-core machine each loaded the model
+    until the memory was full. Refused before the run, and by the group itself (a Flower
+    node has devices of its own)."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    res = CliRunner().invoke(
+        app,
+        ["run", "--model", tiny_bert_dir, "--task", tiny_csv, "--nproc-per-client", "3",
+         "--device", "cpu", "--out", str(tmp_path / "run"), "--no-progress"],
+    )  # fmt: skip
+    out = " ".join(res.output.split())
+    assert res.exit_code == 2, res.output
+    assert "--nproc-per-client 3: this machine has 2 CPU cores, one per process; use " in out
+    assert "Traceback" not in res.output and not (tmp_path / "run").exists()
+    cfg = RunConfig(nproc_per_client=3, device="cpu")
+    group = workers.WorkerGroup(cfg, "fedex", tmp_path / "group")
+    with pytest.raises(workers.WorkerGroupError, match="this machine has 2 CPU cores"):
+        group.start()
+    assert not (tmp_path / "group").exists()  # nothing launched
+    assert workers.devices_error(cfg.replace(nproc_per_client=2)) is None
+
+
 def test_the_launchers_command_lines(tmp_path):
     cfg = RunConfig(nproc_per_client=4)
     cmd = workers.launch_command(cfg, tmp_path, 29500)

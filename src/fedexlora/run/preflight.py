@@ -121,6 +121,12 @@ def input_problems(cfg: RunConfig, tasks: Sequence[str] = ()) -> list[str]:
         resolve_device(cfg.device)
     except ValueError as exc:
         problems.append(str(exc))
+    else:
+        from fedexlora.run.workers import devices_error
+
+        problem = devices_error(cfg)
+        if problem is not None:
+            problems.append(problem)
     for task in tasks or (cfg.task,):
         problem = _task_error(cfg.replace(task=task))
         if problem is not None:

@@ -54,7 +54,14 @@ from fedexlora.config import RunConfig
 from fedexlora.core.messages import ClientUpload
 from fedexlora.run.layout import write_atomic
 
-__all__ = ["WorkerGroup", "WorkerGroupError", "group_dir", "stop_groups", "update_for"]
+__all__ = [
+    "WorkerGroup",
+    "WorkerGroupError",
+    "devices_error",
+    "group_dir",
+    "stop_groups",
+    "update_for",
+]
 
 ENTRY = "fedexlora.run.worker_main"
 HEARTBEAT_S = 1.0  # how often rank 0 writes its heartbeat
@@ -136,6 +143,32 @@ def launch_command(cfg: RunConfig, jobdir: Path, port: int) -> list[str]:
     ]  # fmt: skip
 
 
+def devices_error(cfg: RunConfig) -> str | None:
+    """Why this node cannot give each of ``nproc_per_client`` ranks a device of its own.
+
+    One rank per GPU (``--device cuda``, or ``auto`` with CUDA), or per CPU core this
+    process may run on. More ranks than that do not train faster; each loads the model
+    (a 200-rank group on a 2-core machine filled its memory).
+    """
+    n = cfg.nproc_per_client
+    if n <= 1:
+        return None
+    import torch
+
+    gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    if gpu:
+        have, what = torch.cuda.device_count(), "GPUs"
+    else:
+        have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        have, what = int(have or 1), "CPU cores"
+    if n <= have:
+        return None
+    return (
+        f"--nproc-per-client {n}: this machine has {have} {what}, one per process; use "
+        f"--nproc-per-client {have} or less"
+    )
+
+
 class WorkerGroup:
     """The worker group of one configuration and method on this node (see the module).
 
@@ -208,6 +241,9 @@ class WorkerGroup:
             WorkerGroupError: If the launcher cannot be found, or the group dies or does
                 not get ready within ``FEDEXLORA_WORKER_START_TIMEOUT`` seconds.
         """
+        problem = devices_error(self.cfg)  # a node's own devices (checked before a run too)
+        if problem is not None:
+            raise WorkerGroupError(problem)
         for other in [g for d, g in _STARTED.items() if d != self.dir]:
             other.stop()  # one group per process: the previous method's is done
         self.kill()
