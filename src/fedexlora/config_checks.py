@@ -321,6 +321,12 @@ def _worker_errors(cfg, errs: list[str]) -> None:
             )
         if cfg.dora:
             cannot.append("--dora under --distributed fsdp (--distributed ddp can)")
+        unsharded = cfg.methods_where(lambda s: not s.shards_under_fsdp)
+        if unsharded:
+            cannot.append(
+                f"--method {','.join(unsharded)} under --distributed fsdp (a latent core, "
+                "or factors trained by turns, cannot be sharded once; --distributed ddp can)"
+            )
         if not cfg.side_branch and cfg.methods_where(lambda s: s.keeps_residual):
             cannot.append(
                 "--no-fp32-side-branch under --distributed fsdp (a sharded fp32 base "

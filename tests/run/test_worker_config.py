@@ -26,6 +26,10 @@ from fedexlora.run import workers
             {"distributed": "fsdp", "fp32_side_branch": False},
             r"--no-fp32-side-branch under --distributed fsdp",
         ),
+        (  # each refused only after the group had loaded its model, with a --resume hint
+            {"distributed": "fsdp", "methods": ["fedex", "rolora", "fedsb"], "fedsb_rank": 4},
+            r"--method rolora,fedsb under --distributed fsdp",
+        ),
         ({"distributed": "mpi"}, r"`distributed`.*'mpi'"),
         ({"launcher": "mpirun"}, r"`launcher`.*'mpirun'"),
         ({"nproc_per_client": 0}, r"`nproc_per_client`"),
@@ -40,6 +44,14 @@ def test_what_cannot_work_is_refused_naming_the_flag(tiny_cfg, changes, message)
     cfg = tiny_cfg.replace(**{"nproc_per_client": 2, **changes})
     with pytest.raises(ConfigError, match=message):
         cfg.validate()
+
+
+def test_fsdp_takes_every_method_that_trains_the_same_factors_each_round(tiny_cfg):
+    from fedexlora.core.methods import REGISTRY
+
+    sharded = [n for n, s in REGISTRY.items() if s.shards_under_fsdp and n != "centralized"]
+    assert "rolora" not in sharded and "fedsb" not in sharded and "fedex" in sharded
+    tiny_cfg.replace(nproc_per_client=2, distributed="fsdp", methods=sharded).validate()
 
 
 def test_ddp_and_fsdp_with_secure_aggregation_are_accepted(tiny_cfg):

@@ -472,6 +472,16 @@ class MethodSpec:
         return not self.effective_is_deviation
 
     @property
+    def shards_under_fsdp(self) -> bool:
+        """Whether a client of this method can train sharded (``--distributed fsdp``).
+
+        FSDP shards what is trainable once, when the worker group loads the model: a
+        method that trains a latent core (Fed-SB) or other factors by round (RoLoRA's
+        alternation, period 2) cannot.
+        """
+        return not self.latent and self.trained(1) == self.trained(2)
+
+    @property
     def folds_into_model(self) -> bool:
         """Whether each outcome is folded into one global model in the model's coordinates.
 
