@@ -156,3 +156,56 @@ def test_a_group_of_another_configuration_or_gone_is_not_reused(tmp_path, monkey
     assert workers.group_key(cfg.replace(rounds=9, secure_aggregation=True), "fedex") == group.key
     assert workers.group_key(cfg.replace(lr=0.5), "fedex") != group.key
     assert workers.group_key(cfg, "fedit") != group.key
+
+
+def test_a_resume_finds_the_group_its_run_started():
+    """config.toml holds fp32_side_branch resolved; the run had it unset: one group."""
+    cfg = RunConfig(nproc_per_client=2)
+    assert cfg.fp32_side_branch is None
+    resumed = cfg.replace(fp32_side_branch=cfg.fp32_side_branch_resolved)
+    assert workers.group_key(cfg, "fedex") == workers.group_key(resumed, "fedex")
+    flipped = cfg.replace(fp32_side_branch=not cfg.fp32_side_branch_resolved)
+    assert workers.group_key(cfg, "fedex") != workers.group_key(flipped, "fedex")
+
+
+_OWNER = r'''
+import sys, time
+from pathlib import Path
+from fedexlora.config import RunConfig
+from fedexlora.run import workers
+# a launcher that only says it is ready, then waits as a training group would
+fake = "import os, time; open('rank-0.pid', 'w').write(str(os.getpid())); open('ready', 'w'); time.sleep(600)"
+workers.launch_command = lambda cfg, jobdir, port: [sys.executable, "-c", fake]
+workers.devices_error = lambda cfg: None
+group = workers.WorkerGroup(RunConfig(nproc_per_client=2, device="cpu"), "fedex", Path(sys.argv[1]))
+group.start()
+print(group.proc.pid, flush=True)
+time.sleep(600)
+'''
+
+
+def test_sigterm_to_the_client_stops_its_group(tmp_path):
+    """The group runs in a session of its own: a SIGTERM to the client's process group
+    does not reach it, and Python's default SIGTERM skips atexit. The client now exits
+    through its exit handlers, which stop the group."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", _OWNER, str(tmp_path / "group")],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        launcher = int(proc.stdout.readline())
+        assert workers._alive(launcher)
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while workers._alive(launcher) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not workers._alive(launcher), "the group outlived its client"
+    finally:
+        proc.kill()
+        with __import__("contextlib").suppress(ProcessLookupError):
+            os.killpg(launcher, signal.SIGKILL)
