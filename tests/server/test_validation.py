@@ -48,6 +48,10 @@ def _bad(kind):
         s.extra["head.weight"][1, 1] = float("inf")
     elif kind == "huge norm":
         s.factors["l1"] = (s.factors["l1"][0] * 1e4, s.factors["l1"][1])
+    elif kind == "overflowing product":  # finite factors whose B A is not finite in fp32
+        s.factors["l0"] = (s.factors["l0"][0] * 1e20, s.factors["l0"][1] * 1e20)
+    elif kind == "float8 dtype":
+        s.extra["head.weight"] = s.extra["head.weight"].to(torch.float8_e4m3fn)
     return s
 
 
@@ -56,7 +60,9 @@ CASES = [
     ("extra key", 10, "unexpected keys \\['extra.evil.weight'\\]"),
     ("wrong shape", 10, "lora.l0.A: shape \\(2, 7\\), expected \\(2, 5\\)"),
     ("wrong rank", 10, "lora.l0.A: shape \\(3, 5\\)"),
-    ("int dtype", 10, "dtype torch.int64, expected a floating-point dtype"),
+    ("int dtype", 10, "dtype torch.int64, expected one of fp64, fp32, bf16, fp16"),
+    ("float8 dtype", 10, "dtype torch.float8_e4m3fn, expected one of fp64, fp32, bf16"),
+    ("overflowing product", 10, "lora.l0: its update B A is too large to aggregate"),
     ("nan", 10, "lora.l0.B: contains NaN or Inf"),
     ("inf", 10, "extra.head.weight: contains NaN or Inf"),
     ("huge norm", 10, "exceeds max_update_norm 100"),
@@ -65,10 +71,12 @@ CASES = [
     ("bool examples", True, "got True \\(a bool\\)"),
     ("fraction examples", 2.5, "got 2.5 \\(a fraction\\)"),
     ("nan examples", float("nan"), "got nan \\(not finite\\)"),
+    ("text examples", "10", "got '10' \\(text\\)"),
+    ("overflowing examples", 10**400, "\\(not a number a float holds\\)"),
 ]
 
 
-@pytest.mark.parametrize("kind,n_examples,match", CASES)
+@pytest.mark.parametrize("kind,n_examples,match", CASES, ids=[c[0] for c in CASES])
 def test_bad_upload_is_rejected_and_aggregation_is_exact_over_the_rest(kind, n_examples, match):
     server = _server(max_update_norm=100.0)
     good = [ClientUpload(0, _state(1), 30), ClientUpload(2, _state(2), 50)]
@@ -92,6 +100,21 @@ def test_integer_valued_counts_are_accepted_and_weigh_as_integers(count):
     outcome = server.aggregate([ClientUpload(0, _state(1), 10), ClientUpload(1, _state(2), count)])
     assert outcome.accepted == [0, 1] and not outcome.unchanged
     assert outcome.weights == pytest.approx({0: 0.2, 1: 0.8})
+
+
+def test_a_second_upload_from_one_client_in_a_round_is_rejected():
+    """Two uploads claiming one client counted it twice, and the weights (keyed by client)
+    summed to less than 1: the first counts, the second is named in ``rejected``."""
+    server = _server()
+    first, second, other = _state(1), _state(4), _state(2)
+    outcome = server.aggregate([ClientUpload(0, first, 30), ClientUpload(0, second, 30),
+                                ClientUpload(2, other, 50)])  # fmt: skip
+    assert outcome.accepted == [0, 2]
+    assert outcome.rejected == {0: "a second upload from this client this round"}
+    assert sum(outcome.weights.values()) == pytest.approx(1.0)
+    ref = aggregate_states([first, other], [30, 50], "fedex")
+    for name in ref.state.factors:
+        assert torch.equal(outcome.residuals[name].to_dense(), ref.residuals[name].to_dense())
 
 
 def test_all_rejected_changes_nothing():

@@ -232,14 +232,16 @@ def example_count(value) -> tuple[int | None, str]:
     bad = f"num_examples must be a positive integer, got {value!r}"
     if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:
         return None, f"{bad} (a bool)"
+    if isinstance(value, (str, bytes)):
+        return None, f"{bad} (text)"
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             return None, bad
         value = value.item()
     try:
         as_float = float(value)
-    except (TypeError, ValueError):
-        return None, bad
+    except (TypeError, ValueError, OverflowError):  # 10**400 overflows a float
+        return None, f"{bad} (not a number a float holds)"
     if not math.isfinite(as_float):
         return None, f"{bad} (not finite)"
     if as_float != int(as_float):
@@ -249,17 +251,28 @@ def example_count(value) -> tuple[int | None, str]:
     return int(as_float), ""
 
 
+_FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_PRODUCT_LIMIT = float(torch.finfo(torch.float32).max) / 1e6
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t.detach().double()))
+
+
 def validate_upload(
     upload: ClientUpload,
     template: AdapterState,
     *,
     max_update_norm: float | None = None,
     reference: AdapterState | None = None,
+    scales: dict[str, float] | None = None,
 ) -> str | None:
     """Returns why an upload must be rejected, or ``None`` when it is acceptable.
 
-    Checks the example count, the key set against ``template``, shapes, dtypes, finiteness
-    and, when ``max_update_norm`` is set, the norm of the change from ``reference``.
+    Checks the example count, the key set against ``template``, shapes, dtypes, finiteness,
+    that each layer's product ``scale B A`` is far from fp32's overflow (finite factors of
+    1e20 gave an infinite residual, which reached the global model), and, when
+    ``max_update_norm`` is set, the norm of the change from ``reference``.
     """
     count, why = example_count(upload.num_examples)
     if count is None:
@@ -278,12 +291,24 @@ def validate_upload(
             return f"{key}: not a tensor"
         if tuple(t.shape) != tuple(w.shape):
             return f"{key}: shape {tuple(t.shape)}, expected {tuple(w.shape)}"
-        if not t.dtype.is_floating_point:
-            return f"{key}: dtype {t.dtype}, expected a floating-point dtype"
+        if t.dtype not in _FLOATS:
+            return f"{key}: dtype {t.dtype}, expected one of fp64, fp32, bf16, fp16"
         if not torch.isfinite(t).all():
             return f"{key}: contains NaN or Inf"
         if max_update_norm is not None and key in ref:
             sq += float((t.double() - ref[key].double()).pow(2).sum())
+    held = reference.factors if reference is not None else template.factors
+    for name, (A, B) in upload.state.factors.items():
+        # ||s B A|| <= |s| ||B|| ||A||, in fp64: the residual sums and differences k such
+        # products, kept in fp32; a bound 1e6 below its largest value leaves room for both
+        # (a factor the method does not upload is the global one)
+        A = A if A is not None else held.get(name, (None, None))[0]
+        B = B if B is not None else held.get(name, (None, None))[1]
+        if A is None or B is None:
+            continue
+        bound = abs((scales or {}).get(name, 1.0)) * _norm(B) * _norm(A)
+        if not bound < _PRODUCT_LIMIT:
+            return f"lora.{name}: its update B A is too large to aggregate (norm bound {bound:.3g})"
     if max_update_norm is not None and math.sqrt(sq) > max_update_norm:
         return f"update norm {math.sqrt(sq):.4g} exceeds max_update_norm {max_update_norm:g}"
     return None

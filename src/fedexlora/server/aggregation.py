@@ -55,11 +55,17 @@ class Aggregation:
         self.round += 1
         template = self.upload_template(self.round)
         accepted, rejected = [], {}
+        seen = set()
         for up in uploads:
+            if up.client_id in seen:  # one upload a client a round: the first one counts
+                rejected.setdefault(up.client_id, "a second upload from this client this round")
+                continue
+            seen.add(up.client_id)
             expect = self.sent.get(up.client_id, template)
             reason = validate_upload(
-                up, expect, max_update_norm=self.max_update_norm, reference=expect
-            )
+                up, expect, max_update_norm=self.max_update_norm, reference=expect,
+                scales={n: info.scale for n, info in self.layers.items()},
+            )  # fmt: skip
             if reason is None:
                 accepted.append(up)
             else:
