@@ -141,7 +141,7 @@ def save_checkpoint(
     tmp.mkdir()
     server_state = server.state_dict()
     tensors = server_state.pop("tensors")
-    clash = sorted(set(meta) & ({"format", "files"} | set(server_state)))
+    clash = sorted(set(meta) & ({"format", "files", "digests"} | set(server_state)))
     if clash:
         raise ValueError(f"meta must not use the checkpoint's own keys {clash}")
     save_file(tensors, str(tmp / _TENSORS))
@@ -154,6 +154,8 @@ def save_checkpoint(
         **server_state,
         # what a complete checkpoint holds: checked by latest_checkpoint and the loader
         "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())},
+        # and their bytes: bit rot keeps a file's size (checked when it is loaded)
+        "digests": {f.name: _digest(f) for f in sorted(tmp.iterdir())},
         **meta,
     }
     (tmp / "meta.json").write_text(json.dumps(info, indent=1))
@@ -166,6 +168,29 @@ def save_checkpoint(
     for old in done[: max(len(done) - (keep - 1), 0)]:
         shutil.rmtree(old)
     return final
+
+
+def _digest(path: Path) -> str:
+    """BLAKE2b of a file's bytes (hex)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "blake2b").hexdigest()
+
+
+def _rotten(path: Path, info: dict) -> str | None:
+    """The first file whose bytes are not the ones written, or ``None``.
+
+    Checkpoints written before digests existed have none to check.
+    """
+    digests = info.get("digests")
+    if not isinstance(digests, dict):
+        return None
+    for name, want in digests.items():
+        try:
+            if _digest(path / name) != want:
+                return name
+        except OSError:
+            return name
+    return None
 
 
 def checkpoints(directory: str | Path) -> list[Path]:
@@ -226,6 +251,9 @@ def load_checkpoint(path: str | Path, server: Server, *, fingerprint: str | None
         raise CheckpointError(f"checkpoint {str(p)!r} has unknown format {got!r}", corrupt=True)
     if not _complete(p):
         raise corrupt("a file it lists is missing or has the wrong size")
+    rotten = _rotten(p, info)
+    if rotten is not None:
+        raise corrupt(f"{rotten} does not hold the bytes written (its digest differs)")
     if fingerprint is not None and not _same_config(info, fingerprint):
         raise CheckpointError(
             f"checkpoint {str(p)!r} was written with another configuration or model "
