@@ -87,3 +87,36 @@ def test_prompts_that_fill_max_length_are_named_not_called_a_divergence(
                    "--max-test", "4", "--max-new-tokens", "2", "--out", tmp_path / "b",
                    "--no-progress")  # fmt: skip
     assert res.exit_code == 0, res.output
+
+
+def test_a_disk_that_fills_mid_run_is_one_line_and_the_run_resumes(
+    tmp_path, tiny_bert_dir, tiny_csv, one_torch_thread, monkeypatch
+):
+    """ENOSPC while round 2's checkpoint is written: exit 1 with one line naming the file and
+    the resume command (it was a long rich traceback); round 1 is intact and resumes."""
+    import errno
+
+    from fedexlora.run import lifecycle
+
+    real = lifecycle.save_checkpoint
+
+    def full(directory, server, *args, **kwargs):
+        if server.round == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+        return real(directory, server, *args, **kwargs)
+
+    monkeypatch.setattr(lifecycle, "save_checkpoint", full)
+    out = tmp_path / "run"
+    args = ("--model", tiny_bert_dir, "--task", tiny_csv, "--min-partition-size", "5",
+            "--rounds", "2", "--local-steps", "1", "--max-length", "16", "--method", "fedex",
+            "--no-progress")  # fmt: skip
+    res = _run("run", *args, "--out", out)
+    assert res.exit_code == 1, res.output
+    text = " ".join(res.output.split())
+    assert "Traceback" not in res.output and "No space left on device" in text
+    assert f"then continue with: fedexlora run --resume {out}" in text.replace("\n", "")
+    monkeypatch.setattr(lifecycle, "save_checkpoint", real)
+    res = _run("run", "--resume", out, "--no-progress")
+    assert res.exit_code == 0, res.output
+    rounds = [json.loads(x)["round"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == [1, 2]

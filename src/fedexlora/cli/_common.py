@@ -13,6 +13,26 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+_WRITE_ERRORS = ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "EIO")
+
+
+def write_error(exc: OSError, again: str) -> str | None:
+    """One line for a disk that stopped taking the run's files (full, read-only, denied),
+    saying how to go on (``again``); ``None`` for another error.
+
+    A round's files are written atomically, so the rounds done are intact.
+    """
+    import errno
+
+    if errno.errorcode.get(exc.errno or -1) not in _WRITE_ERRORS:
+        return None
+    where = f" {exc.filename}" if exc.filename else ""
+    return (
+        f"cannot write{where}: {exc.strerror}; the rounds done are checkpointed: free the "
+        f"space (or make it writable), then continue with: {again}"
+    )
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
     """Prints ``error: message`` on stderr and exits with ``code``.
 

@@ -6,7 +6,7 @@ import inspect
 import math
 from pathlib import Path
 
-from fedexlora.cli._common import console, fail, quiet_libraries
+from fedexlora.cli._common import console, fail, quiet_libraries, write_error
 from fedexlora.cli.options import command, config_params, in_flags, option
 from fedexlora.config import FLAGS
 from fedexlora.run.stopping import RULE
@@ -379,6 +379,11 @@ def compare_cmd(**given) -> None:
         )
     except (ValueError, DPCheckError) as exc:
         fail(str(exc))
+    except OSError as exc:  # a disk full or read-only mid-grid: cells resume
+        why = write_error(exc, "the same fedexlora compare command")
+        if why is None:
+            raise
+        fail(why, code=1)
     console.print(path.read_text())
     console.print(f"wrote {path}")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from fedexlora.cli._common import console, fail, quiet_libraries
+from fedexlora.cli._common import console, fail, quiet_libraries, write_error
 from fedexlora.cli.options import command, config_params, from_flags, in_flags, option
 from fedexlora.config import OUTPUT, SETTINGS, ConfigError
 
@@ -200,6 +200,11 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
         fail(str(exc))
     except WorkerGroupError as exc:  # a rank died: the rounds done are checkpointed
         fail(f"{exc}; continue the run with: fedexlora run --resume {out}", code=1)
+    except OSError as exc:  # a disk full or read-only mid-run
+        why = write_error(exc, f"fedexlora run --resume {out}")
+        if why is None:
+            raise
+        fail(why, code=1)
     except ImportError as exc:
         extra = _EXTRAS.get((exc.name or "").partition(".")[0])
         fix = f"; fix: pip install 'fedex-lora[{extra}]'" if extra else ""
