@@ -18,12 +18,22 @@ def _nodes(**floor):
     ("floor", "run", "message"),
     [
         ({"secure-aggregation": "true"}, {}, "this node requires secure aggregation"),
-        ({"max-dp-epsilon": "4"}, {}, "allows at most dp-epsilon 4 (node config max-dp-epsilon)"
-         " and the run asks for no DP-SGD"),
-        ({"max-dp-epsilon": "4"}, {"dp_epsilon": 8.0, "dp_delta": 1e-3},
-         "the run asks for dp-epsilon = 8"),
-        ({"max-dp-delta": "1e-4"}, {"dp_epsilon": 8.0, "dp_delta": 1e-3},
-         "allows at most dp-delta 0.0001"),
+        (
+            {"max-dp-epsilon": "4"},
+            {},
+            "allows at most dp-epsilon 4 (node config max-dp-epsilon)"
+            " and the run asks for no DP-SGD",
+        ),
+        (
+            {"max-dp-epsilon": "4"},
+            {"dp_epsilon": 8.0, "dp_delta": 1e-3},
+            "the run asks for dp-epsilon = 8",
+        ),
+        (
+            {"max-dp-delta": "1e-4"},
+            {"dp_epsilon": 8.0, "dp_delta": 1e-3},
+            "allows at most dp-delta 0.0001",
+        ),
     ],
 )
 def test_a_node_refuses_a_run_below_its_own_floor(tiny_cfg, tmp_path, task_identity,
@@ -44,8 +54,11 @@ def test_a_run_at_the_nodes_floor_trains(tiny_cfg, tmp_path, task_identity):
 
     cfg = tiny_cfg.replace(methods=["fedex"], rounds=1, local_steps=1, dp_epsilon=4.0,
                            dp_delta=1e-3)  # fmt: skip
-    grid = InProcessGrid(make_client_app({}), 3,
-                         node_configs=_nodes(**{"max-dp-epsilon": "4", "max-dp-delta": "1e-3"}))
+    grid = InProcessGrid(
+        make_client_app({}),
+        3,
+        node_configs=_nodes(**{"max-dp-epsilon": "4", "max-dp-delta": "1e-3"}),
+    )
     rows, _ = _flower(cfg, tmp_path / "run", grid=grid)
     assert rows[0]["accepted"] == [0, 1, 2]
 
@@ -68,7 +81,10 @@ def test_a_client_takes_back_only_a_dp_plan_it_would_have_made(tiny_cfg):
             "dp-planned-steps": own.planned_steps, "dp-steps": 3}  # fmt: skip
     back = plan_budget(cfg, _Store(), echo, 0, 40)
     assert (back.noise_multiplier, back.planned_steps, back.steps) == (
-        own.noise_multiplier, own.planned_steps, 3)
+        own.noise_multiplier,
+        own.planned_steps,
+        3,
+    )
     fewer = plan_budget(cfg, _Store(), {**echo, "dp-planned-steps": 2}, 0, 40)
     assert fewer.planned_steps == 2  # spends less: its own budget still holds
     for forged in ({"dp-noise-multiplier": 1e-4}, {"dp-planned-steps": 10**6},

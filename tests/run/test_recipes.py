@@ -163,8 +163,9 @@ def test_a_recipe_in_a_flower_run_config_labels_and_the_summary_says_how_it_depa
     """A Flower run config declares every key, so there ``recipe`` fixes nothing: the
     summary's paper section lists each setting the run holds otherwise, read from the
     configuration itself (as for flags over --recipe)."""
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     from fedexlora.flower.records import resolve_run_config
     from fedexlora.run.recipes import RECIPES, recipe_section

@@ -283,7 +283,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_one_before(tiny_cfg, tmp_pa
             rows = run_experiment(cfg.replace(rounds=more), tmp_path, resume=True,
                                   progress=False)  # fmt: skip
         assert [r["round"] for r in rows] == list(range(1, more + 1))
-    straight = run_experiment(cfg.replace(rounds=6), tmp_path / "straight", progress=False)
+    run_experiment(cfg.replace(rounds=6), tmp_path / "straight", progress=False)
     assert _rows_without_timing(tmp_path / "metrics.jsonl") == _rows_without_timing(
         tmp_path / "straight" / "metrics.jsonl"
     )

@@ -168,20 +168,21 @@ def test_a_resume_finds_the_group_its_run_started():
     assert workers.group_key(cfg, "fedex") != workers.group_key(flipped, "fedex")
 
 
-_OWNER = r'''
+_OWNER = r"""
 import sys, time
 from pathlib import Path
 from fedexlora.config import RunConfig
 from fedexlora.run import workers
 # a launcher that only says it is ready, then waits as a training group would
-fake = "import os, time; open('rank-0.pid', 'w').write(str(os.getpid())); open('ready', 'w'); time.sleep(600)"
+fake = ("import os, time; open('rank-0.pid', 'w').write(str(os.getpid())); "
+        "open('ready', 'w'); time.sleep(600)")
 workers.launch_command = lambda cfg, jobdir, port: [sys.executable, "-c", fake]
 workers.devices_error = lambda cfg: None
 group = workers.WorkerGroup(RunConfig(nproc_per_client=2, device="cpu"), "fedex", Path(sys.argv[1]))
 group.start()
 print(group.proc.pid, flush=True)
 time.sleep(600)
-'''
+"""
 
 
 def test_sigterm_to_the_client_stops_its_group(tmp_path):

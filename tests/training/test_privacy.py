@@ -313,7 +313,8 @@ def test_a_causal_lm_examples_dp_gradient_does_not_depend_on_its_batchmates():
         return got
 
     # one example alone: its own token mean, which transformers' loss is too
-    one = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]), "labels": torch.tensor([[-100, -100, 7, 8, 9]])}
+    one = {"input_ids": torch.tensor([[5, 6, 7, 8, 9]]),
+           "labels": torch.tensor([[-100, -100, 7, 8, 9]])}  # fmt: skip
     with torch.no_grad():
         torch.testing.assert_close(per_example_loss(model, one), model(**one).loss)
     beside_short, beside_long = own_gradient(2), own_gradient(40)

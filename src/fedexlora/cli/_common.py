@@ -17,10 +17,10 @@ _WRITE_ERRORS = ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "EIO")
 
 
 def write_error(exc: OSError, again: str) -> str | None:
-    """One line for a disk that stopped taking the run's files (full, read-only, denied),
-    saying how to go on (``again``); ``None`` for another error.
+    """One line for a disk that stopped taking the run's files, or ``None``.
 
-    A round's files are written atomically, so the rounds done are intact.
+    A disk full, read-only or denied; the line says how to go on (``again``). A round's
+    files are written atomically, so the rounds done are intact.
     """
     import errno
 

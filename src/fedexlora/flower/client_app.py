@@ -98,12 +98,12 @@ def _resolve(defaults: Mapping[str, Any], context: Context):
 
 
 def _below_node_floor(cfg, node: Mapping[str, Any]) -> str | None:
-    """Why the run's configuration (the server's word) falls short of this node's own
-    floor, or ``None``.
+    """Why the run's configuration falls short of this node's own floor, or ``None``.
 
-    A SuperNode's ``--node-config`` is its operator's, not the server's:
-    ``secure-aggregation=true`` refuses a run that would upload in the clear, and
-    ``max-dp-epsilon`` / ``max-dp-delta`` a run without DP-SGD or with a weaker budget.
+    The run configuration is the server's word. A SuperNode's ``--node-config`` is its
+    operator's, not the server's: ``secure-aggregation=true`` refuses a run that would
+    upload in the clear, and ``max-dp-epsilon`` / ``max-dp-delta`` a run without DP-SGD
+    or with a weaker budget.
     """
     said = str(node.get("secure-aggregation", "")).strip().lower()
     if said in ("1", "true", "yes") and not cfg.secure_aggregation:
