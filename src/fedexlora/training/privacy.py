@@ -203,7 +203,8 @@ def per_example_loss(model, batch: dict):
     import torch
 
     labels = batch.get("labels")
-    if labels is None or labels.dim() < 2:  # one label per example: per example already
+    if labels is None or labels.dim() < 2 or labels.dtype.is_floating_point:
+        # one label (or one label vector) per example: the model's loss is per example
         return model(**batch).loss
     logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
     target = labels[:, 1:]  # token t predicts token t + 1, as transformers' causal LM loss
