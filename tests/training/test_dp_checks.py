@@ -49,12 +49,12 @@ def _batch(vocab: int, causal: bool, b: int = 4, t: int = 9) -> dict:
 
 def _opacus_per_sample(model, batch) -> dict:
     """What DP-SGD clips: the per-sample gradients our DP path gets from Opacus."""
-    from fedexlora.training.privacy import wrap
+    from fedexlora.training.privacy import per_example_loss, wrap
 
     model.zero_grad(set_to_none=True)
     gsm = wrap(model)
     try:
-        gsm(**batch).loss.backward()
+        per_example_loss(gsm, batch).backward()  # the loss DP-SGD trains on
         return {n: p.grad_sample.detach().clone() for n, p in _trainable(model).items()}
     finally:
         gsm.to_standard_module()
@@ -62,22 +62,18 @@ def _opacus_per_sample(model, batch) -> dict:
 
 
 def _by_hand(model, batch, causal: bool) -> dict:
-    """Each example alone through the plain model, autograd of its share of the batch
-    loss times the batch size (Opacus's ``loss_reduction="mean"``): for a classifier its
-    own cross-entropy; for a causal LM its tokens' summed cross-entropy over the batch's
-    token count (the model's loss is the mean over every token of the batch)."""
+    """Each example alone through the plain model, autograd of its own loss: for a
+    classifier its cross-entropy; for a causal LM the mean over its own answer tokens
+    (never over the batch's, which would make it depend on its batchmates)."""
     b = batch["input_ids"].shape[0]
     params = _trainable(model)
-    tokens = int((batch["labels"][:, 1:] != -100).sum()) if causal else None
     out = {n: [] for n in params}
     for i in range(b):
         one = {k: v[i : i + 1] for k, v in batch.items()}
         labels = one.pop("labels")
         logits = model(**one).logits.float()
         if causal:
-            share = F.cross_entropy(
-                logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="sum"
-            ) * (b / tokens)
+            share = F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100)
         else:
             share = F.cross_entropy(logits, labels)
         grads = torch.autograd.grad(share, list(params.values()), allow_unused=True)
