@@ -72,10 +72,15 @@ _MODELS: OrderedDict[tuple, tuple] = OrderedDict()
 _MAX_MODELS = int(os.environ.get("FEDEXLORA_CLIENT_MODEL_CACHE", "1"))
 
 
+def _node_says(node: Mapping[str, Any], key: str) -> bool:
+    """Whether the node config sets ``key`` true (``true``, ``yes`` or ``1``)."""
+    return str(node.get(key, "")).strip().lower() in ("1", "true", "yes")
+
+
 def _allows_seeded_dp(context: Context) -> bool:
     """Whether this node itself (its node config or environment) allows seeded DP noise."""
-    said = str(context.node_config.get("dp-reproducible", "")).strip().lower()
-    return said in ("1", "true", "yes") or os.environ.get(SEEDED_DP_CONSENT, "") == "1"
+    said = _node_says(context.node_config, "dp-reproducible")
+    return said or os.environ.get(SEEDED_DP_CONSENT, "") == "1"
 
 
 def _resolve(defaults: Mapping[str, Any], context: Context):
@@ -105,8 +110,7 @@ def _below_node_floor(cfg, node: Mapping[str, Any]) -> str | None:
     upload in the clear, and ``max-dp-epsilon`` / ``max-dp-delta`` a run without DP-SGD
     or with a weaker budget.
     """
-    said = str(node.get("secure-aggregation", "")).strip().lower()
-    if said in ("1", "true", "yes") and not cfg.secure_aggregation:
+    if _node_says(node, "secure-aggregation") and not cfg.secure_aggregation:
         return (
             "this node requires secure aggregation (node config secure-aggregation=true) "
             "and the run is configured without it; the node does not train for this run"
