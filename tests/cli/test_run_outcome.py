@@ -2,6 +2,7 @@
 run's own warnings are one line each."""
 
 import json
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -120,3 +121,25 @@ def test_a_disk_that_fills_mid_run_is_one_line_and_the_run_resumes(
     assert res.exit_code == 0, res.output
     rounds = [json.loads(x)["round"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert rounds == [1, 2]
+
+
+def test_a_worker_group_that_cannot_start_says_to_fix_it_before_resuming(
+    tmp_path, tiny_bert_dir, tiny_csv, one_torch_thread, monkeypatch
+):
+    """A launcher that dies at start: the run exits 1 with one line that names it and says to
+    fix it before ``--resume`` (the same start would fail again), not a bare resume hint."""
+    from fedexlora.run import workers
+
+    monkeypatch.setenv("FEDEXLORA_WORKERS_DIR", str(tmp_path / "workers"))
+    monkeypatch.setattr(
+        workers, "launch_command", lambda *_: [sys.executable, "-c", "import sys; sys.exit(3)"]
+    )
+    out = tmp_path / "run"
+    args = ("--model", tiny_bert_dir, "--task", tiny_csv, "--min-partition-size", "5",
+            "--rounds", "1", "--local-steps", "1", "--max-length", "16", "--method", "fedex",
+            "--nproc-per-client", "2", "--no-progress")  # fmt: skip
+    res = _run("run", *args, "--out", out)
+    assert res.exit_code == 1, res.output
+    text = " ".join(res.output.split())
+    assert "Traceback" not in res.output and "worker group" in text
+    assert f"fix that, then continue the run with: fedexlora run --resume {out}" in text

@@ -24,10 +24,14 @@ def _state(seed, d=6, n=5, r=2):
 
 
 def _server(**kw):
+    """A server of 3 clients that has sent each of them round 1's payload."""
     from fedexlora.core.state import LayerInfo
 
     layers = {"l0": LayerInfo(1.0, False, 2, (6, 5)), "l1": LayerInfo(1.0, False, 2, (5, 6))}
-    return Server(_state(0), layers, num_clients=3, **kw)
+    server = Server(_state(0), layers, num_clients=3, **kw)
+    for c in range(3):
+        server.payload_for(c)
+    return server
 
 
 def _bad(kind):
@@ -115,6 +119,34 @@ def test_a_second_upload_from_one_client_in_a_round_is_rejected():
     ref = aggregate_states([first, other], [30, 50], "fedex")
     for name in ref.state.factors:
         assert torch.equal(outcome.residuals[name].to_dense(), ref.residuals[name].to_dense())
+
+
+def test_an_upload_from_a_client_not_sent_this_rounds_payload_is_rejected():
+    """Through the Python API ``aggregate`` took any client id: one outside the
+    federation, one not sampled, one whose upload came again a round later. Each is now
+    rejected, the rest aggregated as if it had never come."""
+    server = _server()  # round 1's payloads went to clients 0, 1, 2
+    one, two = ClientUpload(0, _state(1), 30), ClientUpload(1, _state(2), 50)
+    outcome = server.aggregate([one, two, ClientUpload(5, _state(4), 70)])
+    assert outcome.accepted == [0, 1] and list(outcome.rejected) == [5]
+    assert "not sent this round's payload" in outcome.rejected[5]
+    ref = aggregate_states([one.state, two.state], [30, 50], "fedex")
+    for name in ref.state.factors:
+        assert torch.equal(outcome.residuals[name].to_dense(), ref.residuals[name].to_dense())
+    server.payload_for(1)  # round 2 samples client 1 only
+    three = ClientUpload(1, _state(3), 50)
+    outcome = server.aggregate([one, three])  # client 0's round-1 upload again
+    assert outcome.accepted == [1] and list(outcome.rejected) == [0]
+    outcome = server.aggregate([three])  # round 3: nobody was sent a payload
+    assert outcome.unchanged and list(outcome.rejected) == [1]
+
+
+@pytest.mark.parametrize("client", [3, -1, 1.0, "1"], ids=str)
+def test_a_payload_for_a_client_outside_the_federation_is_refused(client):
+    server = _server()
+    error = ValueError if isinstance(client, int) else TypeError
+    with pytest.raises(error, match="the server has 3 clients|client_id must be an integer"):
+        server.payload_for(client)
 
 
 def test_all_rejected_changes_nothing():

@@ -199,7 +199,8 @@ def _execute(cfg, out: Path, *, resume: bool, progress: bool, tasks=()) -> None:
     except (RunError, CheckpointError, ValueError, DPCheckError) as exc:
         fail(str(exc))
     except WorkerGroupError as exc:  # a rank died: the rounds done are checkpointed
-        fail(f"{exc}; continue the run with: fedexlora run --resume {out}", code=1)
+        fix = "fix that, then " if exc.at_start else ""  # the same start would fail again
+        fail(f"{exc}; {fix}continue the run with: fedexlora run --resume {out}", code=1)
     except OSError as exc:  # a disk full or read-only mid-run
         why = write_error(exc, f"fedexlora run --resume {out}")
         if why is None:

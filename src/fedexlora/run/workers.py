@@ -75,7 +75,15 @@ _STARTED: dict[Path, WorkerGroup] = {}  # groups this process launched (stopped 
 
 
 class WorkerGroupError(RuntimeError):
-    """The worker group failed: a rank died, it hung, or it could not start."""
+    """The worker group failed: a rank died, it hung, or it could not start.
+
+    ``at_start`` says it never got ready (its launcher, the devices, a rank's set-up):
+    running again does not help until that is fixed.
+    """
+
+    def __init__(self, message: str, *, at_start: bool = False):
+        super().__init__(message)
+        self.at_start = at_start
 
 
 def workers_root() -> Path:
@@ -246,7 +254,7 @@ class WorkerGroup:
         """
         problem = devices_error(self.cfg)  # a node's own devices (checked before a run too)
         if problem is not None:
-            raise WorkerGroupError(problem)
+            raise WorkerGroupError(problem, at_start=True)
         for other in [g for d, g in _STARTED.items() if d != self.dir]:
             other.stop()  # one group per process: the previous method's is done
         self.kill()
@@ -273,7 +281,8 @@ class WorkerGroup:
                 start_new_session=True, env=env, cwd=str(self.dir),
             )  # fmt: skip
         except OSError as exc:
-            raise WorkerGroupError(f"cannot start the worker group ({cmd[2]}): {exc}") from exc
+            msg = f"cannot start the worker group ({cmd[2]}): {exc}"
+            raise WorkerGroupError(msg, at_start=True) from exc
         finally:
             log.close()
         info = {"key": self.key, "launcher_pid": self.proc.pid, "nproc": self.cfg.nproc_per_client}
@@ -286,9 +295,9 @@ class WorkerGroup:
         while not (self.dir / "ready").exists():
             why = self.problem()
             if why is not None:
-                self._fail(f"could not start: {why}")
+                self._fail(f"could not start: {why}", at_start=True)
             if time.monotonic() > deadline:
-                self._fail(f"not ready after {START_TIMEOUT_S:.0f} s")
+                self._fail(f"not ready after {START_TIMEOUT_S:.0f} s", at_start=True)
             time.sleep(POLL_S)
 
     def ensure(self) -> None:
@@ -340,7 +349,7 @@ class WorkerGroup:
         while any(_alive(p) for p in gone) and time.monotonic() < deadline:
             time.sleep(POLL_S)
 
-    def _fail(self, why: str):
+    def _fail(self, why: str, *, at_start: bool = False):
         """Kills what is left of the group and raises :class:`WorkerGroupError`."""
         tail = ""
         errors = sorted(self.dir.glob("error-rank*.txt"))
@@ -354,7 +363,7 @@ class WorkerGroup:
         _STARTED.pop(self.dir, None)
         n, how = self.cfg.nproc_per_client, self.cfg.launcher
         msg = f"the worker group ({how}, {n} processes, {self.dir}) {why}"
-        raise WorkerGroupError(msg + (f"; last: {tail}" if tail else ""))
+        raise WorkerGroupError(msg + (f"; last: {tail}" if tail else ""), at_start=at_start)
 
     # -- a round --------------------------------------------------------------------
     def run_job(self, job: dict, state: dict, data) -> tuple[dict, dict]:

@@ -56,11 +56,18 @@ class Aggregation:
         template = self.upload_template(self.round)
         accepted, rejected = [], {}
         seen = set()
+        awaiting, self.awaiting = self.awaiting, set()
         for up in uploads:
             if up.client_id in seen:  # one upload a client a round: the first one counts
                 rejected.setdefault(up.client_id, "a second upload from this client this round")
                 continue
             seen.add(up.client_id)
+            if up.client_id not in awaiting:  # unknown, not sampled, or last round's again
+                rejected[up.client_id] = (
+                    "this client was not sent this round's payload (Server.payload_for), "
+                    "so its upload is not from this round's global model"
+                )
+                continue
             expect = self.sent.get(up.client_id, template)
             reason = validate_upload(
                 up, expect, max_update_norm=self.max_update_norm, reference=expect,
@@ -150,6 +157,7 @@ class Aggregation:
         self._busy += float(protocol_seconds)
         self.record.check_all()
         self.round += 1
+        self.awaiting = set()
         rejected = dict(rejected or {})
         if sums is None or not clients:
             return RoundOutcome({}, [], rejected, {}, {}, previous=self.state, unchanged=True)

@@ -15,6 +15,7 @@ allows. A client of another rank gets its own view through
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -109,6 +110,16 @@ class Payloads:
         payload says ``keep=False`` and the server does not remember the client's
         version: its next payload will be a reset one, and it need not keep its model.
         """
+        try:
+            client_id = operator.index(client_id)  # an int, numpy's included
+        except TypeError:
+            raise TypeError(f"client_id must be an integer, got {client_id!r}") from None
+        if not 0 <= client_id < self.num_clients:
+            raise ValueError(
+                f"client {client_id}: the server has {self.num_clients} clients "
+                f"(ids 0 to {self.num_clients - 1}; Server(num_clients=...))"
+            )
+        self.awaiting.add(client_id)  # its upload is this round's (aggregate checks it)
         since = self.client_version.get(client_id)
         residuals = None if since is None else self.catch_up(since)
         if residuals and self.record.nbytes() < _nbytes(residuals):

@@ -110,6 +110,7 @@ class Server(Payloads, HeteroRanks, Aggregation, LossyModes, StateDict):
         self.remainder: dict[int, dict[str, Residual]] = {}  # hetero: T_i each client holds
         self.sent: dict[int, AdapterState] = {}  # hetero: the view each client trains from
         self.client_rank: dict[int, int] = {}  # HetLoRA: the rank a client pruned itself to
+        self.awaiting: set[int] = set()  # clients sent the coming round's payload
         self._busy = 0.0  # the server's seconds in the current round, so far
         self.last_round_seconds = 0.0  # the server's own seconds in the latest round
 
