@@ -139,6 +139,10 @@ def test_an_upload_from_a_client_not_sent_this_rounds_payload_is_rejected():
     assert outcome.accepted == [1] and list(outcome.rejected) == [0]
     outcome = server.aggregate([three])  # round 3: nobody was sent a payload
     assert outcome.unchanged and list(outcome.rejected) == [1]
+    saved = server.state_dict()
+    server.payload_for(2)
+    server.load_state_dict(saved)  # back to before that payload: it was never sent
+    assert list(server.aggregate([ClientUpload(2, _state(5), 10)]).rejected) == [2]
 
 
 @pytest.mark.parametrize("client", [3, -1, 1.0, "1"], ids=str)

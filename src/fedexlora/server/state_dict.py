@@ -102,6 +102,7 @@ class StateDict:
         self.remainder = parsed["remainder"]
         self.sent = parsed["sent"]
         self.client_rank = parsed["client_rank"]
+        self.awaiting = set()  # payloads sent before the load were for another state
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of the server's tensors, by part (``total`` is their sum).
