@@ -227,3 +227,20 @@ def test_cli_says_what_happened_without_a_traceback(tiny_bert_dir, tiny_csv, tmp
     assert res.exit_code == 2, res.output  # the CLI's exit code for an error it explains
     assert "did not change" in said and "issue 820" in said
     assert "Traceback" not in res.output
+
+
+def test_a_multi_label_classifiers_dp_loss_is_its_own_loss():
+    """Float labels of shape (batch, classes) are one label vector per example, not
+    tokens: the DP loss is the model's own (per example already), never a token mean."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from fedexlora.training.privacy import per_example_loss
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, intermediate_size=32, num_labels=3,
+                        problem_type="multi_label_classification")  # fmt: skip
+    model = BertForSequenceClassification(config).eval()
+    batch = {"input_ids": torch.randint(0, 50, (4, 7)),
+             "labels": torch.tensor([[1.0, 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 1]])}  # fmt: skip
+    assert torch.equal(per_example_loss(model, batch), model(**batch).loss)
