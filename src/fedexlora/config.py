@@ -216,6 +216,12 @@ class RunConfig:
         panel=DATA,
         default_text="$FEDEXLORA_DATA_DIR",
     )
+    client_data: str | None = setting(
+        help="Each client's own training file, DIR/<i>.jsonl (.csv, .json), in place of a "
+        "slice of --task, which still gives the test split and classes",
+        panel=DATA,
+        default_text="slices of --task",
+    )
     max_length: int = setting(64, help="Max tokens per example", panel=DATA, low=8)
     test_fraction: float = setting(
         0.2, help="Held-out test fraction", panel=DATA, low=0, low_open=True, high=1,

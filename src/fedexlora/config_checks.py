@@ -74,6 +74,11 @@ def cross_field_errors(cfg) -> list[str]:
         f"`data_dir` {cfg.data_dir!r} is not a directory (without one, the data would come "
         "from the hub); fix: the directory that holds the hub's file layout",
     )
+    need(
+        cfg.client_data is None or Path(cfg.client_data).expanduser().is_dir(),
+        f"`client_data` {cfg.client_data!r} is not a directory; fix: a directory holding "
+        "one file per client, 0.jsonl, 1.jsonl, ... (or .csv, .json)",
+    )
     twice = sorted({m for m in cfg.methods if cfg.methods.count(m) > 1})
     need(not twice, f"`methods` names {twice} more than once; name each method once")
     if cfg.trainer == "trl":

@@ -189,3 +189,20 @@ def test_a_side_budget_below_one_rank_is_refused_and_leaves_nothing(
     _clear(res, "--side-budget 0.1 holds less than one rank of side branch in",
            "takes 0.125 of its base's bytes", "fix: --side-budget 0.13 or more")  # fmt: skip
     assert not out.exists()
+
+
+def test_client_data_that_does_not_fit_is_refused_by_file_and_row(
+    tiny_bert_dir, tiny_csv, tmp_path, model_never_loads
+):
+    res = _tiny(tiny_bert_dir, tiny_csv, tmp_path / "r", "--client-data", tmp_path / "none")
+    _clear(res, "is not a directory", "0.jsonl, 1.jsonl")
+    own = tmp_path / "own"
+    own.mkdir()
+    for i, label in enumerate(["sport", "tech", "politics"]):
+        (own / f"{i}.jsonl").write_text(json.dumps({"text": "a b c", "label": label}) + "\n")
+    res = _tiny(tiny_bert_dir, tiny_csv, tmp_path / "r", "--client-data", own)
+    _clear(res, "1.jsonl", "row 0 has label 'tech', which is not one of the task's classes")
+    (own / "1.jsonl").unlink()
+    res = _tiny(tiny_bert_dir, tiny_csv, tmp_path / "r", "--client-data", own)
+    _clear(res, "has no file for client 1")
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())

@@ -10,6 +10,7 @@ ServerApp, strategy and ClientApp, every message through Flower's protobuf, no R
 """
 
 import importlib.util
+import json
 import math
 
 import pytest
@@ -255,3 +256,54 @@ def test_the_rules_warm_up_holds_a_method_on_both_engines(tiny_cfg, tmp_path, fl
     assert [r["round"] for r in flower] == [r["round"] for r in local] == [1, 2, 3]
     for a, b in zip(flower, local):
         _same(a, b, f"round {b['round']}")
+
+
+def test_each_client_trains_on_its_own_file_on_both_engines(
+    tiny_cfg, tmp_path, flower_over_grid, monkeypatch
+):
+    """A client's own file in place of its slice of the task: ``--client-data DIR`` on both
+    engines, and a SuperNode's ``--node-config data=PATH``. Each file holds exactly the
+    rows of that client's slice, in its order, so every run equals the run on the slices,
+    though each runs under another ``alpha``, whose slices would differ.
+    """
+    import fedexlora.flower.simulation as sim
+    from fedexlora.flower.client_app import make_client_app
+    from fedexlora.flower.records import resolve_run_config
+    from fedexlora.flower.server_app import run_server
+    from fedexlora.run.build import new_model, prepare
+    from fedexlora.run.restore import load_task_for
+
+    cfg = tiny_cfg.replace(methods=["fedex"], rounds=2, local_steps=2).validate()
+    task = load_task_for(cfg)
+    prep = prepare(cfg, new_model(cfg, task, "fedex")[1], task)
+    own = tmp_path / "own"
+    own.mkdir()
+    for i, part in enumerate(prep.parts):
+        rows = task.train.select(part)
+        lines = [
+            {"text": t, "label": task.label_names[y]} for t, y in zip(rows["text"], rows["label"])
+        ]
+        (own / f"{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    sliced = run_experiment(cfg, tmp_path / "sliced", progress=False)
+    other = cfg.replace(alpha=0.3).validate()  # slices of its own, which the files replace
+    assert prepare(other, prep.tokenizer, load_task_for(other)).parts != prep.parts
+    mine = other.replace(client_data=str(own)).validate()
+    local = run_experiment(mine, tmp_path / "local", progress=False)
+    flower = flower_over_grid(mine.replace(engine="flower"), tmp_path / "flower")
+
+    def on_nodes(self, app_dir, federation, write=None):  # each node's data=PATH instead
+        rc = tomllib.loads((app_dir / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+        run_cfg, settings = resolve_run_config(rc["config"])
+        nodes = [{"partition-id": i, "num-partitions": 3, "data": str(own / f"{i}.jsonl")}
+                 for i in range(3)]  # fmt: skip
+        grid = InProcessGrid(make_client_app(rc["config"]), 3, node_configs=nodes)
+        run_server(grid, run_cfg, settings, say=lambda *_: None)
+        return 0, []
+
+    monkeypatch.setattr(sim.LocalSimulation, "run", on_nodes)
+    nodes = sim.run_flower_experiment(other.replace(engine="flower"), tmp_path / "nodes")
+    assert len(sliced) == len(local) == len(flower) == len(nodes) == cfg.rounds
+    for a, b, c, d in zip(sliced, local, flower, nodes):
+        _same(b, a, f"client-data round {a['round']}")
+        _same(c, a, f"client-data on Flower, round {a['round']}")
+        _same(d, a, f"node data, round {a['round']}")

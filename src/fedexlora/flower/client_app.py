@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 __all__ = ["app", "make_client_app"]
 
 _DATA: dict[str, tuple] = {}  # config fingerprint -> (task, Prepared), one entry
+_OWN: dict[tuple, object] = {}  # (fingerprint, file, mtime, size) -> its Encoded rows, one entry
 # The process's models: (run, partition) -> (token, model, method, fingerprint) for a
 # client's model as it left it, (run, "spare", method, fingerprint, partition) -> (None,
 # model, method, fingerprint) for a model of a client that kept nothing. A client without
@@ -173,6 +174,52 @@ def _task_and_data(cfg, fingerprint: str, method: str):
     _DATA.clear()
     _DATA[fingerprint] = (task, prep)
     return task, prep, model
+
+
+def _node_file(node: Mapping[str, Any]) -> Path | None:
+    """This node's own data file (``--node-config data=PATH``), or ``None``.
+
+    Raises:
+        ValueError: If the node names a file it does not have.
+    """
+    own = str(node.get("data", "") or "")
+    if not own:
+        return None
+    path = Path(own).expanduser()
+    if not path.is_file():
+        raise ValueError(f"node config data={own!r}: no such file on this node")
+    return path
+
+
+def _node_rows(where: Path, cfg, prep, fingerprint: str):
+    """This node's own training rows, from its file (:func:`_node_file`; cached).
+
+    They take the place of its partition's slice of the run's task; the run's task gives
+    the classes they are labelled with and the tokenizer (:mod:`fedexlora.tasks.own_data`).
+
+    Raises:
+        ValueError: Naming the file and its problem.
+    """
+    from fedexlora.run.build import encode_rows
+    from fedexlora.tasks.own_data import own_rows
+
+    stat = where.stat()
+    key = (fingerprint, str(where.resolve()), stat.st_mtime_ns, stat.st_size)
+    if key not in _OWN:
+        _OWN.clear()
+        try:
+            _OWN[key] = encode_rows(cfg, prep, own_rows(where, prep.task))
+        except ValueError as exc:
+            if not cfg.secure_aggregation:
+                raise ValueError(f"node config data: {exc}") from None
+            # its reasons name its rows (a label, a count): under secure aggregation they
+            # stay on this node, as its DP figures do
+            warnings.warn(f"node config data: {exc}", stacklevel=2)
+            raise ValueError(
+                "this node's data file (node config data) does not fit the run's task; "
+                "under secure aggregation its reasons stay in its own log"
+            ) from None
+    return _OWN[key]
 
 
 def _client_model(cfg, task, method, context, pid: int, since: int, spare, store, fingerprint):
@@ -319,7 +366,12 @@ def _client_for(msg: Message, context: Context, defaults: Mapping[str, Any]) -> 
     task, prep, spare = _task_and_data(cfg, fingerprint, method)
     model = _client_model(cfg, task, method, context, pid, since, spare, store, fingerprint)
     holder = OwnModel(model, client_adapter_name(cfg, method, pid), cfg)
-    data = prep.train.subset(prep.parts[pid])
+    own = _node_file(context.node_config)
+    data = (
+        prep.train.subset(prep.parts[pid])
+        if own is None
+        else _node_rows(own, cfg, prep, fingerprint)
+    )
     # nproc_per_client > 1: this node's worker group, which outlives this message's process
     update = update_for(cfg, owned=False)
     client = Client(cfg, method, pid, data, holder, store, prep=prep, update=update)
@@ -413,8 +465,10 @@ def _train_step(msg: Message, context: Context, defaults, started: float, clock)
     if refused:  # past its budget: not trained, nothing of its data sent
         metrics["dp-refused"] = 1
     else:
-        # the client keeps its adapter as trained, in the run directory the server names
-        _save_adapter(client, str(conf.get("adapters-dir", "")), rnd, int(up.num_examples))
+        # the client keeps its adapter as trained: where its node says, else (when the
+        # server asks, save_client_adapters) in the run directory the server names
+        where = str(context.node_config.get("adapters-dir", "") or conf.get("adapters-dir", ""))
+        _save_adapter(client, where, rnd, int(up.num_examples))
         if secure:  # masked: count and loss in the sum
             content["config"]["secagg.masked"] = _secure_upload(context, conf, up, client)
         else:
@@ -434,10 +488,12 @@ def _train_step(msg: Message, context: Context, defaults, started: float, clock)
 
 
 def _save_adapter(client: Client, where: str, rnd: int, num_examples: int) -> None:
-    """``save_client_adapters``: the adapter as trained, into ``where``.
+    """The adapter as trained, into ``where``.
 
-    ``where`` is the server's run directory (``""``: not asked). A node that cannot write
-    there (another machine's path) says so and goes on: its reply does not depend on it.
+    ``where`` is the node's own ``--node-config adapters-dir=DIR`` (every round, whatever
+    the run says: the adapter is the node's), else the server's run directory when the run
+    asks (``save_client_adapters``), else ``""``: nowhere. A node that cannot write there
+    (another machine's path) says so and goes on: its reply does not depend on it.
     """
     if not where:
         return
@@ -558,6 +614,7 @@ def make_client_app(defaults: Mapping[str, Any] | None = None) -> ClientApp:
         try:
             cfg, record["fingerprint"], settings = _resolve(base, context)
             pid = _partition(context, cfg.num_clients)
+            record["own-data"] = _node_file(conf) is not None
             token = str(msg.content["config"].get("run-token", ""))
             root = _state_root(context, settings, token)
             record["held"] = json.dumps(held_versions(context, root, token, pid))

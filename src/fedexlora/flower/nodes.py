@@ -50,6 +50,7 @@ class NodeDirectory:
         self.refused: dict[int, str] = {}  # node id -> why its ClientApp cannot take part
         self.assigned: dict[int, int] = {}  # partition -> the node last used for it
         self.changed: list[int] = []  # partitions now held by another node than before
+        self.own: set[int] = set()  # partitions whose node trains on its own data file
 
     def node_of(self, online: Iterable[int]) -> dict[int, int]:
         """Partition -> node among ``online``.
@@ -128,9 +129,12 @@ class NodeDirectory:
                 except ValueError:
                     self.held[pid] = {}
                 found.append((node, pid))
+                if conf.get("own-data"):  # its --node-config data=PATH, never seen here
+                    self.own.add(pid)
             if len(found) <= _LOG_NODES:
                 for node, pid in found:
-                    log(INFO, "node %s holds partition %s", node, pid)
+                    own = " and trains on its own data file" if pid in self.own else ""
+                    log(INFO, "node %s holds partition %s%s", node, pid, own)
             else:  # many virtual SuperNodes: one line, not one per node
                 log(
                     INFO,

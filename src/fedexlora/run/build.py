@@ -275,6 +275,21 @@ def check_train_rows(cfg: RunConfig, task) -> None:
         )
 
 
+def encode_rows(cfg: RunConfig, prep: Prepared, rows) -> Encoded:
+    """A client's own training rows, tokenized as the run's are (a node's own file).
+
+    Raises:
+        ValueError: If no row keeps an answer token within ``max_length`` (causal LM).
+    """
+    task = prep.task
+    data = encode(
+        rows, prep.tokenizer, kind=task.kind, max_length=cfg.max_length, template=task.template
+    )
+    if task.kind == "causal_lm":
+        _check_answers_fit(cfg, data)
+    return data
+
+
 def _check_answers_fit(cfg: RunConfig, train) -> None:
     """Refuses training examples whose prompt fills ``--max-length``; warns of some.
 
@@ -319,19 +334,26 @@ def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
         )
     from fedexlora.tasks.partition import describe_partitions, partition, partition_like
 
-    check_train_rows(cfg, task)
-    scheme, note = effective_partition(cfg, task)
-    try:
-        parts = partition(
-            task.train,
-            cfg.num_clients,
-            scheme=scheme,
-            alpha=cfg.alpha,
-            seed=cfg.seed,
-            min_partition_size=cfg.min_partition_size,
-        )
-    except ValueError as exc:  # named as the run's flags, not the function's arguments
-        raise ValueError(_as_flags(str(exc))) from None
+    if cfg.client_data is not None:  # each client's own file (load_task_for read them)
+        from fedexlora.tasks.own_data import parts_by_client
+
+        parts = parts_by_client(task.train, cfg.num_clients)
+        scheme = "own"
+        note = f"each client trains on its own file in --client-data {cfg.client_data}"
+    else:
+        check_train_rows(cfg, task)
+        scheme, note = effective_partition(cfg, task)
+        try:
+            parts = partition(
+                task.train,
+                cfg.num_clients,
+                scheme=scheme,
+                alpha=cfg.alpha,
+                seed=cfg.seed,
+                min_partition_size=cfg.min_partition_size,
+            )
+        except ValueError as exc:  # named as the run's flags, not the function's arguments
+            raise ValueError(_as_flags(str(exc))) from None
     by_group = scheme == "group"  # whole groups per client (deepmind-math's modules)
     if by_group:
         table = describe_partitions(task.train, parts, label_column="group")

@@ -250,10 +250,14 @@ def _checkpointed(directory: Path, rows: list[dict]) -> bool:
 
 
 def load_task_for(cfg: RunConfig):
-    """The configuration's task, split and sliced as the run uses it."""
+    """The configuration's task, split and sliced as the run uses it.
+
+    With ``client_data`` its training rows are the clients' own files, each row's
+    ``client`` beside it (:func:`fedexlora.tasks.own_data.clients_own_rows`).
+    """
     from fedexlora.tasks.data import load_task
 
-    return load_task(
+    task = load_task(
         cfg.task,
         seed=cfg.seed,
         test_fraction=cfg.test_fraction,
@@ -261,3 +265,8 @@ def load_task_for(cfg: RunConfig):
         max_test=cfg.max_test,
         data_dir=cfg.data_dir,
     )
+    if cfg.client_data is not None:
+        from fedexlora.tasks.own_data import clients_own_rows
+
+        task.train = clients_own_rows(cfg.client_data, cfg.num_clients, task)
+    return task
