@@ -228,7 +228,7 @@ def cross_field_errors(cfg) -> list[str]:
         )
     for m in cfg.methods_where(lambda s: s.check is not None):
         errs.extend(REGISTRY[m].check(cfg))  # each method's own (MethodSpec.check)
-    if cfg.num_clients >= 1 and cfg.max_train is not None:
+    if cfg.num_clients >= 1 and cfg.max_train is not None and cfg.client_data is None:
         need(
             cfg.max_train >= cfg.num_clients * cfg.min_partition_size,
             f"`max_train` {cfg.max_train} is too small for {cfg.num_clients} clients "

@@ -81,3 +81,37 @@ def test_a_directory_holds_one_file_per_client_and_no_more(topics, tmp_path):
         client_files(tmp_path, 2)
     with pytest.raises(ValueError, match=r"is not a directory"):
         client_files(tmp_path / "0.jsonl", 1)
+
+
+def test_a_label_written_as_a_number_names_its_class_and_odd_values_are_refused(tmp_path):
+    from fedexlora.tasks.data import load_task
+
+    csv = tmp_path / "task.csv"
+    csv.write_text("text,label\n" + "".join(f"t{i},{i % 2}\n" for i in range(20)))
+    task = load_task(str(csv), seed=0)  # classes "0" and "1"
+    rows = own_rows(_write(tmp_path / "0.jsonl", [
+        {"text": "a", "label": 1.0}, {"text": "b", "label": "0"}, {"text": "c", "label": True},
+    ]), task)  # fmt: skip
+    assert rows["label"] == [1, 0, 1]
+    with pytest.raises(ValueError, match=r"row 0's 'text' is a JSON list, expected a string"):
+        own_rows(_write(tmp_path / "1.jsonl", [{"text": ["a"], "label": 1}]), task)
+
+
+def test_a_file_named_with_a_leading_zero_is_refused(topics, tmp_path):
+    for name in ("0.jsonl", "01.jsonl"):
+        _write(tmp_path / name, [{"text": "goal", "label": "sport"}])
+    with pytest.raises(ValueError, match=r"has 01\.jsonl: name a client's file by its number"):
+        client_files(tmp_path, 2)
+
+
+def test_an_unreadable_file_is_named(topics, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    path = _write(tmp_path / "0.jsonl", [{"text": "goal", "label": "sport"}])
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    with pytest.raises(ValueError, match=r"0\.jsonl' cannot be read: Permission denied"):
+        own_rows(path, topics)

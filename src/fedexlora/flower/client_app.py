@@ -33,6 +33,7 @@ the node's own floor, which no run config lowers (``secure-aggregation``,
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 __all__ = ["app", "make_client_app"]
 
 _DATA: dict[str, tuple] = {}  # config fingerprint -> (task, Prepared), one entry
+_TASK: dict[str, object] = {}  # config fingerprint -> task, loaded by a query, one entry
 _OWN: dict[tuple, object] = {}  # (fingerprint, file, mtime, size) -> its Encoded rows, one entry
 # The process's models: (run, partition) -> (token, model, method, fingerprint) for a
 # client's model as it left it, (run, "spare", method, fingerprint, partition) -> (None,
@@ -168,7 +170,7 @@ def _task_and_data(cfg, fingerprint: str, method: str):
     hit = _DATA.get(fingerprint)
     if hit is not None:
         return hit[0], hit[1], None
-    task = load_task_for(cfg)
+    task = _TASK.pop(fingerprint, None) or load_task_for(cfg)
     model, tokenizer = new_model(cfg, task, method)
     prep = prepare(cfg, tokenizer, task)
     _DATA.clear()
@@ -176,19 +178,49 @@ def _task_and_data(cfg, fingerprint: str, method: str):
     return task, prep, model
 
 
-def _node_file(node: Mapping[str, Any]) -> Path | None:
+class NodeDataError(ValueError):
+    """This node's own data file cannot serve the run: the run stops with its reason."""
+
+
+def _node_file(node: Mapping[str, Any], cfg, task=None) -> Path | None:
     """This node's own data file (``--node-config data=PATH``), or ``None``.
 
+    With ``task`` (the run's task, or a callable that loads it, called only when the node
+    has a file) its rows are checked against it, as a query does before round 1; a
+    message's :func:`_node_rows` checks them as it reads them.
+
     Raises:
-        ValueError: If the node names a file it does not have.
+        NodeDataError: If the file is missing or does not fit the task; under secure
+            aggregation the reason stays in this node's log (a warning), and the server
+            is told only that the file cannot serve the run.
     """
+    from fedexlora.tasks.own_data import own_rows
+
     own = str(node.get("data", "") or "")
     if not own:
         return None
     path = Path(own).expanduser()
-    if not path.is_file():
-        raise ValueError(f"node config data={own!r}: no such file on this node")
+    try:
+        if not path.is_file():
+            raise ValueError(f"no such file on this node: {own!r}")
+        if task is not None:
+            own_rows(path, task() if callable(task) else task)
+    except ValueError as exc:
+        raise _node_problem(exc, cfg) from None
     return path
+
+
+def _node_problem(exc: Exception, cfg) -> NodeDataError:
+    """What the server is told of a problem with this node's data file."""
+    if not cfg.secure_aggregation:
+        return NodeDataError(f"node config data: {exc}")
+    # its reasons name its rows (a label, a count) or its paths: under secure aggregation
+    # they stay on this node, as its DP figures do
+    warnings.warn(f"node config data: {exc}", stacklevel=3)
+    return NodeDataError(
+        "this node's data file (node config data) cannot serve the run's task; under "
+        "secure aggregation its reasons stay in its own log"
+    )
 
 
 def _node_rows(where: Path, cfg, prep, fingerprint: str):
@@ -198,7 +230,7 @@ def _node_rows(where: Path, cfg, prep, fingerprint: str):
     the classes they are labelled with and the tokenizer (:mod:`fedexlora.tasks.own_data`).
 
     Raises:
-        ValueError: Naming the file and its problem.
+        NodeDataError: Naming the file and its problem (as :func:`_node_problem`).
     """
     from fedexlora.run.build import encode_rows
     from fedexlora.tasks.own_data import own_rows
@@ -210,16 +242,20 @@ def _node_rows(where: Path, cfg, prep, fingerprint: str):
         try:
             _OWN[key] = encode_rows(cfg, prep, own_rows(where, prep.task))
         except ValueError as exc:
-            if not cfg.secure_aggregation:
-                raise ValueError(f"node config data: {exc}") from None
-            # its reasons name its rows (a label, a count): under secure aggregation they
-            # stay on this node, as its DP figures do
-            warnings.warn(f"node config data: {exc}", stacklevel=2)
-            raise ValueError(
-                "this node's data file (node config data) does not fit the run's task; "
-                "under secure aggregation its reasons stay in its own log"
-            ) from None
+            raise _node_problem(exc, cfg) from None
     return _OWN[key]
+
+
+def _task_for(cfg, fingerprint: str):
+    """The run's task, loaded once per process (a node's query checks its file against it)."""
+    from fedexlora.run.restore import load_task_for
+
+    if fingerprint in _DATA:
+        return _DATA[fingerprint][0]
+    if fingerprint not in _TASK:
+        _TASK.clear()
+        _TASK[fingerprint] = load_task_for(cfg)
+    return _TASK[fingerprint]
 
 
 def _client_model(cfg, task, method, context, pid: int, since: int, spare, store, fingerprint):
@@ -366,7 +402,7 @@ def _client_for(msg: Message, context: Context, defaults: Mapping[str, Any]) -> 
     task, prep, spare = _task_and_data(cfg, fingerprint, method)
     model = _client_model(cfg, task, method, context, pid, since, spare, store, fingerprint)
     holder = OwnModel(model, client_adapter_name(cfg, method, pid), cfg)
-    own = _node_file(context.node_config)
+    own = _node_file(context.node_config, cfg)
     data = (
         prep.train.subset(prep.parts[pid])
         if own is None
@@ -412,7 +448,12 @@ def _train_step(msg: Message, context: Context, defaults, started: float, clock)
     from fedexlora.core.messages import Payload
     from fedexlora.training.privacy import DPCheckError
 
-    req = _client_for(msg, context, defaults)
+    try:
+        req = _client_for(msg, context, defaults)
+    except NodeDataError as exc:  # the run stops with it: never a run without this node
+        conf = msg.content["config"]
+        pid = int(context.node_config.get("partition-id", -1))
+        return _answer(msg, pid, int(conf["server-round"]), str(conf["method"]), str(exc))
     cfg, conf, method, client = req.cfg, req.conf, req.method, req.client
     pid, rnd, version = client.client, int(conf["server-round"]), int(conf["version"])
     secure = str(conf.get("secagg-stage", "")) == "collect"
@@ -467,7 +508,12 @@ def _train_step(msg: Message, context: Context, defaults, started: float, clock)
     else:
         # the client keeps its adapter as trained: where its node says, else (when the
         # server asks, save_client_adapters) in the run directory the server names
-        where = str(context.node_config.get("adapters-dir", "") or conf.get("adapters-dir", ""))
+        mine = str(context.node_config.get("adapters-dir", "") or "")
+        where = (  # one folder per run and method: nothing of another overwritten
+            str(Path(mine).expanduser() / f"run-{context.run_id}" / method)
+            if mine
+            else str(conf.get("adapters-dir", ""))
+        )
         _save_adapter(client, where, rnd, int(up.num_examples))
         if secure:  # masked: count and loss in the sum
             content["config"]["secagg.masked"] = _secure_upload(context, conf, up, client)
@@ -490,8 +536,9 @@ def _train_step(msg: Message, context: Context, defaults, started: float, clock)
 def _save_adapter(client: Client, where: str, rnd: int, num_examples: int) -> None:
     """The adapter as trained, into ``where``.
 
-    ``where`` is the node's own ``--node-config adapters-dir=DIR`` (every round, whatever
-    the run says: the adapter is the node's), else the server's run directory when the run
+    ``where`` is the node's own ``--node-config adapters-dir=DIR`` (its
+    ``run-<run id>/<method>/`` folder, every round, whatever the run says: the adapter is
+    the node's), else the server's run directory when the run
     asks (``save_client_adapters``), else ``""``: nowhere. A node that cannot write there
     (another machine's path) says so and goes on: its reply does not depend on it.
     """
@@ -614,7 +661,8 @@ def make_client_app(defaults: Mapping[str, Any] | None = None) -> ClientApp:
         try:
             cfg, record["fingerprint"], settings = _resolve(base, context)
             pid = _partition(context, cfg.num_clients)
-            record["own-data"] = _node_file(conf) is not None
+            task = functools.partial(_task_for, cfg, record["fingerprint"])
+            record["own-data"] = _node_file(conf, cfg, task) is not None
             token = str(msg.content["config"].get("run-token", ""))
             root = _state_root(context, settings, token)
             record["held"] = json.dumps(held_versions(context, root, token, pid))

@@ -290,7 +290,7 @@ def encode_rows(cfg: RunConfig, prep: Prepared, rows) -> Encoded:
     return data
 
 
-def _check_answers_fit(cfg: RunConfig, train) -> None:
+def _check_answers_fit(cfg: RunConfig, train, whose: str = "") -> None:
     """Refuses training examples whose prompt fills ``--max-length``; warns of some.
 
     Such an example leaves no answer token to learn from: a batch of only such examples
@@ -303,11 +303,11 @@ def _check_answers_fit(cfg: RunConfig, train) -> None:
     fix = f"raise --max-length (now {cfg.max_length}; the longest prompt has {longest} tokens)"
     if len(cut) == len(train.labels):
         raise ValueError(
-            f"every training example's prompt fills --max-length {cfg.max_length} tokens, "
-            f"leaving no answer token to learn from; fix: {fix}"
+            f"{whose}every training example's prompt fills --max-length {cfg.max_length} "
+            f"tokens, leaving no answer token to learn from; fix: {fix}"
         )
     warnings.warn(
-        f"{len(cut)} of {len(train.labels)} training examples keep no answer token within "
+        f"{whose}{len(cut)} of {len(train.labels)} training examples keep no answer token within "
         f"--max-length {cfg.max_length}: a batch of only such examples has no loss; {fix}",
         stacklevel=2,
     )
@@ -335,11 +335,14 @@ def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
     from fedexlora.tasks.partition import describe_partitions, partition, partition_like
 
     if cfg.client_data is not None:  # each client's own file (load_task_for read them)
-        from fedexlora.tasks.own_data import parts_by_client
+        from fedexlora.tasks.own_data import parts_by_client, rows_digest
 
         parts = parts_by_client(task.train, cfg.num_clients)
         scheme = "own"
-        note = f"each client trains on its own file in --client-data {cfg.client_data}"
+        note = (
+            f"each client trains on its own file in --client-data {cfg.client_data} "
+            f"(rows digest {rows_digest(task.train)})"
+        )
     else:
         check_train_rows(cfg, task)
         scheme, note = effective_partition(cfg, task)
@@ -367,7 +370,10 @@ def prepare(cfg: RunConfig, tokenizer, task) -> Prepared:
     test = encode(
         task.test, tokenizer, kind=task.kind, max_length=cfg.max_length, template=task.template
     )
-    if task.kind == "causal_lm":
+    if task.kind == "causal_lm" and cfg.client_data is not None:
+        for i, part in enumerate(parts):  # each client trains on its own file alone
+            _check_answers_fit(cfg, train.subset(part), f"client {i}'s file: ")
+    elif task.kind == "causal_lm":
         _check_answers_fit(cfg, train)
     classes = task.kind == "classification" and "label" in task.train.column_names
     column = "group" if by_group and "group" in task.test.column_names else "label"

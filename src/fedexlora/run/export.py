@@ -37,7 +37,7 @@ from fedexlora.config import load_run_config
 from fedexlora.core.aggregation import Residual
 from fedexlora.run.checkpoint import config_fingerprint
 from fedexlora.run.layout import RunError, RunLayout
-from fedexlora.run.restore import load_task_for, restore_latest
+from fedexlora.run.restore import check_client_rows, load_task_for, restore_latest
 
 __all__ = ["ExportResult", "export_dest_error", "export_model", "output_dir_error", "save_adapter"]
 
@@ -219,6 +219,7 @@ def export_model(
     if not any(layout.checkpoints(method).glob("round-*")):
         raise RunError(f"run {str(run)!r} has no checkpoint for method {method!r}")
     task = load_task_for(cfg)
+    check_client_rows(cfg, task, layout)  # Fed-SB's frozen factors come from them
     # the newest intact checkpoint; a damaged one is named (and an older one used, said)
     model, tokenizer, server, _ = restore_latest(
         cfg, task, method, layout.checkpoints(method), config_fingerprint(cfg)

@@ -38,7 +38,13 @@ from fedexlora.run.client_store import MemoryStore
 from fedexlora.run.layout import RunError, RunLayout, append_row, write_atomic, write_rows
 from fedexlora.run.recipes import get_recipe, paper_section, recipe_section
 from fedexlora.run.report import intact_rows, read_metrics, write_summary
-from fedexlora.run.restore import base_deltas, finished_methods, load_task_for, restore_run
+from fedexlora.run.restore import (
+    base_deltas,
+    check_client_rows,
+    finished_methods,
+    load_task_for,
+    restore_run,
+)
 from fedexlora.run.stopping import cell_done, stop_metric_error
 from fedexlora.run.trackers import open_trackers
 
@@ -196,6 +202,8 @@ class Run:
         layout.root.mkdir(parents=True, exist_ok=True)
         if not resume:
             write_atomic(layout.config, cfg.to_toml())
+        if resume:  # on the rows it began with
+            check_client_rows(cfg, task, layout)
         say(f"task {cfg.task}: {len(prep.task.train)} train / {len(prep.task.test)} test")
         say(_partition_summary(layout, prep))
         if not resume:
@@ -385,7 +393,7 @@ def _note_partition(cfg: RunConfig, task, layout: RunLayout) -> None:
     from fedexlora.run.build import effective_partition
 
     _, note = effective_partition(cfg, task)
-    if note:
+    if note and cfg.client_data is None:  # own files: partitions.txt says so
         path = layout.config
         write_atomic(path, path.read_text() + f"\n# note: {note}\n")
 

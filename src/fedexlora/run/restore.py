@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -20,13 +21,14 @@ from fedexlora.run.checkpoint import (
     load_checkpoint,
 )
 from fedexlora.run.client_store import MemoryStore
-from fedexlora.run.layout import RunLayout, write_rows
+from fedexlora.run.layout import RunError, RunLayout, write_rows
 from fedexlora.run.report import intact_rows
 from fedexlora.run.stopping import method_done
 
 __all__ = [
     "apply_base_deltas",
     "base_deltas",
+    "check_client_rows",
     "finished_methods",
     "load_task_for",
     "restore_latest",
@@ -247,6 +249,28 @@ def _checkpointed(directory: Path, rows: list[dict]) -> bool:
     """
     done = checkpoints(directory)
     return not done or done[-1].name == f"round-{rows[-1]['round']:04d}"
+
+
+def check_client_rows(cfg: RunConfig, task, layout: RunLayout) -> None:
+    """Refuses clients' files that changed since the run began (``--client-data``).
+
+    The run's ``partitions.txt`` keeps its rows' digest; a resume would go on training,
+    and an export would rebuild Fed-SB's frozen factors, on other rows.
+
+    Raises:
+        RunError: If the digest of ``task``'s training rows is not the one kept.
+    """
+    from fedexlora.tasks.own_data import rows_digest
+
+    if cfg.client_data is None or not layout.partitions.is_file():
+        return
+    kept = re.search(r"rows digest ([0-9a-f]+)", layout.partitions.read_text())
+    if kept is not None and kept.group(1) != rows_digest(task.train):
+        raise RunError(
+            f"--client-data {cfg.client_data}: the clients' files changed since the run "
+            f"began (their rows' digest {rows_digest(task.train)}, the run's "
+            f"{kept.group(1)} in partitions.txt); restore them, or start a new run"
+        )
 
 
 def load_task_for(cfg: RunConfig):

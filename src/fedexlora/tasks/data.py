@@ -430,7 +430,10 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise ValueError(f"data file not found: {str(path)!r}")
     suffix = path.suffix.lower()
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as err:  # unreadable (permissions...): named, never a traceback
+        raise ValueError(f"data file {str(path)!r} cannot be read: {err.strerror}") from None
     try:  # strict: a replaced character would silently change what the model reads
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:

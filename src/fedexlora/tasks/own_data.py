@@ -17,14 +17,16 @@ prompt layout of a causal-LM task. A file has the columns of a ``--task FILE``:
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import datasets
 
 from fedexlora.tasks.base import Task
-from fedexlora.tasks.data import _FILE_SUFFIXES, _check_texts, _read_rows
+from fedexlora.tasks.data import _FILE_SUFFIXES, _check_texts, _int_label, _read_rows
 
-__all__ = ["client_files", "clients_own_rows", "own_rows", "parts_by_client"]
+__all__ = ["client_files", "clients_own_rows", "own_rows", "parts_by_client", "rows_digest"]
 
 
 def own_rows(path: str | Path, task: Task) -> datasets.Dataset:
@@ -78,6 +80,11 @@ def own_rows(path: str | Path, task: Task) -> datasets.Dataset:
             value = row.get(key)
             if value is None or (key == "label" and not str(value).strip()):
                 raise ValueError(f"{where}: row {i} has no value for {key!r}")
+            if isinstance(value, (list, dict)):
+                raise ValueError(
+                    f"{where}: row {i}'s {key!r} is a JSON {type(value).__name__}, expected "
+                    "a string"
+                )
             values.append(value if key == "label" else str(value))
         if key != "label":
             _check_texts(values, key, path)
@@ -89,6 +96,9 @@ def own_rows(path: str | Path, task: Task) -> datasets.Dataset:
     labels = []
     for i, value in enumerate(columns["label"]):
         name = str(value).strip()
+        number = _int_label(value)  # 1.0, "1" or true for the class named "1"
+        if name not in index and number is not None and str(number) in index:
+            name = str(number)
         if name not in index:
             raise ValueError(
                 f"{where}: row {i} has label {value!r}, which is not one of the task's "
@@ -111,6 +121,17 @@ def client_files(directory: str | Path, num_clients: int) -> list[Path]:
     root = Path(directory).expanduser()
     if not root.is_dir():
         raise ValueError(f"`client_data` {str(directory)!r} is not a directory")
+    numbered = [
+        f
+        for f in root.iterdir()
+        if f.suffix.lower() in _FILE_SUFFIXES and f.stem.isascii() and f.stem.isdigit()
+    ]
+    odd = sorted(f.name for f in numbered if f.stem != str(int(f.stem)))
+    if odd:  # 01.jsonl: client 1's file, or a typo? It would be left out
+        raise ValueError(
+            f"`client_data` {str(directory)!r} has {', '.join(odd)}: name a client's file by "
+            "its number alone (1.jsonl, not 01.jsonl)"
+        )
     files = []
     for i in range(num_clients):
         found = [root / f"{i}{s}" for s in _FILE_SUFFIXES if (root / f"{i}{s}").is_file()]
@@ -125,11 +146,7 @@ def client_files(directory: str | Path, num_clients: int) -> list[Path]:
                 f"({', '.join(f.name for f in found)}); keep one"
             )
         files.append(found[0])
-    beyond = sorted(
-        f.name
-        for f in root.iterdir()
-        if f.suffix.lower() in _FILE_SUFFIXES and f.stem.isdigit() and int(f.stem) >= num_clients
-    )
+    beyond = sorted(f.name for f in numbered if int(f.stem) >= num_clients)
     if beyond:
         raise ValueError(
             f"`client_data` {str(directory)!r} has files for clients beyond --num-clients "
@@ -158,3 +175,13 @@ def parts_by_client(rows: datasets.Dataset, num_clients: int) -> list[list[int]]
     for index, client in enumerate(rows["client"]):
         parts[client].append(index)
     return parts
+
+
+def rows_digest(rows: datasets.Dataset) -> str:
+    """A digest of the clients' rows (:func:`clients_own_rows`).
+
+    The run's ``partitions.txt`` keeps it: a resume or an export refuses files that
+    changed since.
+    """
+    text = json.dumps(rows.to_dict(), sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
