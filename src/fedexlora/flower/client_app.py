@@ -49,6 +49,7 @@ from flwr.clientapp import ClientApp
 
 from fedexlora.flower import client_dp
 from fedexlora.flower.client_store import ContextStore, held_versions
+from fedexlora.flower.node_data import NodeDataError, node_file, node_rows
 from fedexlora.flower.records import from_array_record, resolve_run_config, to_array_record
 from fedexlora.flower.simulation import SEEDED_DP_CONSENT, restore_user_home
 from fedexlora.quiet import quiet_libraries
@@ -61,7 +62,6 @@ __all__ = ["app", "make_client_app"]
 
 _DATA: dict[str, tuple] = {}  # config fingerprint -> (task, Prepared), one entry
 _TASK: dict[str, object] = {}  # config fingerprint -> task, loaded by a query, one entry
-_OWN: dict[tuple, object] = {}  # (fingerprint, file, mtime, size) -> its Encoded rows, one entry
 # The process's models: (run, partition) -> (token, model, method, fingerprint) for a
 # client's model as it left it, (run, "spare", method, fingerprint, partition) -> (None,
 # model, method, fingerprint) for a model of a client that kept nothing. A client without
@@ -176,74 +176,6 @@ def _task_and_data(cfg, fingerprint: str, method: str):
     _DATA.clear()
     _DATA[fingerprint] = (task, prep)
     return task, prep, model
-
-
-class NodeDataError(ValueError):
-    """This node's own data file cannot serve the run: the run stops with its reason."""
-
-
-def _node_file(node: Mapping[str, Any], cfg, task=None) -> Path | None:
-    """This node's own data file (``--node-config data=PATH``), or ``None``.
-
-    With ``task`` (the run's task, or a callable that loads it, called only when the node
-    has a file) its rows are checked against it, as a query does before round 1; a
-    message's :func:`_node_rows` checks them as it reads them.
-
-    Raises:
-        NodeDataError: If the file is missing or does not fit the task; under secure
-            aggregation the reason stays in this node's log (a warning), and the server
-            is told only that the file cannot serve the run.
-    """
-    from fedexlora.tasks.own_data import own_rows
-
-    own = str(node.get("data", "") or "")
-    if not own:
-        return None
-    path = Path(own).expanduser()
-    try:
-        if not path.is_file():
-            raise ValueError(f"no such file on this node: {own!r}")
-        if task is not None:
-            own_rows(path, task() if callable(task) else task)
-    except ValueError as exc:
-        raise _node_problem(exc, cfg) from None
-    return path
-
-
-def _node_problem(exc: Exception, cfg) -> NodeDataError:
-    """What the server is told of a problem with this node's data file."""
-    if not cfg.secure_aggregation:
-        return NodeDataError(f"node config data: {exc}")
-    # its reasons name its rows (a label, a count) or its paths: under secure aggregation
-    # they stay on this node, as its DP figures do
-    warnings.warn(f"node config data: {exc}", stacklevel=3)
-    return NodeDataError(
-        "this node's data file (node config data) cannot serve the run's task; under "
-        "secure aggregation its reasons stay in its own log"
-    )
-
-
-def _node_rows(where: Path, cfg, prep, fingerprint: str):
-    """This node's own training rows, from its file (:func:`_node_file`; cached).
-
-    They take the place of its partition's slice of the run's task; the run's task gives
-    the classes they are labelled with and the tokenizer (:mod:`fedexlora.tasks.own_data`).
-
-    Raises:
-        NodeDataError: Naming the file and its problem (as :func:`_node_problem`).
-    """
-    from fedexlora.run.build import encode_rows
-    from fedexlora.tasks.own_data import own_rows
-
-    stat = where.stat()
-    key = (fingerprint, str(where.resolve()), stat.st_mtime_ns, stat.st_size)
-    if key not in _OWN:
-        _OWN.clear()
-        try:
-            _OWN[key] = encode_rows(cfg, prep, own_rows(where, prep.task))
-        except ValueError as exc:
-            raise _node_problem(exc, cfg) from None
-    return _OWN[key]
 
 
 def _task_for(cfg, fingerprint: str):
@@ -402,11 +334,11 @@ def _client_for(msg: Message, context: Context, defaults: Mapping[str, Any]) -> 
     task, prep, spare = _task_and_data(cfg, fingerprint, method)
     model = _client_model(cfg, task, method, context, pid, since, spare, store, fingerprint)
     holder = OwnModel(model, client_adapter_name(cfg, method, pid), cfg)
-    own = _node_file(context.node_config, cfg)
+    own = node_file(context.node_config, cfg)
     data = (
         prep.train.subset(prep.parts[pid])
         if own is None
-        else _node_rows(own, cfg, prep, fingerprint)
+        else node_rows(own, cfg, prep, fingerprint)
     )
     # nproc_per_client > 1: this node's worker group, which outlives this message's process
     update = update_for(cfg, owned=False)
@@ -662,7 +594,7 @@ def make_client_app(defaults: Mapping[str, Any] | None = None) -> ClientApp:
             cfg, record["fingerprint"], settings = _resolve(base, context)
             pid = _partition(context, cfg.num_clients)
             task = functools.partial(_task_for, cfg, record["fingerprint"])
-            record["own-data"] = _node_file(conf, cfg, task) is not None
+            record["own-data"] = node_file(conf, cfg, task) is not None
             token = str(msg.content["config"].get("run-token", ""))
             root = _state_root(context, settings, token)
             record["held"] = json.dumps(held_versions(context, root, token, pid))
