@@ -49,7 +49,7 @@ from flwr.clientapp import ClientApp
 
 from fedexlora.flower import client_dp
 from fedexlora.flower.client_store import ContextStore, held_versions
-from fedexlora.flower.node_data import NodeDataError, node_file, node_rows
+from fedexlora.flower.node_data import NodeDataError, adapters_dir, node_file, node_rows
 from fedexlora.flower.records import from_array_record, resolve_run_config, to_array_record
 from fedexlora.flower.simulation import SEEDED_DP_CONSENT, restore_user_home
 from fedexlora.quiet import quiet_libraries
@@ -440,12 +440,7 @@ def _train_step(msg: Message, context: Context, defaults, started: float, clock)
     else:
         # the client keeps its adapter as trained: where its node says, else (when the
         # server asks, save_client_adapters) in the run directory the server names
-        mine = str(context.node_config.get("adapters-dir", "") or "")
-        where = (  # one folder per run and method: nothing of another overwritten
-            str(Path(mine).expanduser() / f"run-{context.run_id}" / method)
-            if mine
-            else str(conf.get("adapters-dir", ""))
-        )
+        where = adapters_dir(context.node_config, context.run_id, method, conf)
         _save_adapter(client, where, rnd, int(up.num_examples))
         if secure:  # masked: count and loss in the sum
             content["config"]["secagg.masked"] = _secure_upload(context, conf, up, client)

@@ -1,7 +1,8 @@
-"""A SuperNode's own data file (``--node-config data="PATH"``), which the server never reads.
+"""A SuperNode's own data file (``data="PATH"``) and adapters folder (``adapters-dir``).
 
-The node trains on the file's rows in place of its slice of the run's task; the task gives
-the classes they are labelled with and the tokenizer (:mod:`fedexlora.tasks.own_data`).
+The server never reads the file. The node trains on the file's rows in place of its
+slice of the run's task; the task gives the classes they are labelled with and the
+tokenizer (:mod:`fedexlora.tasks.own_data`).
 Its problems stop the run: :func:`node_file` at the server's first query,
 :func:`node_rows` at a round (the ClientApp replies with the error).
 """
@@ -13,9 +14,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NodeDataError", "node_file", "node_rows"]
+__all__ = ["NodeDataError", "adapters_dir", "node_file", "node_rows"]
 
 _OWN: dict[tuple, object] = {}  # (fingerprint, file, mtime, size) -> its Encoded rows, one entry
+
+
+def adapters_dir(node: Mapping[str, Any], run_id: int, method: str, conf: Mapping) -> str:
+    """Where this node keeps the adapter it trained (``""``: nowhere).
+
+    Its own ``adapters-dir`` (a folder per run and method, every round: the adapter is the
+    node's), else the run directory the server names when the run asks for adapters
+    (``save_client_adapters``, sent as ``adapters-dir``).
+    """
+    mine = str(node.get("adapters-dir", "") or "")
+    if mine:
+        return str(Path(mine).expanduser() / f"run-{run_id}" / method)
+    return str(conf.get("adapters-dir", ""))
 
 
 class NodeDataError(ValueError):
